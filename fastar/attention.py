@@ -1,0 +1,76 @@
+"""Attention dispatch: every self-/cross-attention call of a chunk forward lands here.
+
+``FastARAttention`` is the attention state a forward runs under. Self-attention reads
+``[sink | history | own chunk]`` from the KV cache (writing the chunk's own K/V into the
+cache's scratch slot first, so no concatenation is ever made); cross-attention attends the
+prompt tokens. Both end in ``attend``, the single dense op later components swap out.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import FastARError
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+           key_bias: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention on [B, L, H, D] tensors; returns [B, Lq, H, D].
+
+    ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m);
+    ``mask`` [Lq, Lk] is a boolean keep-mask (reference full-sequence forwards).
+    """
+    attn_mask = None
+    if key_bias is not None:
+        attn_mask = key_bias.to(q.dtype).unsqueeze(2)
+    if mask is not None:
+        m = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        attn_mask = m if attn_mask is None else attn_mask + m
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=attn_mask)
+    return out.transpose(1, 2)
+
+
+def frame_visibility(num_frames: int, chunk_frames: int, sink_frames: int | None = None,
+                     window_frames: int | None = None) -> torch.Tensor:
+    """Which key frame each query frame sees in a chunked causal rollout: bool [F, F].
+
+    A frame sees every frame of its own chunk and of earlier chunks; with a window it sees only
+    the first ``sink_frames`` frames and the last ``window_frames`` frames before its chunk.
+    """
+    f = torch.arange(num_frames)
+    start = f // chunk_frames * chunk_frames  # first frame of each frame's chunk
+    visible = f[None, :] < start[:, None] + chunk_frames
+    if window_frames is not None:
+        visible &= (f[None, :] < (sink_frames or 0)) | (f[None, :] >= start[:, None] - window_frames)
+    return visible
+
+
+def block_causal_mask(num_frames: int, chunk_frames: int, tokens_per_frame: int,
+                      sink_frames: int | None = None, window_frames: int | None = None) -> torch.Tensor:
+    """Token-level mask [L, L] of a full-sequence forward that equals the cached rollout."""
+    vis = frame_visibility(num_frames, chunk_frames, sink_frames, window_frames)
+    return vis.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
+
+
+class FastARAttention:
+    """Routes a forward's attention: through the KV cache when there is one, else dense.
+
+    ``cache`` follows the cache protocol (``extend`` in every forward, ``commit`` after the
+    clean pass, driven by the rollout engine); ``mask`` applies only without a cache.
+    """
+
+    def __init__(self, cache=None, mask: torch.Tensor | None = None):
+        if cache is not None and mask is not None:
+            raise FastARError("FastARAttention takes a KV cache or a full-sequence mask, not both")
+        self.cache = cache
+        self.mask = mask
+
+    def self_attention(self, layer: int, q, k, v):
+        if self.cache is None:
+            return attend(q, k, v, mask=self.mask)
+        keys, values, bias = self.cache.extend(layer, k, v)
+        return attend(q, keys, values, key_bias=bias)
+
+    def cross_attention(self, layer: int, q, k, v):
+        return attend(q, k, v)

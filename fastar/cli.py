@@ -1,0 +1,142 @@
+"""``fastar``: run a long autoregressive rollout and report latency and cache size per chunk.
+
+With no arguments it runs an embedded default: a tiny random Wan model on the CPU, or the
+Wan 2.1 1.3B shapes (480x832, bf16, random weights) when a GPU is present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .errors import FastARError
+from .kvcache import CACHE_MODES, CacheConfig
+from .models import WAN_CONFIGS, build_model, load_wan
+from .plot import plot_rollout
+from .rollout import check_rollout, rollout
+from .schedule import FlowMatchSchedule
+
+# (model size, pixel height, width, latent frames, dtype) of the embedded defaults
+DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
+TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="fastar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, help="latent frames to generate (1 latent frame = 4 video frames); "
+                                              "default 96 on CPU, 120 on GPU")
+    p.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (1 or 3; default 3)")
+    p.add_argument("--cache", choices=CACHE_MODES, default="unbounded",
+                   help="KV cache: keep every frame, or a sink + sliding window (default unbounded)")
+    p.add_argument("--sink-frames", type=int, default=3, help="window cache: first frames always kept (default 3)")
+    p.add_argument("--window-frames", type=int, default=12, help="window cache: recent frames kept (default 12)")
+    p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
+                                                                "(default tiny on CPU, 1.3B on GPU)")
+    p.add_argument("--checkpoint", help="a Wan 2.1 T2V / causal .safetensors checkpoint to run instead")
+    p.add_argument("--context", help="a .safetensors file holding a text embedding 'context' [tokens, text_dim] "
+                                     "(default: seeded random features)")
+    p.add_argument("--height", type=int, help="pixel height, a multiple of 16 (default 256 CPU / 480 GPU)")
+    p.add_argument("--width", type=int, help="pixel width, a multiple of 16 (default 256 CPU / 832 GPU)")
+    p.add_argument("--timesteps", default="1000,750,500,250", help="denoising timesteps (default 1000,750,500,250)")
+    p.add_argument("--shift", type=float, default=5.0, help="flow-matching timestep shift (default 5)")
+    p.add_argument("--context-noise", type=float, default=0.0, help="timestep of the clean cache pass (default 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--plot", default="fastar_rollout.png", help="PNG plot path (default fastar_rollout.png)")
+    p.add_argument("--json", help="also write the per-chunk table as JSON here")
+    p.add_argument("--save-latents", help="write the generated latent video to this .safetensors file")
+    return p.parse_args(argv)
+
+
+def load_context(path, text_dim, device, dtype):
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except Exception as exc:
+        raise FastARError(f"--context {path}: not a readable safetensors file ({exc})") from None
+    if "context" not in tensors:
+        raise FastARError(f"--context {path}: no tensor named 'context' (found {sorted(tensors)})")
+    ctx = tensors["context"]
+    ctx = ctx[None] if ctx.ndim == 2 else ctx
+    if ctx.ndim != 3 or ctx.shape[-1] != text_dim:
+        raise FastARError(f"--context {path}: expected [tokens, {text_dim}], got {tuple(tensors['context'].shape)}")
+    return ctx.to(device, dtype)
+
+
+def run(args) -> list[dict]:
+    from tqdm import tqdm
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FastARError(f"--device {args.device}: no CUDA device is available")
+    size, height, width, frames, dtype = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    dtype = getattr(torch, args.dtype or dtype)
+    if args.checkpoint:
+        model = load_wan(args.checkpoint, device=device, dtype=dtype)
+        label = args.checkpoint
+    else:
+        size = args.model or size
+        model = build_model(size, device=device, dtype=dtype, seed=args.seed)
+        label = f"Wan 2.1 {size} (random weights)"
+    height, width, frames = args.height or height, args.width or width, args.frames or frames
+    if args.context:
+        context = load_context(args.context, model.text_dim, device, dtype)
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        context = torch.randn(1, TEXT_TOKENS, model.text_dim, generator=g).to(device, dtype)
+    cache = CacheConfig(args.cache, args.sink_frames, args.window_frames)
+    schedule = FlowMatchSchedule.parse(args.timesteps, args.shift)
+    if frames % args.chunk_frames:
+        raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
+    check_rollout(model, context, frames, height, width, args.chunk_frames, args.context_noise)
+
+    print(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
+          f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
+          + (f" (sink {args.sink_frames}, window {args.window_frames})" if cache.bounded else ""))
+    rows = []
+    bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
+
+    def on_chunk(r):
+        rows.append({"chunk": r.chunk, "frames": r.frames_done, "latency_ms": 1e3 * r.latency_s,
+                     "cache_tokens": r.cache.tokens_held, "cache_gb": r.cache.held_gb,
+                     "allocated_gb": r.cache.gb, "dense_gb": r.cache.dense_gb})
+        bar.update(r.latent.shape[2])
+        tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
+                   f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
+                   f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)")
+
+    with torch.inference_mode():
+        latents = rollout(model, context, frames=frames, height=height, width=width,
+                          chunk_frames=args.chunk_frames, schedule=schedule, cache=cache, seed=args.seed,
+                          context_noise=args.context_noise, on_chunk=on_chunk)
+    bar.close()
+    plot_rollout({f"dense {args.cache}": rows}, args.plot,
+                 f"{label}, {width}x{height}, chunk {args.chunk_frames}, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})")
+    print(f"fastar: plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "model": label, "frames": frames, "height": height, "width": width,
+                       "chunk_frames": args.chunk_frames, "cache": args.cache, "chunks": rows}, f, indent=1)
+    if args.save_latents:
+        from safetensors.torch import save_file
+        save_file({"latent": latents.cpu().contiguous()}, args.save_latents)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except FastARError as exc:
+        print(f"fastar: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

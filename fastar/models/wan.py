@@ -1,0 +1,292 @@
+"""A compact Wan 2.1 text-to-video DiT that runs one chunk of frames at a time.
+
+Parameter names and math follow the Wan 2.1 checkpoints as ComfyUI loads them
+(``blocks.N.self_attn.q.weight`` ...), so a Wan 2.1 T2V or causal (Self-Forcing, CausVid,
+LongLive) state dict loads unchanged. Two things differ from a full-sequence DiT:
+the temporal RoPE index starts at ``frame_offset``, and every attention call goes through
+an attention state (``fastar.attention.FastARAttention``), which owns the KV cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import FastARError
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    dim: int
+    ffn_dim: int
+    num_heads: int
+    num_layers: int
+    in_dim: int = 16
+    out_dim: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.dim % self.num_heads:
+            raise FastARError(f"WanConfig: dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.head_dim % 2 or (self.head_dim // 6) < 1:
+            raise FastARError(f"WanConfig: head_dim={self.head_dim} must be even and at least 6 for 3-axis RoPE")
+        if self.patch_size[0] != 1:
+            raise FastARError("WanConfig: temporal patch size must be 1 for frame-wise autoregression")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+WAN_CONFIGS = {
+    "1.3B": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
+    "14B": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+    # Test size: every code path of the real model, small enough for fp32 on a CPU.
+    "tiny": WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32, freq_dim=32),
+}
+
+
+def sinusoidal_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
+    half = dim // 2
+    position = position.float()
+    freqs = torch.pow(10000, -torch.arange(half, device=position.device, dtype=torch.float32) / half)
+    angles = torch.outer(position, freqs)
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Wan's split of a head into (time, height, width) RoPE channels."""
+    d = head_dim
+    return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
+
+
+def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: int,
+                     device=None, theta: float = 10000.0) -> torch.Tensor:
+    """cos/sin tables [L, head_dim/2, 2] for tokens in (frame, row, col) order.
+
+    The temporal index of the chunk's first frame is ``frame_offset``: cached keys keep
+    the RoPE of the frame they were written at, as in the causal Wan models.
+    """
+    f, h, w = grid
+    positions = (torch.arange(frame_offset, frame_offset + f, device=device, dtype=torch.float64),
+                 torch.arange(h, device=device, dtype=torch.float64),
+                 torch.arange(w, device=device, dtype=torch.float64))
+    angles = []
+    for axis, (pos, dim) in enumerate(zip(positions, rope_axes(head_dim))):
+        omega = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+        a = torch.outer(pos, omega)  # [n_axis, dim/2]
+        shape = [1, 1, 1, dim // 2]
+        shape[axis] = pos.numel()
+        angles.append(a.view(shape).expand(f, h, w, dim // 2))
+    angles = torch.cat(angles, dim=-1).reshape(f * h * w, head_dim // 2)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x [B, L, H, D] by freqs [L, D/2, 2]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+
+class WanAttention(nn.Module):
+    """q/k/v/o projections with RMS q/k norm; self- or cross-attention by how it is called."""
+
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.o = nn.Linear(cfg.dim, cfg.dim)
+        self.norm_q = RMSNorm(cfg.dim, cfg.eps) if cfg.qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(cfg.dim, cfg.eps) if cfg.qk_norm else nn.Identity()
+
+    def heads(self, x):
+        return x.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def self_attention(self, x, freqs, attention, layer):
+        q = apply_rope(self.heads(self.norm_q(self.q(x))), freqs)
+        k = apply_rope(self.heads(self.norm_k(self.k(x))), freqs)
+        v = self.heads(self.v(x))
+        return self.o(attention.self_attention(layer, q, k, v).flatten(2))
+
+    def cross_attention(self, x, context, attention, layer):
+        q = self.heads(self.norm_q(self.q(x)))
+        k = self.heads(self.norm_k(self.k(context)))
+        v = self.heads(self.v(context))
+        return self.o(attention.cross_attention(layer, q, k, v).flatten(2))
+
+
+def modulate(x, shift, scale):
+    """x [B, F, S, C] with per-frame shift/scale [B, T, C], T in {1, F}."""
+    return torch.addcmul(shift.unsqueeze(2), x, 1 + scale.unsqueeze(2))
+
+
+class WanAttentionBlock(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.self_attn = WanAttention(cfg)
+        self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm else nn.Identity()
+        self.cross_attn = WanAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
+                                 nn.Linear(cfg.ffn_dim, cfg.dim))
+        self.modulation = nn.Parameter(torch.zeros(1, 6, cfg.dim))
+
+    def forward(self, x, e, freqs, context, attention, layer):
+        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation."""
+        e = (self.modulation.to(x.dtype).unsqueeze(0) + e).unbind(2)
+        flat = (x.shape[0], -1, x.shape[-1])
+        y = self.self_attn.self_attention(modulate(self.norm1(x), e[0], e[1]).reshape(flat),
+                                          freqs, attention, layer)
+        x = torch.addcmul(x, y.view_as(x), e[2].unsqueeze(2))
+        x = x + self.cross_attn.cross_attention(self.norm3(x).reshape(flat), context,
+                                                attention, layer).view_as(x)
+        y = self.ffn(modulate(self.norm2(x), e[3], e[4]))
+        return torch.addcmul(x, y, e[5].unsqueeze(2))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
+        self.modulation = nn.Parameter(torch.zeros(1, 2, cfg.dim))
+
+    def forward(self, x, e):
+        e = (self.modulation.to(x.dtype).unsqueeze(0) + e.unsqueeze(2)).unbind(2)
+        return self.head(modulate(self.norm(x), e[0], e[1]))
+
+
+class WanModel(nn.Module):
+    """Wan 2.1 T2V DiT, forwarded one chunk of latent frames at a time."""
+
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.config = cfg
+        self.patch_embedding = nn.Conv3d(cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
+                                            nn.Linear(cfg.dim, cfg.dim))
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
+        self.blocks = nn.ModuleList(WanAttentionBlock(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+
+    # The chunk-model protocol the rollout engine drives (see fastar.rollout.ChunkModel).
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.config.in_dim
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return self.config.patch_size
+
+    @property
+    def text_dim(self) -> int:
+        return self.config.text_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text_embedding[0].weight.dtype
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "WanModel":
+        """Random weights at the real shapes (no Wan weights can be downloaded here)."""
+        for i, (name, p) in enumerate(self.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+            if name.endswith("modulation"):
+                p.normal_(0.0, self.config.dim ** -0.5, generator=g)
+            elif name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)
+        return self
+
+    def validate(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> None:
+        cfg = self.config
+        if x.ndim != 5 or x.shape[1] != cfg.in_dim:
+            raise FastARError(f"latent chunk must be [B, {cfg.in_dim}, F, H, W], got {tuple(x.shape)}")
+        if x.shape[3] % cfg.patch_size[1] or x.shape[4] % cfg.patch_size[2]:
+            raise FastARError(f"latent height/width {tuple(x.shape[3:])} must be multiples of the patch size "
+                              f"{cfg.patch_size[1:]} (pixel height/width multiples of 16)")
+        if context.ndim != 3 or context.shape[0] != x.shape[0] or context.shape[2] != cfg.text_dim:
+            raise FastARError(f"context must be [B={x.shape[0]}, tokens, {cfg.text_dim}], got {tuple(context.shape)}")
+        if t.ndim not in (1, 2) or t.shape[0] != x.shape[0] or (t.ndim == 2 and t.shape[1] not in (1, x.shape[2])):
+            raise FastARError(f"timestep must be [B] or [B, F] with B={x.shape[0]}, F={x.shape[2]}, got {tuple(t.shape)}")
+
+    def embed_context(self, context: torch.Tensor) -> torch.Tensor:
+        return self.text_embedding(context.to(self.dtype))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
+                frame_offset: int = 0, attention=None) -> torch.Tensor:
+        """Flow prediction for a chunk x [B, C, F, H, W] whose first frame is ``frame_offset``.
+
+        t is [B] or per frame [B, F]; context the text features [B, L, text_dim]. ``attention``
+        is the state every attention call goes through; None means plain dense attention.
+        """
+        from ..attention import FastARAttention
+
+        self.validate(x, t, context)
+        cfg, dtype = self.config, self.dtype
+        attention = attention if attention is not None else FastARAttention()
+        tokens = self.patch_embedding(x.to(self.patch_embedding.weight.dtype)).to(dtype)
+        b, c, f, h, w = tokens.shape
+        tokens = tokens.flatten(3).permute(0, 2, 3, 1).contiguous()  # [B, F, S, C]
+
+        t = t.reshape(b, -1)
+        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(dtype)).unflatten(0, t.shape)
+        e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
+        context = self.embed_context(context)
+        freqs = rope_frequencies(cfg.head_dim, (f, h, w), frame_offset, device=x.device)
+
+        for i, block in enumerate(self.blocks):
+            tokens = block(tokens, e0, freqs, context, attention, i)
+        out = self.head(tokens, e)  # [B, F, S, pt*ph*pw*C]
+        return self.unpatchify(out, (f, h, w))
+
+    def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        pt, ph, pw = self.config.patch_size
+        c = self.config.out_dim
+        b = x.shape[0]
+        u = x.reshape(b, *grid, pt, ph, pw, c)
+        u = torch.einsum("bfhwpqrc->bcfphqwr", u)
+        return u.reshape(b, c, grid[0] * pt, grid[1] * ph, grid[2] * pw)

@@ -1,0 +1,142 @@
+"""The rollout engine: generate a video latent chunk by chunk over a KV cache.
+
+For each chunk: start from noise, run the few-step flow-matching sampler (predict the flow,
+take x0 = x - sigma*v, re-noise x0 to the next step with fresh noise), then run the clean
+pass on x0 at ``context_noise`` so its K/V enter the cache. This is the Self-Forcing
+inference loop; it drives any model that follows ``ChunkModel``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .attention import FastARAttention
+from .errors import FastARError
+from .kvcache import CacheConfig, CacheStats, KVCache
+from .schedule import FlowMatchSchedule
+
+VAE_SCALE = 8  # Wan 2.1 VAE: 8x spatial compression
+
+
+class ChunkModel(Protocol):
+    """What the engine needs of a model: its attention geometry and a chunk forward."""
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    latent_channels: int
+    text_dim: int
+    patch_size: tuple[int, int, int]
+    dtype: torch.dtype
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
+                 frame_offset: int, attention: FastARAttention) -> torch.Tensor: ...
+
+
+@dataclass
+class ChunkReport:
+    chunk: int
+    num_chunks: int
+    frames_done: int
+    total_frames: int
+    latency_s: float
+    cache: CacheStats
+    latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
+
+
+def chunk_noise(seed: int, chunk: int, step: int, shape, device) -> torch.Tensor:
+    """Noise for (chunk, step), independent of how many chunks the rollout has."""
+    g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + chunk * 7919 + step) % 2**63)
+    return torch.randn(shape, generator=g).to(device)
+
+
+def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, int]:
+    """Latent height, width and tokens per latent frame for a pixel size."""
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value <= 0 or value % (VAE_SCALE * model.patch_size[1]):
+            raise FastARError(f"{name}={value} must be a positive multiple of {VAE_SCALE * model.patch_size[1]} pixels")
+    h, w = height // VAE_SCALE, width // VAE_SCALE
+    return h, w, (h // model.patch_size[1]) * (w // model.patch_size[2])
+
+
+def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height: int, width: int,
+                  chunk_frames: int, context_noise: float = 0.0) -> tuple[int, int, int]:
+    """Validate a rollout's settings before any work; returns ``latent_grid``."""
+    if not isinstance(frames, int) or frames < 1:
+        raise FastARError(f"frames must be a positive integer (latent frames), got {frames!r}")
+    if not isinstance(chunk_frames, int) or chunk_frames < 1:
+        raise FastARError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
+    if frames % chunk_frames:
+        raise FastARError(f"frames={frames} is not divisible by chunk_frames={chunk_frames}")
+    grid = latent_grid(model, height, width)
+    if context.ndim != 3 or context.shape[-1] != model.text_dim:
+        raise FastARError(f"context must be [B, tokens, {model.text_dim}], got {tuple(context.shape)}")
+    if not 0 <= context_noise < 1000:
+        raise FastARError(f"context_noise must lie in [0, 1000), got {context_noise}")
+    return grid
+
+
+def rollout(model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
+            chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
+            cache: CacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
+            negative_context: torch.Tensor | None = None, cfg: float = 1.0,
+            on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
+    """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
+
+    ``context`` [B, L, text_dim] conditions every frame. ``cfg`` != 1 needs a
+    ``negative_context``: both branches run batched, each with its own cache rows.
+    ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
+    """
+    schedule = schedule or FlowMatchSchedule()
+    cache = cache or CacheConfig()
+    h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
+    guided = cfg != 1.0
+    if guided:
+        if negative_context is None:
+            raise FastARError(f"cfg={cfg} needs a negative context")
+        if negative_context.shape != context.shape:
+            raise FastARError(f"negative context {tuple(negative_context.shape)} must match the positive "
+                              f"context {tuple(context.shape)}")
+        context = torch.cat([context, negative_context.to(context)])
+
+    device = context.device
+    batch = context.shape[0] // (2 if guided else 1)
+    kv = KVCache(cache, num_layers=model.num_layers, batch=context.shape[0], num_heads=model.num_heads,
+                 head_dim=model.head_dim, tokens_per_frame=tokens_per_frame, chunk_frames=chunk_frames,
+                 max_frames=frames, device=device, dtype=model.dtype)
+    attention = FastARAttention(kv)
+    sigmas = schedule.sigmas()
+    shape = (batch, model.latent_channels, chunk_frames, h, w)
+    out = torch.empty(batch, model.latent_channels, frames, h, w, device=device)
+    num_chunks = frames // chunk_frames
+
+    def predict(x, timestep, start):
+        x_in = torch.cat([x, x]) if guided else x
+        t = torch.full((x_in.shape[0],), float(timestep), device=device)
+        v = model(x_in, t, context, frame_offset=start, attention=attention).float()
+        if guided:
+            v_pos, v_neg = v.chunk(2)
+            v = v_neg + cfg * (v_pos - v_neg)
+        return v
+
+    for c in range(num_chunks):
+        tic = time.perf_counter()
+        start = c * chunk_frames
+        kv.begin_chunk(start, chunk_frames)
+        x = chunk_noise(seed, c, 0, shape, device)
+        for step, sigma in enumerate(sigmas):
+            x0 = x - sigma * predict(x, 1000.0 * sigma, start)
+            if step + 1 < len(sigmas):
+                nxt = sigmas[step + 1]
+                x = (1 - nxt) * x0 + nxt * chunk_noise(seed, c, step + 1, shape, device)
+        predict(x0, context_noise, start)  # clean pass: writes the chunk's K/V
+        kv.commit()
+        out[:, :, start:start + chunk_frames] = x0
+        if on_chunk is not None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            on_chunk(ChunkReport(c, num_chunks, start + chunk_frames, frames,
+                                 time.perf_counter() - tic, kv.stats(), x0))
+    return out

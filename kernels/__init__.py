@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a torch reference twin with the same signature."""

@@ -1,0 +1,79 @@
+"""Checkpoints load through safetensors, with ComfyUI's key prefix, and reproduce the model."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfyui_fastar.fastar import FastARError
+from comfyui_fastar.fastar.models import WAN_CONFIGS, build_model, infer_config, load_wan, save_wan
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=5)
+
+
+def outputs(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 16, 3, 8, 12, generator=g)
+    ctx = torch.randn(2, 9, model.text_dim, generator=g)
+    return model(x, torch.tensor([900.0, 250.0]), ctx, frame_offset=4)
+
+
+def test_roundtrip_with_metadata(model, tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    save_wan(model, path)
+    loaded = load_wan(path)
+    assert loaded.config == model.config
+    assert torch.equal(outputs(loaded), outputs(model))
+
+
+def test_comfy_prefixed_state_dict_infers_config(model, tmp_path):
+    """A plain state dict as ComfyUI saves diffusion models: prefixed keys, no metadata."""
+    path = tmp_path / "wan_comfy.safetensors"
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with pytest.raises(FastARError, match="head count"):
+        load_wan(path)  # dim 64 is not a multiple of Wan's head_dim 128
+    loaded = load_wan(path, num_heads=2)
+    assert loaded.config == model.config
+    assert torch.equal(outputs(loaded), outputs(model))
+
+
+def test_load_casts_dtype(model, tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    save_wan(model, path)
+    assert load_wan(path, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_infer_real_wan_configs():
+    """Shapes of the real 1.3B and 14B checkpoints give back their configs (head_dim 128)."""
+    for name in ("1.3B", "14B"):
+        with torch.device("meta"):
+            from comfyui_fastar.fastar.models import WanModel
+            sd = WanModel(WAN_CONFIGS[name]).state_dict()
+        assert infer_config(sd) == WAN_CONFIGS[name]
+
+
+def test_bad_checkpoints_name_the_problem(model, tmp_path):
+    with pytest.raises(FastARError, match="checkpoint not found"):
+        load_wan(tmp_path / "missing.safetensors")
+    pt = tmp_path / "weights.pt"
+    torch.save(model.state_dict(), pt)
+    with pytest.raises(FastARError, match="only .safetensors"):
+        load_wan(pt)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(FastARError, match="not a readable safetensors"):
+        load_wan(junk)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    i2v = tmp_path / "i2v.safetensors"
+    save_file({**sd, "img_emb.proj.1.weight": torch.zeros(4, 4)}, str(i2v))
+    with pytest.raises(FastARError, match="image-to-video"):
+        load_wan(i2v, num_heads=2)
+    partial = tmp_path / "partial.safetensors"
+    save_file({k: v for k, v in sd.items() if not k.startswith("head.")}, str(partial))
+    with pytest.raises(FastARError, match="head.head.weight"):
+        load_wan(partial, num_heads=2)
+    other = tmp_path / "other.safetensors"
+    save_file({"encoder.weight": torch.zeros(2, 2)}, str(other))
+    with pytest.raises(FastARError, match="not a Wan 2.1 diffusion model"):
+        load_wan(other)

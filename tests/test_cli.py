@@ -1,0 +1,41 @@
+"""The main job runs on the CPU default path and rejects bad arguments with one line."""
+import json
+
+import pytest
+
+from comfyui_fastar.fastar.cli import main
+
+
+def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys):
+    plot, table = tmp_path / "run.png", tmp_path / "run.json"
+    rc = main(["--frames", "6", "--chunk-frames", "3", "--height", "64", "--width", "64",
+               "--cache", "window", "--sink-frames", "1", "--window-frames", "2",
+               "--plot", str(plot), "--json", str(table)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "chunk    2/2 | frames     6/6" in out and "plot written" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(table.read_text())["chunks"]
+    assert [r["frames"] for r in rows] == [3, 6]
+    assert rows[1]["cache_tokens"] == 3 * 16  # sink 1 + window 2 frames of 4x4 tokens
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--frames", "7"], "--frames 7 is not divisible by --chunk-frames 3"),
+    (["--frames", "3", "--height", "50"], "height=50 must be a positive multiple of 16"),
+    (["--checkpoint", "nope.safetensors"], "checkpoint not found: nope.safetensors"),
+    (["--frames", "3", "--timesteps", "250,500"], "strictly decreasing"),
+    (["--frames", "3", "--cache", "window", "--window-frames", "0"], "window_frames must be"),
+])
+def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
+    assert main(argv + ["--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("fastar: error: ") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_cli_unknown_cache_mode_is_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--cache", "ring"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'ring'" in capsys.readouterr().err

@@ -1,0 +1,195 @@
+"""The cached chunk-wise rollout computes exactly what a full-sequence forward with the
+equivalent block-causal (or sink + window) mask computes."""
+import pytest
+import torch
+
+from comfyui_fastar.fastar import (CacheConfig, FastARAttention, FastARError, FlowMatchSchedule,
+                                   block_causal_mask, rollout)
+from comfyui_fastar.fastar.models import build_model
+
+H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
+TPF = 24
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class Recorder:
+    """A ChunkModel that forwards to a Wan model and records every call."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = []
+        self.cache = None
+        for name in ("num_layers", "num_heads", "head_dim", "latent_channels", "text_dim", "patch_size", "dtype"):
+            setattr(self, name, getattr(model, name))
+
+    def __call__(self, x, t, context, *, frame_offset, attention):
+        out = self.model(x, t, context, frame_offset=frame_offset, attention=attention)
+        self.cache = attention.cache
+        self.calls.append(dict(x=x.clone(), t=t.clone(), offset=frame_offset, out=out.clone()))
+        return out
+
+
+class KVTap(FastARAttention):
+    """Dense masked attention that keeps each layer's K/V."""
+
+    def __init__(self, mask):
+        super().__init__(mask=mask)
+        self.kv = {}
+
+    def self_attention(self, layer, q, k, v):
+        self.kv[layer] = (k, v)
+        return super().self_attention(layer, q, k, v)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model("tiny", seed=1)
+
+
+def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=None, window=None):
+    frames = chunk_frames * num_chunks
+    ctx = torch.randn(1, 7, model.text_dim)
+    rec = Recorder(model)
+    schedule = FlowMatchSchedule()
+    latents = rollout(rec, ctx, frames=frames, height=H, width=W, chunk_frames=chunk_frames,
+                      schedule=schedule, cache=cache, seed=3)
+    steps = len(schedule.sigmas())
+    assert len(rec.calls) == num_chunks * (steps + 1)
+    mask = block_causal_mask(frames, chunk_frames, TPF, sink, window)
+
+    # Clean pass: the whole generated video at t=0 through one masked forward.
+    tap = KVTap(mask)
+    full = model(latents, torch.zeros(1), ctx, attention=tap)
+    for c in range(num_chunks):
+        call = rec.calls[c * (steps + 1) + steps]
+        assert call["offset"] == c * chunk_frames
+        torch.testing.assert_close(call["x"], latents[:, :, c * chunk_frames:(c + 1) * chunk_frames])
+        assert rel(call["out"], full[:, :, c * chunk_frames:(c + 1) * chunk_frames]) <= 1e-5
+
+    # Cached K/V: every slot holds exactly the K/V of the frame it says it holds.
+    kv = rec.cache
+    checked = 0
+    for slot, g in enumerate(kv.slot_frames):
+        if g < 0:
+            continue
+        tok, ref = slice(slot * TPF, (slot + 1) * TPF), slice(g * TPF, (g + 1) * TPF)
+        for layer in range(model.num_layers):
+            assert rel(kv.k[layer, :, tok], tap.kv[layer][0][:, ref]) <= 1e-5
+            assert rel(kv.v[layer, :, tok], tap.kv[layer][1][:, ref]) <= 1e-5
+        checked += 1
+    assert checked == kv.frames_held
+
+    # Denoising steps: clean history at t=0 + the noisy chunk at its timestep, per-frame t.
+    for c in range(num_chunks):
+        n = (c + 1) * chunk_frames
+        for s in range(steps):
+            call = rec.calls[c * (steps + 1) + s]
+            x = torch.cat([latents[:, :, :c * chunk_frames], call["x"]], dim=2)
+            t = torch.cat([torch.zeros(c * chunk_frames), call["t"].expand(chunk_frames)])[None]
+            out = model(x, t, ctx, attention=FastARAttention(mask=mask[:n * TPF, :n * TPF]))
+            assert rel(call["out"], out[:, :, c * chunk_frames:]) <= 1e-5
+    return rec
+
+
+@pytest.mark.parametrize("chunk_frames,num_chunks", [(1, 6), (3, 4)])
+def test_unbounded_rollout_equals_block_causal_forward(model, chunk_frames, num_chunks):
+    rec = check_against_full_sequence(model, chunk_frames, num_chunks, CacheConfig("unbounded"))
+    assert rec.cache.frames_held == chunk_frames * num_chunks
+    assert rec.cache.reallocations == 0  # preallocated to the rollout's length
+
+
+@pytest.mark.parametrize("chunk_frames,num_chunks,sink,window", [(1, 7, 1, 2), (3, 5, 1, 4), (3, 5, 3, 3)])
+def test_window_rollout_equals_sink_window_forward(model, chunk_frames, num_chunks, sink, window):
+    rec = check_against_full_sequence(model, chunk_frames, num_chunks, CacheConfig("window", sink, window),
+                                      sink, window)
+    kv = rec.cache
+    assert kv.capacity_frames == sink + window + chunk_frames
+    assert kv.frames_held == sink + window
+    assert kv.reallocations == 0
+
+
+def test_window_memory_stops_growing(model):
+    ctx = torch.randn(1, 5, model.text_dim)
+    cfg = CacheConfig("window", sink_frames=1, window_frames=3)
+    seen = []
+    rollout(model, ctx, frames=10, height=H, width=W, chunk_frames=1, cache=cfg,
+            on_chunk=lambda r: seen.append(r.cache))
+    held = [s.tokens_held for s in seen]
+    assert held == [TPF * n for n in (1, 2, 3, 4, 4, 4, 4, 4, 4, 4)]
+    assert len({s.bytes for s in seen}) == 1 and len({s.capacity_tokens for s in seen}) == 1
+    assert seen[0].capacity_tokens == (1 + 3 + 1) * TPF
+    assert [s.dense_tokens for s in seen] == [TPF * n for n in range(1, 11)]
+
+
+def test_window_keeps_older_frames_out(model):
+    """A bounded rollout differs from the unbounded one once frames leave the window."""
+    ctx = torch.randn(1, 5, model.text_dim)
+    kw = dict(frames=6, height=H, width=W, chunk_frames=1, seed=2)
+    full = rollout(model, ctx, cache=CacheConfig("unbounded"), **kw)
+    win = rollout(model, ctx, cache=CacheConfig("window", 0, 2), **kw)
+    torch.testing.assert_close(full[:, :, :3], win[:, :, :3], rtol=0, atol=0)
+    assert rel(win[:, :, 3:], full[:, :, 3:]) > 1e-6
+
+
+def test_same_seed_same_latents_and_shared_prefix(model):
+    ctx = torch.randn(1, 5, model.text_dim)
+    kw = dict(height=H, width=W, chunk_frames=3)
+    a = rollout(model, ctx, frames=9, seed=11, **kw)
+    b = rollout(model, ctx, frames=9, seed=11, **kw)
+    longer = rollout(model, ctx, frames=15, seed=11, **kw)
+    other = rollout(model, ctx, frames=9, seed=12, **kw)
+    assert torch.equal(a, b)
+    assert torch.equal(longer[:, :, :9], a)
+    assert not torch.allclose(other, a)
+
+
+def test_classifier_free_guidance(model):
+    """cfg batches both branches over one cache; cfg=1 with a negative is the plain run."""
+    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    kw = dict(frames=4, height=H, width=W, chunk_frames=2, seed=1)
+    plain = rollout(model, ctx, **kw)
+    guided = rollout(model, ctx, negative_context=neg, cfg=3.0, **kw)
+    assert guided.shape == plain.shape and torch.isfinite(guided).all()
+    assert rel(guided, plain) > 1e-4
+    with pytest.raises(FastARError, match="negative context"):
+        rollout(model, ctx, cfg=3.0, **kw)
+
+
+def test_warped_schedule():
+    sig = FlowMatchSchedule().sigmas()
+    assert sig == pytest.approx([1.0, 0.9375, 2.5 / 3, 0.625])
+    assert FlowMatchSchedule.parse("1000, 500", warp=False).sigmas() == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(frames=10, chunk_frames=3), "frames=10 is not divisible by chunk_frames=3"),
+    (dict(height=100), "height=100 must be a positive multiple of 16"),
+    (dict(width=72), "width=72 must be a positive multiple of 16"),
+    (dict(context=torch.randn(1, 5, 31)), r"context must be \[B, tokens, 32\]"),
+    (dict(context=torch.randn(5, 32)), r"context must be \[B, tokens, 32\]"),
+    (dict(context_noise=-1.0), "context_noise"),
+    (dict(frames=0), "frames must be a positive integer"),
+])
+def test_bad_rollout_inputs_name_the_problem(model, kwargs, message):
+    args = dict(context=torch.randn(1, 5, model.text_dim), frames=6, height=H, width=W, chunk_frames=3)
+    args.update(kwargs)
+    context = args.pop("context")
+    with pytest.raises(FastARError, match=message):
+        rollout(model, context, **args)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: CacheConfig("ring"), "unknown cache mode 'ring'"),
+    (lambda: CacheConfig("window", sink_frames=-1), "sink_frames"),
+    (lambda: CacheConfig("window", window_frames=0), "window_frames"),
+    (lambda: FlowMatchSchedule((500, 750)), "strictly decreasing"),
+    (lambda: FlowMatchSchedule((1200,)), r"\(0, 1000\]"),
+    (lambda: FlowMatchSchedule.parse("1000,abc"), "comma-separated"),
+])
+def test_bad_settings_name_the_field(make, message):
+    with pytest.raises(FastARError, match=message):
+        make()
