@@ -6,10 +6,10 @@ comfyui_fastar.fastar`` or ``fastar``) are thin layers over this package.
 from .attention import FastARAttention, attend, block_causal_mask, frame_visibility
 from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig, CacheStats, KVCache
-from .rollout import ChunkModel, ChunkReport, rollout
+from .rollout import ChunkModel, ChunkReport, Rollout, rollout
 from .schedule import FlowMatchSchedule
 
 __all__ = [
     "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport", "FastARAttention", "FastARError",
-    "FlowMatchSchedule", "KVCache", "attend", "block_causal_mask", "frame_visibility", "rollout",
+    "FlowMatchSchedule", "KVCache", "Rollout", "attend", "block_causal_mask", "frame_visibility", "rollout",
 ]

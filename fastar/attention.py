@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import FastARError
+
+# On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
+# the others stay as fallbacks for shapes or masks it does not take.
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -26,8 +32,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if mask is not None:
         m = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         attn_mask = m if attn_mask is None else attn_mask + m
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=attn_mask)
+    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attn_mask)
     return out.transpose(1, 2)
 
 

@@ -116,7 +116,8 @@ def run(args) -> list[dict]:
                           context_noise=args.context_noise, on_chunk=on_chunk)
     bar.close()
     plot_rollout({f"dense {args.cache}": rows}, args.plot,
-                 f"{label}, {width}x{height}, chunk {args.chunk_frames}, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})")
+                 f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
+                 f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     print(f"fastar: plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:

@@ -78,65 +78,88 @@ def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height:
     return grid
 
 
-def rollout(model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
-            chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
-            cache: CacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
-            negative_context: torch.Tensor | None = None, cfg: float = 1.0,
-            on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
-    """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
+class Rollout:
+    """One autoregressive rollout: its KV cache, sampler settings and noise.
 
-    ``context`` [B, L, text_dim] conditions every frame. ``cfg`` != 1 needs a
-    ``negative_context``: both branches run batched, each with its own cache rows.
-    ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
+    ``sample_chunk(c)`` runs chunk c's denoising steps and clean pass inside an open cache
+    chunk; ``run`` loops ``begin_chunk -> sample_chunk -> commit`` over all chunks.
     """
-    schedule = schedule or FlowMatchSchedule()
-    cache = cache or CacheConfig()
-    h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
-    guided = cfg != 1.0
-    if guided:
-        if negative_context is None:
-            raise FastARError(f"cfg={cfg} needs a negative context")
-        if negative_context.shape != context.shape:
-            raise FastARError(f"negative context {tuple(negative_context.shape)} must match the positive "
-                              f"context {tuple(context.shape)}")
-        context = torch.cat([context, negative_context.to(context)])
 
-    device = context.device
-    batch = context.shape[0] // (2 if guided else 1)
-    kv = KVCache(cache, num_layers=model.num_layers, batch=context.shape[0], num_heads=model.num_heads,
-                 head_dim=model.head_dim, tokens_per_frame=tokens_per_frame, chunk_frames=chunk_frames,
-                 max_frames=frames, device=device, dtype=model.dtype)
-    attention = FastARAttention(kv)
-    sigmas = schedule.sigmas()
-    shape = (batch, model.latent_channels, chunk_frames, h, w)
-    out = torch.empty(batch, model.latent_channels, frames, h, w, device=device)
-    num_chunks = frames // chunk_frames
+    def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
+                 chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
+                 cache: CacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
+                 negative_context: torch.Tensor | None = None, cfg: float = 1.0):
+        h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
+        self.guided = cfg != 1.0
+        if self.guided:
+            if negative_context is None:
+                raise FastARError(f"cfg={cfg} needs a negative context")
+            if negative_context.shape != context.shape:
+                raise FastARError(f"negative context {tuple(negative_context.shape)} must match the positive "
+                                  f"context {tuple(context.shape)}")
+            context = torch.cat([context, negative_context.to(context)])
+        self.model, self.context, self.cfg, self.seed = model, context, cfg, seed
+        self.frames, self.chunk_frames, self.context_noise = frames, chunk_frames, context_noise
+        self.device = context.device
+        self.sigmas = (schedule or FlowMatchSchedule()).sigmas()
+        batch = context.shape[0] // (2 if self.guided else 1)
+        self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
+        self.cache = KVCache(cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
+                             num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
+                             chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
+        self.attention = FastARAttention(self.cache)
 
-    def predict(x, timestep, start):
-        x_in = torch.cat([x, x]) if guided else x
-        t = torch.full((x_in.shape[0],), float(timestep), device=device)
-        v = model(x_in, t, context, frame_offset=start, attention=attention).float()
-        if guided:
+    @property
+    def num_chunks(self) -> int:
+        return self.frames // self.chunk_frames
+
+    def predict(self, x: torch.Tensor, timestep: float, frame_offset: int) -> torch.Tensor:
+        """Flow prediction for the open chunk (guided when cfg != 1)."""
+        x_in = torch.cat([x, x]) if self.guided else x
+        t = torch.full((x_in.shape[0],), float(timestep), device=self.device)
+        v = self.model(x_in, t, self.context, frame_offset=frame_offset, attention=self.attention).float()
+        if self.guided:
             v_pos, v_neg = v.chunk(2)
-            v = v_neg + cfg * (v_pos - v_neg)
+            v = v_neg + self.cfg * (v_pos - v_neg)
         return v
 
-    for c in range(num_chunks):
-        tic = time.perf_counter()
-        start = c * chunk_frames
-        kv.begin_chunk(start, chunk_frames)
-        x = chunk_noise(seed, c, 0, shape, device)
-        for step, sigma in enumerate(sigmas):
-            x0 = x - sigma * predict(x, 1000.0 * sigma, start)
-            if step + 1 < len(sigmas):
-                nxt = sigmas[step + 1]
-                x = (1 - nxt) * x0 + nxt * chunk_noise(seed, c, step + 1, shape, device)
-        predict(x0, context_noise, start)  # clean pass: writes the chunk's K/V
-        kv.commit()
-        out[:, :, start:start + chunk_frames] = x0
-        if on_chunk is not None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            on_chunk(ChunkReport(c, num_chunks, start + chunk_frames, frames,
-                                 time.perf_counter() - tic, kv.stats(), x0))
-    return out
+    def sample_chunk(self, c: int) -> torch.Tensor:
+        """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0."""
+        start = c * self.chunk_frames
+        x = chunk_noise(self.seed, c, 0, self.chunk_shape, self.device)
+        for step, sigma in enumerate(self.sigmas):
+            x0 = x - sigma * self.predict(x, 1000.0 * sigma, start)
+            if step + 1 < len(self.sigmas):
+                nxt = self.sigmas[step + 1]
+                x = (1 - nxt) * x0 + nxt * chunk_noise(self.seed, c, step + 1, self.chunk_shape, self.device)
+        self.predict(x0, self.context_noise, start)  # clean pass
+        return x0
+
+    def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
+        b, ch, _, h, w = self.chunk_shape
+        out = torch.empty(b, ch, self.frames, h, w, device=self.device)
+        for c in range(self.num_chunks):
+            tic = time.perf_counter()
+            start = c * self.chunk_frames
+            self.cache.begin_chunk(start, self.chunk_frames)
+            x0 = self.sample_chunk(c)
+            self.cache.commit()
+            out[:, :, start:start + self.chunk_frames] = x0
+            if on_chunk is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
+                                     time.perf_counter() - tic, self.cache.stats(), x0))
+        return out
+
+
+def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[ChunkReport], None] | None = None,
+            **settings) -> torch.Tensor:
+    """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
+
+    Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
+    context_noise (0), negative_context and cfg (1: off). ``context`` [B, L, text_dim]
+    conditions every frame; with cfg != 1 both branches run batched over one cache.
+    ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
+    """
+    return Rollout(model, context, **settings).run(on_chunk)
