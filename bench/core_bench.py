@@ -92,6 +92,7 @@ def prefill(run: Rollout, frames: int):
     v = torch.randn(shape, device="cuda", dtype=kv.dtype, generator=g)
     for c in range(frames // CHUNK):
         kv.begin_chunk(c * CHUNK, CHUNK)
+        kv.begin_clean_pass()
         for layer in range(kv.num_layers):
             kv.extend(layer, k, v)
         kv.commit()

@@ -8,8 +8,9 @@ from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig, CacheStats, KVCache
 from .rollout import ChunkModel, ChunkReport, Rollout, rollout
 from .schedule import FlowMatchSchedule
+from .tempcache import TempCache, TempCacheConfig
 
 __all__ = [
     "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport", "FastARAttention", "FastARError",
-    "FlowMatchSchedule", "KVCache", "Rollout", "attend", "block_causal_mask", "frame_visibility", "rollout",
+    "FlowMatchSchedule", "KVCache", "Rollout", "TempCache", "TempCacheConfig", "attend", "block_causal_mask", "frame_visibility", "rollout",
 ]

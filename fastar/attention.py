@@ -63,8 +63,8 @@ def block_causal_mask(num_frames: int, chunk_frames: int, tokens_per_frame: int,
 class FastARAttention:
     """Routes a forward's attention: through the KV cache when there is one, else dense.
 
-    ``cache`` follows the cache protocol (``extend`` in every forward, ``commit`` after the
-    clean pass, driven by the rollout engine); ``mask`` applies only without a cache.
+    ``cache`` follows the KV cache protocol (``extend`` then ``after_attention`` in every
+    forward; the engine opens chunks and commits them); ``mask`` applies only without a cache.
     """
 
     def __init__(self, cache=None, mask: torch.Tensor | None = None):
@@ -77,7 +77,9 @@ class FastARAttention:
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.extend(layer, k, v)
-        return attend(q, keys, values, key_bias=bias)
+        out = attend(q, keys, values, key_bias=bias)
+        self.cache.after_attention(layer, q)
+        return out
 
     def cross_attention(self, layer: int, q, k, v):
         return attend(q, k, v)

@@ -7,12 +7,16 @@ run under this protocol, driven by the rollout engine:
     begin_chunk(frame_start, frames)   where the chunk's own K/V will sit (the scratch slots)
     extend(layer, k, v)                every forward: write the chunk's K/V into the scratch
                                        slots, return views of [sink | history | own chunk]
-    commit()                           after the clean pass: the scratch becomes history
+    after_attention(layer, q)          every forward, once the layer has attended
+    begin_clean_pass()                 the next forward is the clean pass: it writes history
+    commit()                           after the clean pass: the chunk becomes history
 
 Denoising forwards overwrite the scratch without committing, so cached history is written
 once, by the clean pass, and never changes afterwards. Keys and values are post-RoPE, so
-slot order is irrelevant to attention: the bounded mode is a ring over frame slots.
-All bookkeeping is in Python integers known from the schedule: no host sync per layer.
+slot order is irrelevant to attention: the bounded mode is a ring over frame slots, and
+TempCache (``fastar.tempcache``) manages its history token by token, merging in
+``after_attention`` of the clean pass. Frame bookkeeping is in Python integers known from
+the schedule, TempCache's on the device: no host sync per layer.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import FastARError
+from .tempcache import TempCache, TempCacheConfig
 
 CACHE_MODES = ("unbounded", "window")
 
@@ -52,8 +57,10 @@ class CacheStats:
     tokens_held: int          # history tokens attended by the next chunk
     dense_tokens: int         # tokens a dense unbounded cache would hold
     capacity_tokens: int      # slots allocated (history + one chunk of scratch)
-    bytes: int                # bytes allocated: K, V and log-count bias, all layers
+    bytes: int                # bytes allocated: K, V, log-count bias and merge state, all layers
     bytes_per_token: int      # K+V bytes of one token over all layers
+    merged: int = 0           # TempCache: tokens of the last chunk merged into groups (per layer and head)
+    evicted: int = 0          # TempCache: history tokens the last chunk evicted (per layer and head)
 
     @property
     def gb(self) -> float:
@@ -71,8 +78,11 @@ class CacheStats:
 
 
 class KVCache:
-    def __init__(self, config: CacheConfig, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
-                 tokens_per_frame: int, chunk_frames: int, max_frames: int | None = None,
+    """Preallocated K/V of every layer under one policy: ``CacheConfig`` (unbounded or sink +
+    window, frame slots) or ``TempCacheConfig`` (sink + a token budget with merging)."""
+
+    def __init__(self, config: CacheConfig | TempCacheConfig, *, num_layers: int, batch: int, num_heads: int,
+                 head_dim: int, tokens_per_frame: int, chunk_frames: int, max_frames: int | None = None,
                  device=None, dtype=torch.float32):
         if chunk_frames < 1:
             raise FastARError(f"chunk_frames must be >= 1, got {chunk_frames}")
@@ -80,27 +90,41 @@ class KVCache:
         self.num_layers, self.batch, self.num_heads, self.head_dim = num_layers, batch, num_heads, head_dim
         self.tokens_per_frame, self.chunk_frames = tokens_per_frame, chunk_frames
         self.device, self.dtype = torch.device(device) if device is not None else torch.device("cpu"), dtype
-        if config.bounded:
+        temporal = isinstance(config, TempCacheConfig)
+        if temporal:
+            if config.history_frames < chunk_frames:
+                raise FastARError(f"TempCacheConfig.max_cache_frames={config.max_cache_frames} leaves "
+                                  f"{config.history_frames} history frames besides {config.sink_frames} sink "
+                                  f"frames; at least one chunk ({chunk_frames} frames) is needed")
+            capacity = config.max_cache_frames + chunk_frames
+        elif config.bounded:
             capacity = config.sink_frames + config.window_frames + chunk_frames
         elif max_frames is not None:
             capacity = max_frames
         else:
             capacity = 4 * chunk_frames
         self.frames_cached = 0
-        self.frames_held = 0          # committed frames still in the cache
-        self.reallocations = 0
-        self.has_bias = [False] * num_layers  # set by TempCache once a layer holds merged keys
+        self.frames_held = 0          # committed frames in frame slots (TempCache: sink frames only)
+        self.has_bias = [temporal] * num_layers
         self._scratch: tuple[int, int] | None = None  # (first slot, frames) of the open chunk
+        self._writing = False
+        self._spare = 1 if temporal else 0  # TempCache's dump token after the last slot
+        self.reallocations = -1
         self._allocate(capacity)
-        self.reallocations = 0
+        self.tempcache = None
+        if temporal:
+            self.tempcache = TempCache(config, num_layers=num_layers, batch=batch, num_heads=num_heads,
+                                       history_tokens=config.history_frames * tokens_per_frame, device=self.device)
+            self.log_count_bias[..., :config.max_cache_frames * tokens_per_frame] = float("-inf")  # empty
 
     # -- buffers ---------------------------------------------------------------------------
     def _allocate(self, capacity_frames: int) -> None:
-        tokens = capacity_frames * self.tokens_per_frame
+        tokens = capacity_frames * self.tokens_per_frame + self._spare
         shape = (self.num_layers, self.batch, tokens, self.num_heads, self.head_dim)
         try:
-            k = torch.empty(shape, device=self.device, dtype=self.dtype)
-            v = torch.empty(shape, device=self.device, dtype=self.dtype)
+            # zeros, not empty: masked (-inf) slots must still hold finite values (0 * NaN = NaN)
+            k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            v = torch.zeros(shape, device=self.device, dtype=self.dtype)
             bias = torch.zeros(self.num_layers, self.batch, self.num_heads, tokens, device=self.device)
         except torch.OutOfMemoryError:
             gb = 2 * torch.Size(shape).numel() * torch.empty(0, dtype=self.dtype).element_size() / 1e9
@@ -120,12 +144,16 @@ class KVCache:
     def capacity_frames(self) -> int:
         return len(self.slot_frames)
 
-    def slot_frame_tensor(self) -> torch.Tensor:
-        """Frame index of every slot (-1: empty or scratch), for consumers on the device."""
-        return torch.tensor(self.slot_frames, dtype=torch.long).to(self.device, non_blocking=True)
+    @property
+    def sink_frames(self) -> int:
+        cfg = self.config
+        return cfg.sink_frames if isinstance(cfg, TempCacheConfig) or cfg.bounded else 0
 
     def _tokens(self, first_slot: int, frames: int) -> slice:
         return slice(first_slot * self.tokens_per_frame, (first_slot + frames) * self.tokens_per_frame)
+
+    def _sink_frames_in_chunk(self) -> int:
+        return max(0, min(self._scratch[1], self.sink_frames - self.frames_cached))
 
     # -- protocol --------------------------------------------------------------------------
     def begin_chunk(self, frame_start: int, frames: int) -> None:
@@ -135,12 +163,14 @@ class KVCache:
                               f"{self.frames_cached}, the chunk starts at {frame_start}")
         if not 1 <= frames <= self.chunk_frames:
             raise FastARError(f"a chunk has 1..{self.chunk_frames} frames, got {frames}")
-        first = self.frames_held
-        if first + frames > self.capacity_frames:
-            if self.config.bounded:  # cannot happen: capacity is sink + window + chunk
-                raise FastARError("bounded cache overflow")
-            self._allocate(max(2 * self.capacity_frames, first + frames))
+        if self.tempcache is not None:
+            first = self.config.max_cache_frames  # scratch after sink + history, always attended whole
+        else:
+            first = self.frames_held
+            if first + frames > self.capacity_frames:  # only unbounded: bounded capacity has room
+                self._allocate(max(2 * self.capacity_frames, first + frames))
         self._scratch = (first, frames)
+        self._writing = False
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write the open chunk's k/v [B, n, H, D]; return (keys, values, key_bias or None)."""
@@ -156,40 +186,78 @@ class KVCache:
         bias = self.log_count_bias[layer, ..., :span.stop] if self.has_bias[layer] else None
         return self.k[layer, :, :span.stop], self.v[layer, :, :span.stop], bias
 
-    def commit(self) -> None:
-        """The open chunk's K/V (as the clean pass wrote them) become history."""
+    def begin_clean_pass(self) -> None:
+        """The next forward runs on the clean chunk: its K/V become history."""
         if self._scratch is None:
-            raise FastARError("KVCache.commit called outside a chunk")
+            raise FastARError("KVCache.begin_clean_pass called outside a chunk")
+        self._writing = True
+        if self.tempcache is not None:
+            first_new = self.frames_cached + self._sink_frames_in_chunk()
+            frames = torch.arange(first_new, self.frames_cached + self._scratch[1])
+            self._new_frames = frames.repeat_interleave(self.tokens_per_frame).to(self.device, non_blocking=True)
+
+    def after_attention(self, layer: int, q: torch.Tensor) -> None:
+        """In the clean pass, TempCache merges the layer's chunk into history (q [B, n, H, D])."""
+        if not (self._writing and self.tempcache is not None):
+            return
         first, frames = self._scratch
-        cfg = self.config
+        sink, hist = self.config.sink_frames, self.config.history_frames
+        new = self._tokens(first + self._sink_frames_in_chunk(), frames - self._sink_frames_in_chunk())
+        if new.stop > new.start:
+            self.tempcache.write(layer, self.k[layer], self.v[layer], self.log_count_bias[layer], q,
+                                 hist=self._tokens(sink, hist), new=new, new_frames=self._new_frames,
+                                 dump=self.k.shape[2] - 1)
+
+    def commit(self) -> None:
+        """After the clean pass: the chunk's K/V (as the clean pass wrote them) become history."""
+        if self._scratch is None or not self._writing:
+            raise FastARError("KVCache.commit needs an open chunk whose clean pass ran (begin_clean_pass)")
+        first, frames = self._scratch
+        sink, bounded = self.sink_frames, isinstance(self.config, TempCacheConfig) or self.config.bounded
         for i in range(frames):
             g, src = self.frames_cached + i, first + i
-            if not cfg.bounded or g < cfg.sink_frames:
-                dst = src if not cfg.bounded else g
+            if not bounded or g < sink:
+                dst = g if bounded else src
+            elif self.tempcache is not None:
+                continue  # merged into history by after_attention
             else:
-                dst = cfg.sink_frames + (g - cfg.sink_frames) % cfg.window_frames
+                dst = sink + (g - sink) % self.config.window_frames
             if dst != src:
                 s, d = self._tokens(src, 1), self._tokens(dst, 1)
                 self.k[:, :, d] = self.k[:, :, s]
                 self.v[:, :, d] = self.v[:, :, s]
-                self.log_count_bias[..., d] = self.log_count_bias[..., s]
+                self.log_count_bias[..., d] = 0.0 if self.tempcache is not None else self.log_count_bias[..., s]
             self.slot_frames[dst] = g
         self.frames_cached += frames
-        if cfg.bounded:
-            self.frames_held = (min(self.frames_cached, cfg.sink_frames)
-                                + min(max(self.frames_cached - cfg.sink_frames, 0), cfg.window_frames))
+        if self.tempcache is not None:
+            self.frames_held = min(self.frames_cached, sink)
+        elif bounded:
+            self.frames_held = min(self.frames_cached, sink) + min(max(self.frames_cached - sink, 0),
+                                                                   self.config.window_frames)
         else:
             self.frames_held = self.frames_cached
-        self._scratch = None
+        self._scratch, self._writing = None, False
 
     # -- telemetry -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
+        """Sizes after the last commit (with TempCache this reads a few device scalars)."""
         per_token = 2 * self.num_layers * self.batch * self.num_heads * self.head_dim * self.k.element_size()
+        held, merged, evicted = self.frames_held * self.tokens_per_frame, 0, 0
+        nbytes = self.k.nbytes + self.v.nbytes + self.log_count_bias.nbytes
+        tc = self.tempcache
+        if tc is not None:
+            per_head = self.num_layers * self.batch * self.num_heads
+            held += round(tc.held_tokens().mean().item())
+            merged = round(tc.merged.sum().item() / per_head)
+            evicted = round(tc.evicted.sum().item() / per_head)
+            nbytes += tc.count.nbytes + tc.newest.nbytes
         return CacheStats(
             frames_cached=self.frames_cached,
-            tokens_held=self.frames_held * self.tokens_per_frame,
+            tokens_held=held,
             dense_tokens=self.frames_cached * self.tokens_per_frame,
             capacity_tokens=self.capacity_frames * self.tokens_per_frame,
-            bytes=self.k.nbytes + self.v.nbytes + self.log_count_bias.nbytes,
+            bytes=nbytes,
             bytes_per_token=per_token,
+            merged=merged,
+            evicted=evicted,
         )

@@ -16,6 +16,7 @@ import torch
 from .attention import FastARAttention
 from .errors import FastARError
 from .kvcache import CacheConfig, CacheStats, KVCache
+from .tempcache import TempCacheConfig
 from .schedule import FlowMatchSchedule
 
 VAE_SCALE = 8  # Wan 2.1 VAE: 8x spatial compression
@@ -87,7 +88,7 @@ class Rollout:
 
     def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
                  chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
-                 cache: CacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
+                 cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
         self.guided = cfg != 1.0
@@ -132,7 +133,8 @@ class Rollout:
             if step + 1 < len(self.sigmas):
                 nxt = self.sigmas[step + 1]
                 x = (1 - nxt) * x0 + nxt * chunk_noise(self.seed, c, step + 1, self.chunk_shape, self.device)
-        self.predict(x0, self.context_noise, start)  # clean pass
+        self.cache.begin_clean_pass()
+        self.predict(x0, self.context_noise, start)
         return x0
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:

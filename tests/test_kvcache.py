@@ -15,6 +15,7 @@ def make(mode="unbounded", max_frames=None, **kw):
 def chunk(kv, value):
     kv.begin_chunk(kv.frames_cached, 2)
     kv_in = torch.full((1, 2 * TPF, 2, 8), float(value))
+    kv.begin_clean_pass()
     for layer in range(2):
         keys, values, bias = kv.extend(layer, kv_in, kv_in + 1)
     kv.commit()

@@ -1,0 +1,171 @@
+"""TempCache: KV-cache compression by temporal correspondence (FAST-AR §5.2, Lemma 5.1).
+
+When the clean pass writes a chunk, each new token finds its top-1 nearest cached history key
+(``kernels.correspondence``). A pair whose key cosine similarity clears ``merge_threshold``
+joins one group: the newest key becomes the group's representative, the value is the running
+mean of the group's values, and the group size m enters attention as the logit bias log m.
+For identical keys this is exact: softmax over groups of (q.k/sqrt(d) + log m) weighting the
+group means equals attention over every member. Unmatched tokens take the least recently
+refreshed history slots, so the cache never exceeds ``max_cache_frames`` frames of tokens:
+memory is flat by construction. Sink frames are never merged or evicted.
+
+All of it runs on the device with fixed shapes (no host sync): per head, every history slot
+has a count (0 = empty) and the frame of its newest member; discarded writes go to one spare
+"dump" token slot after the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.correspondence import top1_correspondence
+from .errors import FastARError
+
+MATCHING_MODES = ("key", "query")
+GROUPING_MODES = ("head", "shared")
+
+
+@dataclass(frozen=True)
+class TempCacheConfig:
+    """``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
+    TempCache is measured against. ``matching``: find each new token's counterpart by its key
+    (cosine) or by its query (attention argmax, as DiffTrack); either way the pair merges only
+    if the keys' cosine similarity clears the threshold. ``grouping``: per head, or one
+    correspondence shared by all heads (cosine over the concatenated heads)."""
+    enabled: bool = True
+    merge_threshold: float = 0.9
+    max_cache_frames: int = 21
+    sink_frames: int = 3
+    matching: str = "key"
+    grouping: str = "head"
+
+    def __post_init__(self):
+        if not isinstance(self.merge_threshold, (int, float)) or not 0.0 < self.merge_threshold <= 1.0:
+            raise FastARError(f"TempCacheConfig.merge_threshold must lie in (0, 1] (a cosine similarity), "
+                              f"got {self.merge_threshold!r}")
+        if not isinstance(self.sink_frames, int) or self.sink_frames < 0:
+            raise FastARError(f"TempCacheConfig.sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+        if not isinstance(self.max_cache_frames, int) or self.max_cache_frames <= self.sink_frames:
+            raise FastARError(f"TempCacheConfig.max_cache_frames must be an integer > sink_frames "
+                              f"({self.sink_frames}), got {self.max_cache_frames!r}")
+        if self.matching not in MATCHING_MODES:
+            raise FastARError(f"TempCacheConfig.matching must be one of {', '.join(MATCHING_MODES)}, "
+                              f"got {self.matching!r}")
+        if self.grouping not in GROUPING_MODES:
+            raise FastARError(f"TempCacheConfig.grouping must be one of {', '.join(GROUPING_MODES)}, "
+                              f"got {self.grouping!r}")
+
+    @property
+    def history_frames(self) -> int:
+        return self.max_cache_frames - self.sink_frames
+
+
+class TempCache:
+    """Per-slot merge state of a KVCache's history region, and the merge itself."""
+
+    def __init__(self, config: TempCacheConfig, *, num_layers: int, batch: int, num_heads: int,
+                 history_tokens: int, device):
+        self.config = config
+        shape = (num_layers, batch, num_heads, history_tokens)
+        self.count = torch.zeros(shape, device=device)                  # group size m, 0 = empty
+        self.newest = torch.full(shape, -1, dtype=torch.long, device=device)  # frame of the representative
+        # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
+        self.merged = torch.zeros(num_layers, dtype=torch.long, device=device)
+        self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
+
+    def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor):
+        """Top-1 counterpart of each new token among the filled history slots, and the keys'
+        cosine similarity. x: matching features [N, H, D]; new_k [N, H, D]; hist_k [M, H, D];
+        filled [H, M] bool. Returns (index [H, N], cosine [H, N])."""
+        n, h, d = new_k.shape
+        if self.config.grouping == "shared":
+            scale = torch.where(filled[0], 1.0 / hist_k.float().flatten(1).norm(dim=-1).clamp_min(1e-12), 0.0)
+            if self.config.matching == "query":
+                scale = filled[0].float()  # plain q.k argmax over filled slots
+            keys = hist_k.reshape(1, -1, h * d)
+            idx, _ = top1_correspondence(x.reshape(1, n, h * d), keys, None, scale[None])
+            best = hist_k.reshape(-1, h * d)[idx[0]].float()
+            cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), best, dim=-1)
+            return idx.expand(h, n), cos.expand(h, n)
+        norm = hist_k.float().norm(dim=-1).transpose(0, 1)  # [H, M]
+        scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)
+        if self.config.matching == "query":
+            scale = filled.float()  # plain q.k argmax over filled slots
+        idx, _ = top1_correspondence(x.transpose(0, 1), hist_k.transpose(0, 1), None, scale)
+        best = torch.gather(hist_k.transpose(0, 1), 1, idx.clamp_min(0)[..., None].expand(h, n, d)).float()
+        cos = torch.cosine_similarity(new_k.transpose(0, 1).float(), best, dim=-1)
+        return idx, cos
+
+    @torch.no_grad()
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, q: torch.Tensor | None,
+              hist: slice, new: slice, new_frames: torch.Tensor, dump: int) -> None:
+        """Merge the chunk's new tokens (rows ``new`` of k/v [B, T, H, D]) into the history
+        rows ``hist``; ``new_frames`` [N] is each new token's frame; ``bias`` [B, H, T] gets log m.
+        Token row ``dump`` receives every discarded write."""
+        cfg = self.config
+        b_size, _, h, d = k.shape
+        m_slots, n = hist.stop - hist.start, new.stop - new.start
+        heads = torch.arange(h, device=k.device)
+        token = torch.arange(n, device=k.device)
+        dump_rows = dump * h + heads[:, None]                        # [H, 1] per-head dump row
+        merged_total = evicted_total = 0
+        for b in range(b_size):
+            count, newest = self.count[layer, b], self.newest[layer, b]  # [H, M]
+            kb, vb = k[b], v[b]
+            flat_k, flat_v = kb.view(-1, d), vb.view(-1, d)             # row = token * H + head
+            new_k, new_v = kb[new], vb[new]                              # [N, H, D]
+            filled = count > 0
+            if cfg.enabled:
+                x = new_k if cfg.matching == "key" else q[b, -n:]
+                idx, cos = self.match(x, new_k, kb[hist], filled)
+                merge = (cos >= cfg.merge_threshold) & filled.gather(1, idx.clamp_min(0)) & (idx >= 0)
+            else:
+                idx = torch.zeros(h, n, dtype=torch.long, device=k.device)
+                merge = torch.zeros(h, n, dtype=torch.bool, device=k.device)
+            slot = heads[:, None] * m_slots + idx                        # [H, N] flat slot (head-major)
+            target = torch.where(merge, slot, h * m_slots)               # h * m_slots = dump slot
+            # group sizes, representatives (newest = largest token index: later frame) and values
+            added = torch.zeros(h * m_slots + 1, device=k.device).index_add_(0, target.flatten(), merge.flatten().float())
+            rep = torch.full((h * m_slots + 1,), -1, dtype=torch.long, device=k.device)
+            rep.scatter_reduce_(0, target.flatten(), token.expand(h, n).flatten(), "amax")
+            added, rep = added[:-1].view(h, m_slots), rep[:-1].view(h, m_slots)
+            total = count + added
+            keep = torch.where(added > 0, count / total.clamp_min(1), 1.0)  # old mean's weight
+            hist_v = vb[hist]                                              # [M, H, D]
+            hist_v.mul_(keep.t()[..., None].to(vb.dtype))
+            share = (1.0 / total.clamp_min(1)).gather(1, idx.clamp_min(0))  # [H, N]
+            rows_hist = (hist.start + idx) * h + heads[:, None]              # [H, N] buffer rows of targets
+            add_rows = torch.where(merge, rows_hist, dump_rows)
+            flat_v.index_add_(0, add_rows.flatten(), (new_v.transpose(0, 1) * share[..., None].to(vb.dtype)).reshape(-1, d))
+            is_rep = merge & (rep.gather(1, idx.clamp_min(0)) == token)
+            flat_k.index_copy_(0, torch.where(is_rep, rows_hist, dump_rows).flatten(),
+                               new_k.transpose(0, 1).reshape(-1, d))
+            rep_frame = torch.where(rep >= 0, new_frames[rep.clamp_min(0)], newest)
+            newest.copy_(torch.where(added > 0, rep_frame, newest))
+            count.copy_(total)
+            # unmatched tokens take the least recently refreshed slots (empty ones first)
+            order = torch.argsort(newest, dim=1, stable=True)             # [H, M]
+            fresh = ~merge
+            pos = torch.cumsum(fresh.long(), dim=1) - 1
+            place = fresh & (pos < m_slots)
+            dest = order.gather(1, pos.clamp(0, m_slots - 1))              # [H, N] slot per token
+            evicted = place & count.gather(1, dest).gt(0)
+            rows_new = torch.where(place, (hist.start + dest) * h + heads[:, None], dump_rows).flatten()
+            flat_k.index_copy_(0, rows_new, new_k.transpose(0, 1).reshape(-1, d))
+            flat_v.index_copy_(0, rows_new, new_v.transpose(0, 1).reshape(-1, d))
+            slot_new = torch.where(place, heads[:, None] * m_slots + dest, h * m_slots).flatten()
+            for state, value in ((count, torch.ones(h * n, device=k.device)),
+                                 (newest, new_frames.expand(h, n).flatten())):
+                padded = torch.cat([state.flatten(), state.new_zeros(1)])
+                padded.index_copy_(0, slot_new, value.to(state.dtype))
+                state.copy_(padded[:-1].view(h, m_slots))
+            bias[b, :, hist] = torch.where(count > 0, count.clamp_min(1).log(), float("-inf"))
+            merged_total = merged_total + merge.sum()
+            evicted_total = evicted_total + evicted.sum()
+        self.merged[layer] = merged_total
+        self.evicted[layer] = evicted_total
+
+    def held_tokens(self) -> torch.Tensor:
+        """Filled history slots per layer, averaged over batch and heads (device tensor)."""
+        return (self.count > 0).float().sum(-1).mean((1, 2))

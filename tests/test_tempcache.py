@@ -1,0 +1,150 @@
+"""TempCache: exact log-count merging (Lemma 5.1), bit-exact no-merge path, hard budget."""
+import pytest
+import torch
+
+from comfyui_fastar.fastar import (CacheConfig, FastARError, KVCache, Rollout, TempCacheConfig, attend,
+                                   rollout)
+from comfyui_fastar.fastar.models import build_model
+
+TPF, H, D = 6, 2, 16
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def cache(cfg, chunk_frames=1):
+    return KVCache(cfg, num_layers=1, batch=1, num_heads=H, head_dim=D, tokens_per_frame=TPF,
+                   chunk_frames=chunk_frames)
+
+
+def write_chunk(kv, k, v, q=None):
+    kv.begin_chunk(kv.frames_cached, k.shape[1] // TPF)
+    kv.begin_clean_pass()
+    keys, values, bias = kv.extend(0, k, v)
+    kv.after_attention(0, k if q is None else q)
+    kv.commit()
+
+
+@pytest.mark.parametrize("grouping", ["head", "shared"])
+def test_lemma_5_1_duplicated_keys_merge_exactly(grouping):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, TPF, H, D, generator=g)
+    fresh = torch.randn(1, TPF, H, D, generator=g)
+    # frames: base, base, [half base | half fresh], base  (values always new)
+    frames_k = [base, base.clone(), torch.cat([base[:, :TPF // 2], fresh[:, TPF // 2:]], 1), base.clone()]
+    frames_v = [torch.randn(1, TPF, H, D, generator=g) for _ in frames_k]
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=6, sink_frames=0, grouping=grouping))
+    for k, v in zip(frames_k, frames_v):
+        write_chunk(kv, k, v)
+    st = kv.stats()
+    # 24 tokens written, 6 + 3 distinct keys survive: 15 merged
+    assert st.tokens_held == TPF + TPF // 2
+    counts = kv.tempcache.count[0, 0]
+    assert sorted(counts[counts > 0].flatten().tolist()) == sorted(([4.0] * (TPF // 2) + [3.0] * (TPF // 2)
+                                                                    + [1.0] * (TPF // 2)) * H)
+    # attention of a new chunk over the merged cache (+log m) == over every token unmerged
+    q = torch.randn(1, 2 * TPF, H, D, generator=g)
+    own_k, own_v = torch.randn(1, TPF, H, D, generator=g), torch.randn(1, TPF, H, D, generator=g)
+    kv.begin_chunk(kv.frames_cached, 1)
+    keys, values, bias = kv.extend(0, own_k, own_v)
+    merged = attend(q, keys, values, key_bias=bias)
+    full = attend(q, torch.cat(frames_k + [own_k], 1), torch.cat(frames_v + [own_v], 1))
+    assert rel(merged, full) <= 1e-5
+    assert torch.isfinite(merged).all()
+
+
+def test_unclearable_threshold_is_bit_identical_to_plain_cache():
+    model = build_model("tiny", seed=3)
+    ctx = torch.randn(1, 5, model.text_dim)
+    kw = dict(frames=8, height=64, width=96, chunk_frames=1, seed=4)
+    runs = {}
+    for name, cfg in [("plain", TempCacheConfig(enabled=False, max_cache_frames=5, sink_frames=1)),
+                      ("strict", TempCacheConfig(merge_threshold=1.0, max_cache_frames=5, sink_frames=1))]:
+        run = Rollout(model, ctx, cache=cfg, **kw)
+        runs[name] = (run.run(), run.cache)
+    (a, ca), (b, cb) = runs["plain"], runs["strict"]
+    assert torch.equal(a, b)
+    assert torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+    assert torch.equal(ca.log_count_bias, cb.log_count_bias)
+    assert torch.equal(ca.tempcache.count, cb.tempcache.count) and cb.tempcache.merged.sum() == 0
+
+
+def test_no_merge_budget_equals_sink_window_cache():
+    """Without merges, evicting the least recently refreshed tokens keeps the newest frames:
+    the same attention as the sink + window cache (and as unbounded while the budget holds)."""
+    model = build_model("tiny", seed=3)
+    ctx = torch.randn(1, 5, model.text_dim)
+    kw = dict(frames=9, height=64, width=96, chunk_frames=3, seed=5)
+    budget = rollout(model, ctx, cache=TempCacheConfig(enabled=False, max_cache_frames=7, sink_frames=1), **kw)
+    window = rollout(model, ctx, cache=CacheConfig("window", sink_frames=1, window_frames=6), **kw)
+    assert rel(budget, window) <= 1e-5
+    roomy = rollout(model, ctx, cache=TempCacheConfig(enabled=False, max_cache_frames=12, sink_frames=2), **kw)
+    dense = rollout(model, ctx, cache=CacheConfig("unbounded"), **kw)
+    assert rel(roomy, dense) <= 1e-5
+
+
+def test_budget_holds_over_long_rollout_without_reallocation():
+    model = build_model("tiny", seed=3)
+    ctx = torch.randn(1, 5, model.text_dim)
+    cfg = TempCacheConfig(merge_threshold=0.6, max_cache_frames=5, sink_frames=1)
+    run = Rollout(model, ctx, frames=60, height=64, width=96, chunk_frames=1, cache=cfg, seed=1)
+    tpf = 24
+    buffers = (run.cache.k.data_ptr(), run.cache.v.data_ptr(), run.cache.log_count_bias.data_ptr(),
+               run.cache.tempcache.count.data_ptr())
+    seen = []
+
+    def check(report):
+        kv = run.cache
+        assert (kv.k.data_ptr(), kv.v.data_ptr(), kv.log_count_bias.data_ptr(),
+                kv.tempcache.count.data_ptr()) == buffers
+        assert report.cache.tokens_held <= cfg.max_cache_frames * tpf
+        seen.append(report.cache)
+
+    out = run.run(check)
+    assert torch.isfinite(out).all() and len(seen) == 60
+    assert run.cache.reallocations == 0
+    assert len({s.bytes for s in seen}) == 1
+    assert seen[-1].tokens_held == cfg.max_cache_frames * tpf  # full budget
+    assert sum(s.merged for s in seen) > 0 and sum(s.evicted for s in seen) > 0
+    assert seen[-1].dense_tokens == 60 * tpf
+
+
+def test_query_matching_runs_and_respects_threshold():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(1, TPF, H, D, generator=g)
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0, matching="query"))
+    write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
+    write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g), q=base * 3)  # q = k: argmax is k
+    assert kv.stats().tokens_held == TPF and kv.stats().merged == TPF
+    write_chunk(kv, torch.randn(1, TPF, H, D, generator=g), torch.randn(1, TPF, H, D, generator=g))
+    assert kv.stats().tokens_held == 2 * TPF and kv.stats().merged == 0
+
+
+def test_sink_frames_are_never_merged():
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(1, TPF, H, D, generator=g)
+    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1))
+    for _ in range(4):
+        write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
+    assert torch.equal(kv.k[0, :, :TPF], base)  # the sink frame is kept as written
+    assert (kv.log_count_bias[0, :, :, :TPF] == 0).all()
+    assert kv.tempcache.count[0, 0].max() == 3  # frames 2..4 merged into the history copy of frame 1
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(merge_threshold=0.0), "merge_threshold"),
+    (dict(merge_threshold=1.5), "merge_threshold"),
+    (dict(max_cache_frames=3, sink_frames=3), "max_cache_frames"),
+    (dict(sink_frames=-1), "sink_frames"),
+    (dict(matching="value"), "matching"),
+    (dict(grouping="layer"), "grouping"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(FastARError, match=f"TempCacheConfig.{field}"):
+        TempCacheConfig(**kwargs)
+
+
+def test_budget_must_hold_a_chunk():
+    with pytest.raises(FastARError, match="max_cache_frames=4 leaves 1 history frames"):
+        cache(TempCacheConfig(max_cache_frames=4, sink_frames=3), chunk_frames=3)
