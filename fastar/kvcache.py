@@ -114,7 +114,8 @@ class KVCache:
         self.tempcache = None
         if temporal:
             self.tempcache = TempCache(config, num_layers=num_layers, batch=batch, num_heads=num_heads,
-                                       history_tokens=config.history_frames * tokens_per_frame, device=self.device)
+                                       history_tokens=config.history_frames * tokens_per_frame,
+                                       new_tokens=chunk_frames * tokens_per_frame, device=self.device)
             self.log_count_bias[..., :config.max_cache_frames * tokens_per_frame] = float("-inf")  # empty
 
     # -- buffers ---------------------------------------------------------------------------

@@ -148,3 +148,14 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_budget_must_hold_a_chunk():
     with pytest.raises(FastARError, match="max_cache_frames=4 leaves 1 history frames"):
         cache(TempCacheConfig(max_cache_frames=4, sink_frames=3), chunk_frames=3)
+
+
+def test_last_slots_telemetry_tracks_groups():
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(1, TPF, H, D, generator=g)
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=3, sink_frames=0))
+    write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
+    first = kv.tempcache.last_slots[0, 0].clone()
+    assert (first >= 0).all() and all(len(set(row.tolist())) == TPF for row in first)
+    write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
+    assert torch.equal(kv.tempcache.last_slots[0, 0], first)  # every duplicate joined its original's slot
