@@ -1,0 +1,604 @@
+"""Block-sparse flash attention (AnnSA's kernel), as a Triton forward kernel.
+
+One kernel per file, beside its torch twin with the same signature: the twin is the
+oracle the kernel is tested against and the fallback wherever Triton cannot run (CPU).
+
+Semantics (the twin defines them)
+---------------------------------
+Queries are cut into *query blocks* of ``block_q`` consecutive queries, taken in the
+order given by ``q_perm`` (AnnSA sorts queries by ANN bucket so a block shares keys);
+without ``q_perm`` the natural order is used. Query block ``i`` of head ``(b, h)``
+attends to the union of its key ranges::
+
+    keys(b, h, i) = U_{r < range_counts[b, h, i]} [ranges[b, h, i, r, 0], ranges[b, h, i, r, 1])
+
+with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias`` is TempCache's
+``log m``) and a softmax over exactly those keys. The output is written back at each
+query's *original* position, so ``q_perm`` never shows in the result's order.
+
+- Ranges are half-open ``(start, end)`` pairs of key indices with ``0 <= start <= end
+  <= Lk``; they may be empty, unsorted and unaligned to any block size. Ranges are
+  assumed **not to overlap**: a key covered twice is counted twice (in both
+  implementations alike), which is not attention over a set.
+- Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest are
+  ignored and may hold anything.
+- A query block with no keys, and a query whose every key has bias ``-inf`` (empty
+  TempCache slots), outputs zeros, never NaN.
+
+Validation of tensor *values* (range bounds, counts <= R, ``q_perm`` being a
+permutation, bias free of NaN/+inf) needs a host sync, which the kernel path must not
+do (DESIGN.md §3). :func:`validate_plan` does it; the twin always calls it and raises
+``ValueError``; the kernel only checks shapes, dtypes and devices and, for memory
+safety, clamps counts to ``[0, R]``, ranges to ``[0, Lk]`` (a reversed range reads
+nothing) and permutation entries to ``[0, Lq)`` instead of raising.
+
+Kernel layout
+-------------
+Grid ``(n_qblocks, B * H)``; one program holds one query block (gathered through
+``q_perm``) in registers and streams the keys of its ranges in tiles of ``block_n``
+with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
+into the scale). The tile at a range end is masked, so no length or bound needs to be
+a multiple of anything. All strides are passed explicitly: the KV cache stores
+``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional: absent on macOS / Windows and on CPU-only installs.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "block_sparse_attention",
+    "block_sparse_attention_auto",
+    "block_sparse_attention_torch",
+    "block_sparse_attention_triton",
+    "default_launch",
+    "dense_ranges",
+    "n_query_blocks",
+    "validate_plan",
+]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TWIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_LOG2E = 1.4426950408889634
+
+
+def n_query_blocks(Lq: int, block_q: int) -> int:
+    """Number of query blocks, ``ceil(Lq / block_q)``."""
+    return -(-Lq // block_q)
+
+
+def dense_ranges(
+    B: int, H: int, Lq: int, Lk: int, block_q: int, *, device=None
+) -> tuple[Tensor, Tensor]:
+    """The plan "every query block reads all keys": ranges ``[B, H, nqb, 1, 2]`` = (0, Lk).
+
+    Returns ``(ranges, range_counts)`` (int32). Block-sparse attention with this plan is
+    dense attention (``scaled_dot_product_attention`` with ``key_bias`` as the mask).
+    """
+    for name, val in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):
+        if operator.index(val) < 0:
+            raise ValueError(f"{name} must be >= 0, got {val}")
+    block_q = _check_block_q(block_q)
+    nqb = n_query_blocks(Lq, block_q)
+    ranges = torch.zeros(B, H, nqb, 1, 2, dtype=torch.int32, device=device)
+    ranges[..., 1] = Lk
+    counts = torch.ones(B, H, nqb, dtype=torch.int32, device=device)
+    return ranges, counts
+
+
+def default_launch(D: int, block_q: int) -> dict:
+    """Launch defaults for Hopper (H200), used where the caller passes None.
+
+    ``block_n`` 64: a K and a V tile of 64 x 128 bf16 are 32 KiB per stage, so three
+    stages plus the query block fit shared memory with room to spare, and range ends
+    waste at most 63 masked keys. ``num_warps`` 4 per 64 query rows (one warpgroup per
+    wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for D > 128, whose
+    tiles are twice as large). Untuned guesses: benchmark before trusting them.
+    """
+    block_m = _block_m(block_q)
+    return {
+        "block_n": 64,
+        "num_warps": 8 if block_m >= 128 else 4,
+        "num_stages": 3 if D <= 128 else 2,
+    }
+
+
+def _block_m(block_q: int) -> int:
+    """Kernel tile rows: block_q rounded up to a power of two, at least 16 (tl.dot minimum)."""
+    return max(16, 1 << (block_q - 1).bit_length())
+
+
+def _check_block_q(block_q) -> int:
+    try:
+        block_q = operator.index(block_q)
+    except TypeError:
+        raise ValueError(f"block_q must be an int, got {type(block_q).__name__}") from None
+    if block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
+    return block_q
+
+
+def _check_inputs(q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale):
+    """Shape / dtype / device checks (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q, scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, L, D], got shape {tuple(t.shape)}")
+    B, H, Lq, D = q.shape
+    if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
+        raise ValueError(
+            f"batch/head mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    Lk = k.shape[2]
+    if k.shape[3] != D:
+        raise ValueError(f"head dim D mismatch: q has D={D}, k/v have D={k.shape[3]}")
+    if q.dtype not in _TWIN_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} unsupported (bf16/fp16/fp32)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype} (must be equal)")
+    dev = q.device
+    block_q = _check_block_q(block_q)
+    nqb = n_query_blocks(Lq, block_q)
+    if ranges.dtype != torch.int32:
+        raise ValueError(f"ranges must be int32, got {ranges.dtype}")
+    if ranges.ndim != 5 or ranges.shape[:3] != (B, H, nqb) or ranges.shape[4] != 2:
+        raise ValueError(
+            f"ranges must have shape [B, H, n_qblocks, R, 2] = [{B}, {H}, {nqb}, R, 2] "
+            f"(n_qblocks = ceil(Lq={Lq} / block_q={block_q})), got {tuple(ranges.shape)}"
+        )
+    R = ranges.shape[3]
+    if range_counts.dtype != torch.int32:
+        raise ValueError(f"range_counts must be int32, got {range_counts.dtype}")
+    if tuple(range_counts.shape) != (B, H, nqb):
+        raise ValueError(
+            f"range_counts must have shape [B, H, n_qblocks] = [{B}, {H}, {nqb}], "
+            f"got {tuple(range_counts.shape)}"
+        )
+    named = {"k": k, "v": v, "ranges": ranges, "range_counts": range_counts}
+    if key_bias is not None:
+        if not isinstance(key_bias, Tensor):
+            raise ValueError(f"key_bias must be a tensor or None, got {type(key_bias).__name__}")
+        if key_bias.dtype != torch.float32:
+            raise ValueError(f"key_bias must be float32, got {key_bias.dtype}")
+        if tuple(key_bias.shape) != (B, H, Lk):
+            raise ValueError(
+                f"key_bias must have shape [B, H, Lk] = [{B}, {H}, {Lk}], got {tuple(key_bias.shape)}"
+            )
+        named["key_bias"] = key_bias
+    if q_perm is not None:
+        if not isinstance(q_perm, Tensor):
+            raise ValueError(f"q_perm must be a tensor or None, got {type(q_perm).__name__}")
+        if q_perm.dtype != torch.int64:
+            raise ValueError(f"q_perm must be int64, got {q_perm.dtype}")
+        if tuple(q_perm.shape) != (B, H, Lq):
+            raise ValueError(
+                f"q_perm must have shape [B, H, Lq] = [{B}, {H}, {Lq}], got {tuple(q_perm.shape)}"
+            )
+        named["q_perm"] = q_perm
+    for name, t in named.items():
+        if t.device != dev:
+            raise ValueError(f"device mismatch: q on {dev}, {name} on {t.device}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return B, H, Lq, Lk, D, nqb, R, block_q, scale
+
+
+def validate_plan(
+    ranges: Tensor,
+    range_counts: Tensor,
+    Lk: int,
+    q_perm: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> None:
+    """Check the *values* of a plan; raises ValueError. Syncs with the host: not for hot paths.
+
+    Counts in ``[0, R]``; every used range ``0 <= start <= end <= Lk``; ``q_perm`` a
+    permutation of ``range(Lq)`` per head; ``key_bias`` without NaN or ``+inf``.
+    """
+    R = ranges.shape[-2]
+    if range_counts.numel():
+        lo, hi = int(range_counts.min()), int(range_counts.max())
+        if lo < 0 or hi > R:
+            raise ValueError(f"range_counts must lie in [0, R={R}], got values in [{lo}, {hi}]")
+        used = torch.arange(R, device=ranges.device) < range_counts.unsqueeze(-1).long()
+        starts, ends = ranges[..., 0][used], ranges[..., 1][used]
+        if starts.numel():
+            if int(starts.min()) < 0:
+                raise ValueError(f"ranges: start must be >= 0, got {int(starts.min())}")
+            if int(ends.max()) > Lk:
+                raise ValueError(f"ranges: end must be <= Lk={Lk}, got {int(ends.max())}")
+            if bool((starts > ends).any()):
+                raise ValueError("ranges: start must be <= end (a reversed range is a planning bug)")
+    if q_perm is not None and q_perm.numel():
+        Lq = q_perm.shape[-1]
+        want = torch.arange(Lq, device=q_perm.device, dtype=q_perm.dtype)
+        if not bool((q_perm.sort(dim=-1).values == want).all()):
+            raise ValueError(f"q_perm must be a permutation of range(Lq={Lq}) for every (b, h)")
+    if key_bias is not None and key_bias.numel():
+        if bool(torch.isnan(key_bias).any()) or bool((key_bias == float("inf")).any()):
+            raise ValueError("key_bias must be finite or -inf (found NaN or +inf)")
+
+
+def block_sparse_attention_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ranges: Tensor,
+    range_counts: Tensor,
+    *,
+    key_bias: Tensor | None = None,
+    q_perm: Tensor | None = None,
+    block_q: int = 64,
+    scale: float | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
+
+    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` are
+    accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
+    shape, dtype and (where q is dense) memory layout. Validates the plan's values with
+    :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
+    """
+    B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
+        q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
+    )
+    validate_plan(ranges, range_counts, Lk, q_perm, key_bias)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, H, Lq, D, dtype=acc_dtype, device=q.device)
+    if out.numel() and Lk:
+        counts = range_counts.tolist()
+        plan = ranges.tolist()
+        for b in range(B):
+            for h in range(H):
+                order = q_perm[b, h] if q_perm is not None else None
+                for i in range(nqb):
+                    spans = [(s, e) for s, e in plan[b][h][i][: counts[b][h][i]] if e > s]
+                    if not spans:
+                        continue  # no keys: the block's rows stay zero
+                    idx = torch.cat([torch.arange(s, e, device=q.device) for s, e in spans])
+                    lo, hi = i * block_q, min((i + 1) * block_q, Lq)
+                    rows = order[lo:hi] if order is not None else slice(lo, hi)
+                    qs = q[b, h, rows].to(acc_dtype)
+                    logits = (qs @ k[b, h, idx].to(acc_dtype).T) * scale
+                    if key_bias is not None:
+                        logits = logits + key_bias[b, h, idx].to(acc_dtype)
+                    mx = logits.amax(dim=-1, keepdim=True)
+                    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)  # all -inf row
+                    p = torch.exp(logits - mx)
+                    denom = p.sum(dim=-1, keepdim=True)
+                    o = (p @ v[b, h, idx].to(acc_dtype)) / torch.where(denom > 0, denom, 1.0)
+                    out[b, h, rows] = o
+    result = torch.empty_like(q)
+    result.copy_(out)
+    return result
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _block_sparse_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        ranges_ptr,
+        counts_ptr,
+        bias_ptr,
+        perm_ptr,
+        qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
+        H,
+        Lq,
+        Lk,
+        R,
+        block_q,
+        stride_qb,
+        stride_qh,
+        stride_ql,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kl,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vl,
+        stride_vd,
+        stride_ob,
+        stride_oh,
+        stride_ol,
+        stride_od,
+        stride_rb,
+        stride_rh,
+        stride_rq,
+        stride_rr,
+        stride_rp,
+        stride_cb,
+        stride_ch,
+        stride_cq,
+        stride_bb,
+        stride_bh,
+        stride_bl,
+        stride_pb,
+        stride_ph,
+        stride_pl,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_PERM: tl.constexpr,
+        UPCAST: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """One program: one query block of one (b, h) against the keys of its ranges."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        # int64 bases: b * stride over a long cache can exceed 2**31 elements.
+        b = (pid_bh // H).to(tl.int64)
+        h = (pid_bh % H).to(tl.int64)
+
+        offs_i = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        slot = pid_m * block_q + offs_i  # position in the (permuted) query order
+        row_ok = (offs_i < block_q) & (slot < Lq)
+        if HAS_PERM:
+            p_ptrs = perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl
+            rows = tl.load(p_ptrs, mask=row_ok, other=0)
+            rows = tl.minimum(tl.maximum(rows, 0), Lq - 1)  # memory safety only
+        else:
+            rows = slot.to(tl.int64)
+
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        q_ptrs = q_base + rows[:, None] * stride_ql + offs_d[None, :] * stride_qd
+        qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+
+        k_base = k_ptr + b * stride_kb + h * stride_kh
+        v_base = v_ptr + b * stride_vb + h * stride_vh
+        bias_base = bias_ptr + b * stride_bb + h * stride_bh
+        r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
+        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
+        count = tl.minimum(tl.maximum(count, 0), R)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for r in range(0, count):
+            # int64 bounds make the tile index int64: n0 * stride never overflows on
+            # long caches, while in-tile offsets stay small int32.
+            start = tl.maximum(tl.load(r_base + r * stride_rr).to(tl.int64), 0)
+            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp).to(tl.int64), Lk)
+            for n0 in range(start, end, BLOCK_N):
+                cols = n0 + offs_n
+                col_ok = cols < end
+                k_tile = k_base + n0 * stride_kl
+                kt = tl.load(
+                    k_tile + offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                    mask=col_ok[:, None],
+                    other=0.0,
+                )
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                s = tl.dot(qt, tl.trans(kt), input_precision=INPUT_PRECISION) * qk_scale
+                if HAS_BIAS:
+                    kb = tl.load(bias_base + cols * stride_bl, mask=col_ok, other=float("-inf"))
+                    s = s + kb[None, :] * 1.4426950408889634  # log2(e); masked columns become -inf
+                else:
+                    s = tl.where(col_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row with no finite logit yet keeps m = -inf; shift by 0 there so that
+                # exp2(-inf - -inf) never makes a NaN (p and alpha become 0 / stay finite).
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_use)
+                p = tl.math.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v_tile = v_base + n0 * stride_vl
+                vt = tl.load(
+                    v_tile + offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                    mask=col_ok[:, None],
+                    other=0.0,
+                )
+                if UPCAST:
+                    # Round p as the native path does (to the input dtype), then compute in fp32.
+                    p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
+                    vt = vt.to(tl.float32)
+                else:
+                    p = p.to(vt.dtype)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
+                m_i = m_new
+
+        # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_base = o_ptr + b * stride_ob + h * stride_oh
+        o_ptrs = o_base + rows[:, None] * stride_ol + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _triton_runs_on(t: Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only under its interpreter."""
+    if not HAS_TRITON:
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel_supports(q: Tensor, block_q) -> bool:
+    """dtype, head dim and block size the kernel handles (D a power of two in [16, 256])."""
+    D = q.shape[-1] if q.ndim == 4 else 0
+    small = isinstance(block_q, int) and block_q <= 256
+    return q.dtype in _KERNEL_DTYPES and 16 <= D <= 256 and not D & (D - 1) and small
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ranges: Tensor,
+    range_counts: Tensor,
+    *,
+    key_bias: Tensor | None = None,
+    q_perm: Tensor | None = None,
+    block_q: int = 64,
+    scale: float | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """Triton kernel with the twin's contract; grid ``(ceil(Lq / block_q), B * H)``.
+
+    q ``[B, H, Lq, D]``, k / v ``[B, H, Lk, D]`` in bf16 / fp16 (fp32 also runs, with an
+    IEEE dot to match the twin, but slowly), any strides (views are read in place). D a
+    power of two in [16, 256] (64 and 128 are the tested ones). ``block_q`` is part of
+    the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
+    int in [1, 256]; the kernel tile is it rounded up to a power of two. ``block_n``,
+    ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses).
+    No host sync: plan values are clamped, not checked (see the module docstring).
+    The result has q's shape, dtype and (where q is dense) memory layout.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("block_sparse_attention needs triton, which is not importable")
+    B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
+        q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
+    )
+    if q.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"dtype {q.dtype} unsupported by the kernel (bf16/fp16/fp32)")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"kernel needs head dim D a power of two in [16, 256], got D={D}")
+    if block_q > 256:
+        raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
+    if not _triton_runs_on(q):
+        raise ValueError(
+            f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}"
+        )
+    launch = default_launch(D, block_q)
+    if block_n is not None:
+        launch["block_n"] = block_n
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    bn = launch["block_n"]
+    if not isinstance(bn, int) or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot minimum), got {bn}")
+
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    if Lk == 0 or R == 0:
+        return out.zero_()
+
+    # tl.dot on fp32 operands is exact for bf16/fp16 products. Off-GPU, upcast tiles:
+    # Triton's interpreter (3.x) multiplies bf16 dot operands as raw bits.
+    upcast = q.dtype != torch.float32 and not q.is_cuda
+    precision = "ieee" if (upcast or q.dtype == torch.float32) else None
+    bias = key_bias if key_bias is not None else q  # dummy pointer, never read
+    perm = q_perm if q_perm is not None else q  # dummy pointer, never read
+    bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
+    perm_strides = q_perm.stride() if q_perm is not None else (0, 0, 0)
+    grid = (nqb, B * H)
+    _block_sparse_attention_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        ranges,
+        range_counts,
+        bias,
+        perm,
+        scale * _LOG2E,
+        H,
+        Lq,
+        Lk,
+        R,
+        block_q,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *ranges.stride(),
+        *range_counts.stride(),
+        *bias_strides,
+        *perm_strides,
+        D=D,
+        BLOCK_M=_block_m(block_q),
+        BLOCK_N=bn,
+        HAS_BIAS=key_bias is not None,
+        HAS_PERM=q_perm is not None,
+        UPCAST=upcast,
+        INPUT_PRECISION=precision,
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
+    )
+    return out
+
+
+block_sparse_attention_triton = block_sparse_attention  # the name other kernel files use
+
+
+def block_sparse_attention_auto(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ranges: Tensor,
+    range_counts: Tensor,
+    *,
+    key_bias: Tensor | None = None,
+    q_perm: Tensor | None = None,
+    block_q: int = 64,
+    scale: float | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
+    and the dtype / head dim suit it, else the torch twin (same results)."""
+    fn = (
+        block_sparse_attention
+        if isinstance(q, Tensor) and _triton_runs_on(q) and _kernel_supports(q, block_q)
+        else block_sparse_attention_torch
+    )
+    return fn(
+        q,
+        k,
+        v,
+        ranges,
+        range_counts,
+        key_bias=key_bias,
+        q_perm=q_perm,
+        block_q=block_q,
+        scale=scale,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
