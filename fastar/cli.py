@@ -15,8 +15,9 @@ from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig
 from .models import WAN_CONFIGS, build_model, load_wan
 from .plot import plot_rollout
-from .rollout import check_rollout, rollout
+from .rollout import Rollout
 from .schedule import FlowMatchSchedule
+from .tempcache import TempCacheConfig
 
 # (model size, pixel height, width, latent frames, dtype) of the embedded defaults
 DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
@@ -29,10 +30,15 @@ def parse_args(argv):
     p.add_argument("--frames", type=int, help="latent frames to generate (1 latent frame = 4 video frames); "
                                               "default 96 on CPU, 120 on GPU")
     p.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (1 or 3; default 3)")
-    p.add_argument("--cache", choices=CACHE_MODES, default="unbounded",
-                   help="KV cache: keep every frame, or a sink + sliding window (default unbounded)")
-    p.add_argument("--sink-frames", type=int, default=3, help="window cache: first frames always kept (default 3)")
+    p.add_argument("--cache", choices=CACHE_MODES + ("tempcache",), default="tempcache",
+                   help="KV cache: every frame (unbounded, the dense baseline), a sink + sliding window, or "
+                        "TempCache: sink + a token budget with merging (default)")
+    p.add_argument("--sink-frames", type=int, default=3, help="window/tempcache: first frames always kept (default 3)")
     p.add_argument("--window-frames", type=int, default=12, help="window cache: recent frames kept (default 12)")
+    p.add_argument("--max-cache-frames", type=int, default=21,
+                   help="tempcache: token budget in latent frames, sink included (default 21)")
+    p.add_argument("--merge-threshold", type=float, default=0.9,
+                   help="tempcache: key cosine similarity two tokens need to merge (default 0.9)")
     p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
                                                                 "(default tiny on CPU, 1.3B on GPU)")
     p.add_argument("--checkpoint", help="a Wan 2.1 T2V / causal .safetensors checkpoint to run instead")
@@ -89,33 +95,39 @@ def run(args) -> list[dict]:
     else:
         g = torch.Generator().manual_seed(args.seed)
         context = torch.randn(1, TEXT_TOKENS, model.text_dim, generator=g).to(device, dtype)
-    cache = CacheConfig(args.cache, args.sink_frames, args.window_frames)
+    if args.cache == "tempcache":
+        cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames,
+                                sink_frames=args.sink_frames)
+    else:
+        cache = CacheConfig(args.cache, args.sink_frames, args.window_frames)
     schedule = FlowMatchSchedule.parse(args.timesteps, args.shift)
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
-    check_rollout(model, context, frames, height, width, args.chunk_frames, args.context_noise)
 
     print(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
-          + (f" (sink {args.sink_frames}, window {args.window_frames})" if cache.bounded else ""))
+          + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
+          + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
+             if args.cache == "tempcache" else ""))
+    engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
+                     schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise)
     rows = []
     bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
 
     def on_chunk(r):
         rows.append({"chunk": r.chunk, "frames": r.frames_done, "latency_ms": 1e3 * r.latency_s,
                      "cache_tokens": r.cache.tokens_held, "cache_gb": r.cache.held_gb,
-                     "allocated_gb": r.cache.gb, "dense_gb": r.cache.dense_gb})
+                     "allocated_gb": r.cache.gb, "dense_gb": r.cache.dense_gb, "merged": r.cache.merged,
+                     "evicted": r.cache.evicted})
         bar.update(r.latent.shape[2])
         tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
                    f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
                    f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)")
 
     with torch.inference_mode():
-        latents = rollout(model, context, frames=frames, height=height, width=width,
-                          chunk_frames=args.chunk_frames, schedule=schedule, cache=cache, seed=args.seed,
-                          context_noise=args.context_noise, on_chunk=on_chunk)
+        latents = engine.run(on_chunk)
     bar.close()
-    plot_rollout({f"dense {args.cache}": rows}, args.plot,
+    plot_rollout({args.cache: rows}, args.plot,
                  f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
                  f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     print(f"fastar: plot written to {args.plot}")

@@ -26,12 +26,24 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys):
     (["--checkpoint", "nope.safetensors"], "checkpoint not found: nope.safetensors"),
     (["--frames", "3", "--timesteps", "250,500"], "strictly decreasing"),
     (["--frames", "3", "--cache", "window", "--window-frames", "0"], "window_frames must be"),
+    (["--frames", "3", "--merge-threshold", "1.5"], "TempCacheConfig.merge_threshold must lie in (0, 1]"),
+    (["--frames", "3", "--max-cache-frames", "4"], "max_cache_frames=4 leaves 1 history frames"),
 ])
 def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
     assert main(argv + ["--plot", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("fastar: error: ") and message in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_cli_default_tempcache_stays_within_budget(tmp_path, capsys):
+    table = tmp_path / "t.json"
+    assert main(["--frames", "18", "--height", "64", "--width", "64", "--max-cache-frames", "7",
+                 "--plot", str(tmp_path / "t.png"), "--json", str(table)]) == 0
+    rows = json.loads(table.read_text())["chunks"]
+    assert json.loads(table.read_text())["cache"] == "tempcache"
+    assert max(r["cache_tokens"] for r in rows) <= 7 * 16 < rows[-1]["frames"] * 16
+    assert "budget 7 frames" in capsys.readouterr().out
 
 
 def test_cli_unknown_cache_mode_is_argparse_error(capsys):
