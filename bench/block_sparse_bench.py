@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -23,23 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _pkg  # noqa: E402,F401
+from timing import cuda_ms  # noqa: E402
 from comfyui_fastar.kernels import block_sparse_attention as bsa  # noqa: E402
 
 TPF, Q, H, D = 1560, 3 * 1560, 12, 128
-
-
-def cuda_ms(fn, reps=15, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def rel(a, b):

@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402  (the repository as package comfyui_fastar)
+from timing import cuda_ms  # noqa: E402
 
 CacheConfig, FastARAttention, Rollout = fastar.CacheConfig, fastar.FastARAttention, fastar.Rollout
 build_model = fastar.models.build_model
@@ -54,20 +55,6 @@ def sync_time(fn, reps):
     return statistics.median(times), times
 
 
-def event_time(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
     q = torch.randn(1, q_len, heads, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, k_len, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -79,7 +66,7 @@ def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
         with sdpa_kernel(backends, set_priority=backend is None):
             F.scaled_dot_product_attention(qt, kt, vt)
     try:
-        return event_time(call, reps)
+        return cuda_ms(call, reps) / 1e3
     except RuntimeError:
         return None
 

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from realvideo import real_latents  # noqa: E402
+from timing import cuda_ms  # noqa: E402
 
 CacheConfig, TempCacheConfig, KVCache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.KVCache
 FastARAttention, Rollout, attend = fastar.FastARAttention, fastar.Rollout, fastar.attend
@@ -173,20 +174,6 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
             "recall_token": token_recall, "rel_error": err}
 
 
-def cuda_time(fn, reps=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -255,7 +242,7 @@ def main():
     kv.begin_chunk(kv.frames_cached, CHUNK)
     kv.begin_clean_pass()
     kv.extend(0, base, base)
-    t_write = cuda_time(lambda: kv.after_attention(0, base))
+    t_write = cuda_ms(lambda: kv.after_attention(0, base))
     # the same write replayed from a CUDA graph: its GPU time without host launch gaps, which is
     # what it adds inside a forward, where the host runs ahead of the device
     side = torch.cuda.Stream()
@@ -267,11 +254,11 @@ def main():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kv.after_attention(0, base)
-    t_write_graph = cuda_time(graph.replay)
+    t_write_graph = cuda_ms(graph.replay)
     keys, values, bias = kv.extend(0, base, base)
     q = torch.randn(1, CHUNK * TPF, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    t_tc_attn = cuda_time(lambda: attend(q, keys, values, key_bias=bias))
-    t_tc_nobias = cuda_time(lambda: attend(q, keys, values))
+    t_tc_attn = cuda_ms(lambda: attend(q, keys, values, key_bias=bias))
+    t_tc_nobias = cuda_ms(lambda: attend(q, keys, values))
     backends = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         def biased():
@@ -279,12 +266,12 @@ def main():
                 F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                                attn_mask=bias.to(q.dtype).unsqueeze(2))
         try:
-            backends[name] = cuda_time(biased)
+            backends[name] = cuda_ms(biased)
         except RuntimeError as exc:
             backends[name] = f"unsupported: {str(exc)[:120]}"
     print("biased SDPA backends at the budget shape:", backends)
     k81 = torch.randn(1, (81 + CHUNK) * TPF, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    t_dense81 = cuda_time(lambda: attend(q, k81, k81))
+    t_dense81 = cuda_ms(lambda: attend(q, k81, k81))
     saved = 5 * (t_dense81 - t_tc_attn)
     result["speed"] = {"write_ms_per_layer_per_chunk": t_write, "write_graph_ms_per_layer_per_chunk": t_write_graph,
                        "write_graph_over_saved": t_write_graph / (5 * (t_dense81 - t_tc_attn)),

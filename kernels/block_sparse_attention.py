@@ -47,20 +47,15 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 import torch
 from torch import Tensor
 
-try:  # Triton is optional: absent on macOS / Windows and on CPU-only installs.
+from . import HAS_TRITON, triton_runs_on
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - exercised only where Triton is missing
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 __all__ = [
     "HAS_TRITON",
@@ -444,15 +439,6 @@ if HAS_TRITON:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _triton_runs_on(t: Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only under its interpreter."""
-    if not HAS_TRITON:
-        return False
-    if t.is_cuda:
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _kernel_supports(q: Tensor, block_q) -> bool:
     """dtype, head dim and block size the kernel handles (D a power of two in [16, 256])."""
     D = q.shape[-1] if q.ndim == 4 else 0
@@ -497,7 +483,7 @@ def block_sparse_attention(
         raise ValueError(f"kernel needs head dim D a power of two in [16, 256], got D={D}")
     if block_q > 256:
         raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
-    if not _triton_runs_on(q):
+    if not triton_runs_on(q):
         raise ValueError(
             f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}"
         )
@@ -585,7 +571,7 @@ def block_sparse_attention_auto(
     and the dtype / head dim suit it, else the torch twin (same results)."""
     fn = (
         block_sparse_attention
-        if isinstance(q, Tensor) and _triton_runs_on(q) and _kernel_supports(q, block_q)
+        if isinstance(q, Tensor) and triton_runs_on(q) and _kernel_supports(q, block_q)
         else block_sparse_attention_torch
     )
     return fn(

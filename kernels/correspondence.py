@@ -17,20 +17,15 @@ max / argmax.
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 from torch import Tensor
 
-try:  # Triton is optional: absent on macOS / Windows and on CPU-only installs.
+from . import HAS_TRITON, triton_runs_on
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - exercised only where Triton is missing
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 __all__ = [
     "HAS_TRITON",
@@ -271,20 +266,11 @@ def top1_correspondence_triton(
     return index, score
 
 
-def _triton_runs_on(t: Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only under its interpreter."""
-    if not HAS_TRITON:
-        return False
-    if t.is_cuda:
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def top1_correspondence(
     x: Tensor, keys: Tensor, key_len: int | None = None, key_scale: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Dispatch: the kernel where Triton can run, else the torch twin (same results)."""
-    if _triton_runs_on(x) and x.dtype in _KERNEL_DTYPES and keys.dtype in _KERNEL_DTYPES:
+    if triton_runs_on(x) and x.dtype in _KERNEL_DTYPES and keys.dtype in _KERNEL_DTYPES:
         D = x.shape[-1] if x.ndim == 3 else 0
         if D >= 16 and not D & (D - 1):
             return top1_correspondence_triton(x, keys, key_len, key_scale)
