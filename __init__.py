@@ -8,11 +8,11 @@ WEB_DIRECTORY = "./web"
 async def comfy_entrypoint():
     from comfy_api.latest import ComfyExtension
 
-    from .nodes import NODES
+    from .nodes import node_list
 
     class FastARExtension(ComfyExtension):
         async def get_node_list(self):
-            return list(NODES)
+            return node_list()
 
     return FastARExtension()
 

@@ -23,6 +23,7 @@ def plot_rollout(series: dict[str, list[dict]], path: str | os.PathLike, title: 
     ax_t.set(xlabel="latent frames generated", ylabel="latency per chunk (ms)", title="chunk latency")
     ax_m.set(xlabel="latent frames generated", ylabel="GB", title="KV cache size")
     for ax in (ax_t, ax_m):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -1,3 +1,12 @@
-"""ComfyUI node classes: schemas and glue into ``fastar``; no math lives here."""
+"""ComfyUI node classes: schemas and glue into ``fastar``; no math lives here.
 
-NODES: list = []
+``bridge`` is the one module that touches ComfyUI internals; ``fastar_nodes`` holds the node
+classes. Neither is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
+"""
+
+
+def node_list() -> list:
+    """The pack's node classes (imports ComfyUI's API)."""
+    from .fastar_nodes import NODES
+
+    return list(NODES)
