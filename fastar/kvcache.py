@@ -105,11 +105,11 @@ class KVCache:
             capacity = 4 * chunk_frames
         self.frames_cached = 0
         self.frames_held = 0          # committed frames in frame slots (TempCache: sink frames only)
-        self.has_bias = [temporal] * num_layers
+        self.has_bias = temporal  # TempCache: log m on merged keys, -inf on empty slots
         self._scratch: tuple[int, int] | None = None  # (first slot, frames) of the open chunk
         self._writing = False
         self._spare = 1 if temporal else 0  # TempCache's dump token after the last slot
-        self.reallocations = -1
+        self.reallocations = 0
         self._allocate(capacity)
         self.tempcache = None
         if temporal:
@@ -139,7 +139,6 @@ class KVCache:
             bias[..., :n] = self.log_count_bias[..., :n]
             slot_frame[:self.frames_held] = self.slot_frames[:self.frames_held]
         self.k, self.v, self.log_count_bias, self.slot_frames = k, v, bias, slot_frame
-        self.reallocations += 1
 
     @property
     def capacity_frames(self) -> int:
@@ -170,6 +169,7 @@ class KVCache:
             first = self.frames_held
             if first + frames > self.capacity_frames:  # only unbounded: bounded capacity has room
                 self._allocate(max(2 * self.capacity_frames, first + frames))
+                self.reallocations += 1
         self._scratch = (first, frames)
         self._writing = False
 
@@ -184,7 +184,7 @@ class KVCache:
             raise FastARError(f"chunk K/V must be {list(expected)}, got {list(k.shape)} / {list(v.shape)}")
         self.k[layer, :, span] = k
         self.v[layer, :, span] = v
-        bias = self.log_count_bias[layer, ..., :span.stop] if self.has_bias[layer] else None
+        bias = self.log_count_bias[layer, ..., :span.stop] if self.has_bias else None
         return self.k[layer, :, :span.stop], self.v[layer, :, :span.stop], bias
 
     def begin_clean_pass(self) -> None:
