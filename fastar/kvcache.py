@@ -194,8 +194,8 @@ class KVCache:
         self._writing = True
         if self.tempcache is not None:
             first_new = self.frames_cached + self._sink_frames_in_chunk()
-            frames = torch.arange(first_new, self.frames_cached + self._scratch[1])
-            self._new_frames = frames.repeat_interleave(self.tokens_per_frame).to(self.device, non_blocking=True)
+            frames = torch.arange(first_new, self.frames_cached + self._scratch[1], device=self.device)
+            self._new_frames = frames.repeat_interleave(self.tokens_per_frame)
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
         """In the clean pass, TempCache merges the layer's chunk into history (q [B, n, H, D])."""

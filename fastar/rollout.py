@@ -48,9 +48,10 @@ class ChunkReport:
 
 
 def chunk_noise(seed: int, chunk: int, step: int, shape, device) -> torch.Tensor:
-    """Noise for (chunk, step), independent of how many chunks the rollout has."""
-    g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + chunk * 7919 + step) % 2**63)
-    return torch.randn(shape, generator=g).to(device)
+    """Noise for (chunk, step), independent of how many chunks the rollout has. Drawn on the
+    device itself: a host-to-device copy would stall the host on every step."""
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + chunk * 7919 + step) % 2**63)
+    return torch.randn(shape, generator=g, device=device)
 
 
 def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, int]:
