@@ -159,3 +159,25 @@ def test_last_slots_telemetry_tracks_groups():
     assert (first >= 0).all() and all(len(set(row.tolist())) == TPF for row in first)
     write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
     assert torch.equal(kv.tempcache.last_slots[0, 0], first)  # every duplicate joined its original's slot
+
+
+@pytest.mark.parametrize("grouping", ["head", "shared"])
+def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
+    """The per-layer merge runs on the device: no .item(), .tolist(), .cpu() or bool() of a tensor."""
+    g = torch.Generator().manual_seed(8)
+    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1, grouping=grouping))
+    base = torch.randn(1, TPF, H, D, generator=g)
+    frames = [base + 0.2 * torch.randn(1, TPF, H, D, generator=g) for _ in range(5)]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host sync in the TempCache write path")
+    for name in ("item", "tolist", "cpu", "__bool__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for k in frames:
+        kv.begin_chunk(kv.frames_cached, 1)
+        kv.begin_clean_pass()
+        kv.extend(0, k, k)
+        kv.after_attention(0, k)
+        kv.commit()
+    monkeypatch.undo()
+    assert kv.stats().merged > 0
