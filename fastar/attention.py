@@ -65,21 +65,58 @@ class FastARAttention:
 
     ``cache`` follows the KV cache protocol (``extend`` then ``after_attention`` in every
     forward; the engine opens chunks and commits them); ``mask`` applies only without a cache.
+    ``ann`` (an ``AnnConfig``, needs a cache) makes attention AnnSA / AnnCA sparse where its
+    schedule says so; the engine sets ``step`` / ``num_steps`` before each forward for it.
     """
 
-    def __init__(self, cache=None, mask: torch.Tensor | None = None):
+    def __init__(self, cache=None, mask: torch.Tensor | None = None, ann=None):
         if cache is not None and mask is not None:
             raise FastARError("FastARAttention takes a KV cache or a full-sequence mask, not both")
         self.cache = cache
         self.mask = mask
+        self.ann = ann
+        self.annsa = self.annca = None
+        self.step: int | None = None       # denoising step of the running forward (clean pass: num_steps)
+        self.num_steps: int | None = None
+        if ann is not None:
+            if cache is None:
+                raise FastARError("FastARAttention: AnnSA/AnnCA need a KV cache (ann given without one)")
+            from .ann import build_ann
+            self.annsa, self.annca = build_ann(ann, cache)
+            self.dense_layers = set(ann.dense_layers)  # grows by calibration
+            self.recall: dict[int, float] = {}         # calibration: AnnSA recall per layer
+
+    def _sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and self.ann.sparse_at(layer, self.step, self.num_steps)
+
+    def _calibrate(self, layer: int, q, keys, bias, plan) -> None:
+        """First sparse forward over history: measure the layer's AnnSA recall; below the target
+        the layer turns dense (AnnSA and AnnCA). One host read per layer, once per rollout."""
+        recall = self.annsa.recall(q, keys, bias, plan).item()
+        self.recall[layer] = recall
+        if recall < self.ann.calibration_recall:
+            self.dense_layers.add(layer)
 
     def self_attention(self, layer: int, q, k, v):
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.extend(layer, k, v)
-        out = attend(q, keys, values, key_bias=bias)
+        sparse = self.annsa is not None and self._sparse(layer)
+        plan = None
+        if sparse and self.ann.calibration_recall and layer not in self.recall and self.cache.frames_cached:
+            plan = self.annsa.plan(layer, q)
+            self._calibrate(layer, q, keys, bias, plan)
+            sparse = layer not in self.dense_layers
+        if sparse:
+            out = self.annsa.attention(layer, q, keys, values, bias, plan)
+        else:
+            out = attend(q, keys, values, key_bias=bias)
         self.cache.after_attention(layer, q)
+        if self.annsa is not None and self.cache.clean_pass and layer not in self.dense_layers:
+            self.annsa.index_history(layer)
         return out
 
     def cross_attention(self, layer: int, q, k, v):
+        if self.annca is not None and self._sparse(layer):
+            return self.annca.attention(layer, q, k, v)
         return attend(q, k, v)

@@ -239,6 +239,57 @@ class KVCache:
             self.frames_held = self.frames_cached
         self._scratch, self._writing = None, False
 
+    # -- AnnSA's view: which rows are dense, which are bucket-sorted --------------------
+    @property
+    def clean_pass(self) -> bool:
+        """Whether the running forward is the clean pass (its K/V become history)."""
+        return self._writing
+
+    @property
+    def ann_sortable(self) -> bool:
+        """Whether history rows may be reordered: not in a window cache (its ring writes frame slots)."""
+        return self.tempcache is not None or not self.config.bounded
+
+    @property
+    def sink_rows(self) -> int:
+        """Rows [0, sink_rows) are the sink, attended dense."""
+        return self.sink_frames * self.tokens_per_frame if self.tempcache is not None else 0
+
+    def chunk_rows(self) -> slice:
+        """Rows of the open chunk's own K/V (the scratch), attended dense."""
+        return self._tokens(*self._scratch)
+
+    def sorted_rows(self, clean_pass: bool) -> slice:
+        """History rows AnnSA keeps bucket-sorted: TempCache's history slots; in the unbounded
+        cache every committed row, plus, in the clean pass, the chunk about to commit."""
+        if self.tempcache is not None:
+            return self._tokens(self.config.sink_frames, self.config.history_frames)
+        stop = self._tokens(*self._scratch).stop if clean_pass else self.frames_held * self.tokens_per_frame
+        return slice(0, stop)
+
+    def filled_rows(self, layer: int) -> torch.Tensor | None:
+        """Bool [B, H, M] of ``sorted_rows`` holding a key (TempCache); None where all do."""
+        return self.tempcache.count[layer] > 0 if self.tempcache is not None else None
+
+    @torch.no_grad()
+    def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
+        """Reorder history ``rows`` of a layer per head: new row i takes old row perm[b, h, i].
+        Attention is over a key set, so this changes no result; TempCache's slot state follows."""
+        idx = perm.transpose(1, 2)[..., None]                     # [B, M, H, 1]
+        for buf in (self.k, self.v):
+            part = buf[layer, :, rows]
+            part.copy_(part.gather(1, idx.expand_as(part)))
+        if self.has_bias:
+            bias = self.log_count_bias[layer, :, :, rows]
+            bias.copy_(bias.gather(-1, perm))
+        tc = self.tempcache
+        if tc is not None:
+            for state in (tc.count[layer], tc.newest[layer]):
+                state.copy_(state.gather(-1, perm))
+            new_slot = torch.argsort(perm, dim=-1)                  # old slot -> new slot
+            last = tc.last_slots[layer]
+            last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
+
     # -- telemetry -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         """Sizes after the last commit (with TempCache this reads a few device scalars)."""

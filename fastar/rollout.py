@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from .ann import AnnConfig
 from .attention import FastARAttention
 from .errors import FastARError
 from .kvcache import CacheConfig, CacheStats, KVCache
@@ -90,7 +91,7 @@ class Rollout:
     def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
                  chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
-                 negative_context: torch.Tensor | None = None, cfg: float = 1.0):
+                 negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
         self.guided = cfg != 1.0
         if self.guided:
@@ -109,7 +110,7 @@ class Rollout:
         self.cache = KVCache(cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
                              num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                              chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
-        self.attention = FastARAttention(self.cache)
+        self.attention = FastARAttention(self.cache, ann=ann)
 
     @property
     def num_chunks(self) -> int:
@@ -129,12 +130,15 @@ class Rollout:
         """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0."""
         start = c * self.chunk_frames
         x = chunk_noise(self.seed, c, 0, self.chunk_shape, self.device)
+        self.attention.num_steps = len(self.sigmas)
         for step, sigma in enumerate(self.sigmas):
+            self.attention.step = step
             x0 = x - sigma * self.predict(x, 1000.0 * sigma, start)
             if step + 1 < len(self.sigmas):
                 nxt = self.sigmas[step + 1]
                 x = (1 - nxt) * x0 + nxt * chunk_noise(self.seed, c, step + 1, self.chunk_shape, self.device)
         self.cache.begin_clean_pass()
+        self.attention.step = len(self.sigmas)  # the clean pass: the step after the last
         self.predict(x0, self.context_noise, start)
         return x0
 
@@ -161,8 +165,8 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
 
     Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
-    context_noise (0), negative_context and cfg (1: off). ``context`` [B, L, text_dim]
-    conditions every frame; with cfg != 1 both branches run batched over one cache.
+    context_noise (0), negative_context, cfg (1: off) and ann (an ``AnnConfig``; None: dense).
+    ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
     """
     return Rollout(model, context, **settings).run(on_chunk)

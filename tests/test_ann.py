@@ -1,0 +1,297 @@
+"""AnnSA / AnnCA: dense when every bucket is selected, sparse and sync-free otherwise.
+
+The sparse paths run the block-sparse kernel under Triton's interpreter (small sizes)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton compiles anything: kernels run on CPU
+
+import pytest
+import torch
+
+from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, KVCache,
+                                   Rollout, TempCacheConfig, attend, rollout)
+from comfyui_fastar.fastar import ann as ann_mod
+from comfyui_fastar.fastar.ann import LSH, build_ann, plan_density
+from comfyui_fastar.fastar.models import build_model
+
+B, H, D, TPF, CF = 1, 2, 32, 40, 2
+ALL = AnnConfig(bits=1, probes=1, dense_steps_fraction=0.0, min_tokens=0)  # every bucket: density 1
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(bits=0), "bits"), (dict(bits=13), "bits"),
+    (dict(probes=9), "probes"), (dict(probes=-1), "probes"), (dict(block_q=32), "block_q"),
+    (dict(dense_steps_fraction=1.5), "dense_steps_fraction"), (dict(dense_layers=(-1,)), "dense_layers"),
+    (dict(dense_layers=3), "dense_layers"), (dict(annsa=1), "annsa"), (dict(annca="yes"), "annca"),
+    (dict(min_tokens=-2), "min_tokens"), (dict(seed=1.5), "seed"), (dict(bits=True), "bits"),
+    (dict(keep_fraction=0.0), "keep_fraction"), (dict(method="faiss"), "method"),
+    (dict(calibration_recall=2), "calibration_recall"),
+])
+def test_config_validation_names_the_field(kwargs, field):
+    with pytest.raises(FastARError, match=f"AnnConfig.{field}"):
+        AnnConfig(**kwargs)
+
+
+def test_config_schedule():
+    cfg = AnnConfig(dense_steps_fraction=0.3, dense_layers=[1])
+    assert cfg.dense_layers == (1,)
+    assert [cfg.sparse_at(0, s, 4) for s in range(5)] == [False, True, True, True, True]
+    assert not cfg.sparse_at(1, 3, 4) and cfg.sparse_at(0, None, None)
+    assert not AnnConfig(dense_steps_fraction=1.0).sparse_at(0, 4, 4)  # clean pass dense too
+
+
+def test_lsh_deterministic_for_a_seed():
+    x = torch.randn(1, 50, 2, 32)
+    a = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=7, device="cpu")
+    b = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=7, device="cpu")
+    c = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=8, device="cpu")
+    assert torch.equal(a.hash(1, x), b.hash(1, x)) and not torch.equal(a.hash(1, x), c.hash(1, x))
+    assert torch.equal(a.probe_codes(0, x), b.probe_codes(0, x))
+    assert a.hash(0, x).max() < 256 and a.hash(0, x).min() >= 0
+    # a query's probes differ from its own bucket in exactly one bit
+    pc = a.probe_codes(0, x)
+    flips = pc[..., 1:] ^ pc[..., :1]
+    assert ((flips & (flips - 1)) == 0).all() and (flips > 0).all()
+
+
+def make_cache(config, layers=1, dtype=torch.float32, tpf=TPF):
+    return KVCache(config, num_layers=layers, batch=B, num_heads=H, head_dim=D, tokens_per_frame=tpf,
+                   chunk_frames=CF, max_frames=12, dtype=dtype)
+
+
+def clustered(n, centers, noise=0.05, gen=None):
+    """Tokens near a few directions: the structure ANN buckets exploit."""
+    pick = torch.randint(0, centers.shape[0], (B, n, H), generator=gen)
+    return centers[pick, torch.arange(H)] + noise * torch.randn(B, n, H, D, generator=gen)
+
+
+def fill(attn, chunks, gen, centers=None):
+    """Run ``chunks`` chunks of one denoising forward + clean pass through layer 0; returns the
+    last chunk's (q, k, v) and the (dense, via attention) output of its final denoising call."""
+    cache = attn.cache
+    for c in range(chunks):
+        cache.begin_chunk(c * CF, CF)
+        n = CF * cache.tokens_per_frame
+        make = (lambda: clustered(n, centers, gen=gen)) if centers is not None else (
+            lambda: torch.randn(B, n, H, D, generator=gen))
+        q, k, v = (t.to(cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
+        attn.step = 3
+        attn.self_attention(0, q, k, v)
+        cache.begin_clean_pass()
+        attn.step = 4
+        attn.self_attention(0, q, k, v)
+        cache.commit()
+    cache.begin_chunk(chunks * CF, CF)
+    return (t.to(cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
+
+
+QUANT_ALL = AnnConfig(method="quant", keep_fraction=1.0, dense_steps_fraction=0.0)
+
+
+@pytest.mark.parametrize("cfg", [ALL, QUANT_ALL], ids=["lsh", "quant"])
+@pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=6, sink_frames=2)],
+                         ids=["unbounded", "tempcache"])
+def test_annsa_every_bucket_equals_dense(cache_cfg, cfg):
+    gen = torch.Generator().manual_seed(0)
+    sparse = FastARAttention(make_cache(cache_cfg), ann=cfg)
+    dense = FastARAttention(make_cache(cache_cfg))
+    g2 = torch.Generator().manual_seed(0)
+    q, k, v = fill(sparse, 4, gen)
+    fill(dense, 4, g2)
+    sparse.step = dense.step = 3
+    out = sparse.self_attention(0, q, k, v)
+    ref = dense.self_attention(0, q, k, v)
+    assert rel(out, ref) <= 1e-5
+    # the history was really reordered (not a no-op): same key set, different order
+    rows = sparse.cache.sorted_rows(clean_pass=False)
+    ks, kd = sparse.cache.k[0, :, rows], dense.cache.k[0, :, rows]
+    assert not torch.equal(ks, kd)
+    assert torch.equal(ks.sort(1).values, kd.sort(1).values)
+
+
+@pytest.mark.parametrize("cfg", [AnnConfig(bits=6, probes=1, dense_steps_fraction=0.0),
+                                 AnnConfig(method="quant", keep_fraction=0.4, dense_steps_fraction=0.0)],
+                         ids=["lsh", "quant"])
+def test_annsa_plan_is_sparse_on_structured_inputs(cfg):
+    gen = torch.Generator().manual_seed(1)
+    centers = torch.nn.functional.normalize(torch.randn(8, H, D, generator=gen), dim=-1) * 10
+    attn = FastARAttention(make_cache(CacheConfig(), tpf=128), ann=cfg)
+    q, k, v = fill(attn, 4, gen, centers)
+    keys, values, bias = attn.cache.extend(0, k, v)
+    q_perm, ranges, counts = attn.annsa.plan(0, q)
+    density = plan_density(ranges, counts, keys.shape[1]).item()
+    assert 0.2 < density < 0.6  # own chunk alone is 0.2
+    # the planned sparse attention still finds most of the dense attention mass
+    out = attn.annsa.attention(0, q, keys, values, bias)
+    ref = attend(q, keys, values)
+    assert rel(out, ref) < (0.05 if cfg.method == "lsh" else 0.12)
+    # q_perm is a permutation and every used range is in bounds
+    assert torch.equal(q_perm.sort(-1).values, torch.arange(q.shape[1]).expand_as(q_perm))
+    used = torch.arange(ranges.shape[-2]) < counts[..., None]
+    assert (ranges[..., 1][used] <= keys.shape[1]).all() and (ranges[..., 0][used] <= ranges[..., 1][used]).all()
+
+
+def test_annca_all_kept_equals_dense_and_floor_applies():
+    gen = torch.Generator().manual_seed(2)
+    cache = make_cache(CacheConfig())
+    q = torch.randn(B, CF * TPF, H, D, generator=gen)
+    k, v = torch.randn(B, 23, H, D, generator=gen), torch.randn(B, 23, H, D, generator=gen)
+    _, annca = build_ann(ALL, cache)
+    assert annca.keep(0, q, k).all()
+    assert rel(annca.attention(0, q, k, v), attend(q, k, v)) <= 1e-5
+    _, floor = build_ann(AnnConfig(bits=8, probes=0, min_tokens=23), cache)  # floor = every token
+    assert rel(floor.attention(0, q, k, v), attend(q, k, v)) <= 1e-5
+    _, sparse = build_ann(AnnConfig(bits=8, probes=0, min_tokens=5), cache)
+    keep = sparse.keep(0, q, k)
+    assert (keep.sum(-1) >= 5).all() and keep.float().mean() < 1
+    # equals dense attention over each frame's kept tokens (a -inf mask)
+    out = sparse.attention(0, q, k, v)
+    for f in range(CF):
+        rows = slice(f * TPF, (f + 1) * TPF)
+        for h in range(H):
+            kk = keep[0, h, f]
+            ref = attend(q[:, rows, h:h + 1], k[:, kk, h:h + 1], v[:, kk, h:h + 1])
+            assert rel(out[:, rows, h:h + 1], ref) <= 1e-5
+
+
+def test_window_cache_refuses_annsa():
+    with pytest.raises(FastARError, match="window"):
+        FastARAttention(make_cache(CacheConfig(mode="window")), ann=AnnConfig())
+    FastARAttention(make_cache(CacheConfig(mode="window")), ann=AnnConfig(annsa=False))
+    with pytest.raises(FastARError, match="dense_layers"):
+        FastARAttention(make_cache(CacheConfig()), ann=AnnConfig(dense_layers=(5,)))
+    with pytest.raises(FastARError, match="KV cache"):
+        FastARAttention(ann=AnnConfig())
+
+
+class NoSync:
+    """Make every host-sync entry point of a tensor raise."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        for name in self.names:
+            monkeypatch.setattr(torch.Tensor, name, self.boom(name))
+
+    @staticmethod
+    def boom(name):
+        def f(*a, **k):
+            raise AssertionError(f"host sync: Tensor.{name}")
+        return f
+
+
+def masked_stand_in(q, k, v, ranges, counts, *, key_bias=None, q_perm=None, block_q=64, **_):
+    """Sync-free stand-in for the kernel (the twin validates on the host): dense masked SDPA."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    used = torch.arange(ranges.shape[-2]) < counts[..., None]                     # [B, H, nqb, R]
+    keys = torch.arange(lk)
+    inside = (keys >= ranges[..., 0, None]) & (keys < ranges[..., 1, None]) & used[..., None]
+    block_mask = inside.any(-2)                                                   # [B, H, nqb, Lk]
+    slot = torch.arange(lq) // block_q
+    row_mask = block_mask[:, :, slot]
+    if q_perm is not None:
+        row_mask = torch.empty_like(row_mask).scatter_(2, q_perm[..., None].expand(b, h, lq, lk), row_mask)
+    bias = torch.zeros(b, h, lq, lk).masked_fill(~row_mask, float("-inf"))
+    if key_bias is not None:
+        bias = bias + key_bias[:, :, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+@pytest.mark.parametrize("method", ["lsh", "quant"])
+def test_sparse_forward_has_no_host_sync(monkeypatch, method):
+    gen = torch.Generator().manual_seed(3)
+    cfg = AnnConfig(method=method, bits=4, probes=1, dense_steps_fraction=0.0, min_tokens=3, keep_fraction=0.5)
+    attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2)), ann=cfg)
+    q, k, v = fill(attn, 3, gen)
+    ctx_k, ctx_v = torch.randn(B, 9, H, D), torch.randn(B, 9, H, D)
+    monkeypatch.setattr(ann_mod, "block_sparse_attention_auto", masked_stand_in)
+    ann_mod._warned = True
+    with monkeypatch.context() as m:
+        NoSync(m)
+        out = attn.self_attention(0, q, k, v)           # plan + sparse attention
+        attn.cache.begin_clean_pass()
+        attn.self_attention(0, q, k, v)                 # TempCache write + hashing + bucket sort
+        attn.cache.commit()
+        cross = attn.cross_attention(0, q, ctx_k, ctx_v)  # AnnCA selection + attention
+    assert torch.isfinite(out).all() and torch.isfinite(cross).all()
+    # the stand-in is the twin's semantics: same result through the twin
+    monkeypatch.undo()
+    attn.cache.begin_chunk(attn.cache.frames_cached, CF)
+    attn.cache.extend(0, k, v)
+    plan = attn.annsa.plan(0, q)
+    keys, values, bias = attn.cache.extend(0, k, v)
+    args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), plan[1], plan[2])
+    kw = dict(key_bias=bias, q_perm=plan[0], block_q=cfg.block_q)
+    assert rel(masked_stand_in(*args, **kw), ann_mod.block_sparse_attention_auto(*args, **kw)) <= 1e-5
+
+
+H_PX, W_PX = 64, 96  # 24 tokens per frame on the tiny model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=1)
+
+
+@pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=3, sink_frames=1)],
+                         ids=["unbounded", "tempcache"])
+def test_rollout_with_ann(model, cache_cfg, monkeypatch):
+    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
+    settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, cache=cache_cfg, seed=3,
+                    schedule=FlowMatchSchedule((1000.0, 500.0)))
+    dense = rollout(model, ctx, **settings)
+    every = Rollout(model, ctx, ann=ALL, **settings)
+    assert rel(every.run(), dense) <= 1e-5
+    assert every.attention.annca.density.min() == 1
+    if isinstance(cache_cfg, CacheConfig):  # (TempCache's empty slots are skipped, not read)
+        assert every.attention.annsa.density.min() == 1
+    densities, auto = [], ann_mod.block_sparse_attention_auto
+
+    def spy(q, k, v, ranges, counts, **kw):
+        if kw.get("q_perm") is not None:  # AnnSA (AnnCA passes no permutation)
+            densities.append(plan_density(ranges, counts, k.shape[2]).item())
+        return auto(q, k, v, ranges, counts, **kw)
+
+    monkeypatch.setattr(ann_mod, "block_sparse_attention_auto", spy)
+    sparse = rollout(model, ctx, ann=AnnConfig(bits=6, probes=0, min_tokens=2, dense_steps_fraction=0.5), **settings)
+    assert torch.isfinite(sparse).all()
+    assert 0 < rel(sparse, dense) < 1.0
+    # 3 chunks x 2 layers x (1 sparse step + clean pass)
+    assert len(densities) == 3 * 2 * 2 and min(densities) < 1
+
+
+def test_kernel_equals_twin_on_annsa_plans():
+    """The plans AnnSA builds (permuted queries, runs of buckets, TempCache bias) mean the same
+    to the Triton kernel (interpreted) as to its torch twin."""
+    from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
+    gen = torch.Generator().manual_seed(5)
+    for dtype, method in ((torch.float32, "lsh"), (torch.bfloat16, "lsh"), (torch.float32, "quant")):
+        attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2), dtype=dtype),
+                               ann=AnnConfig(method=method, bits=5, probes=2, dense_steps_fraction=0.0))
+        q, k, v = fill(attn, 3, gen)
+        keys, values, bias = attn.cache.extend(0, k, v)
+        q_perm, ranges, counts = attn.annsa.plan(0, q)
+        args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ranges, counts)
+        kw = dict(key_bias=bias, q_perm=q_perm, block_q=64)
+        out, ref = block_sparse_attention(*args, **kw), block_sparse_attention_torch(*args, **kw)
+        assert rel(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_calibration_makes_low_recall_layers_dense(model):
+    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
+    settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, seed=3, schedule=FlowMatchSchedule((1000.0,)))
+    dense = rollout(model, ctx, **settings)
+    sparse = AnnConfig(bits=6, probes=0, annca=False, dense_steps_fraction=0.0)
+    strict = Rollout(model, ctx, ann=AnnConfig(**{**vars(sparse), "calibration_recall": 0.999}), **settings)
+    out = strict.run()
+    recall = strict.attention.recall
+    assert sorted(recall) == [0, 1] and all(0 < r < 0.999 for r in recall.values())
+    assert strict.attention.dense_layers == {0, 1}
+    assert rel(out, dense) <= 1e-5  # chunk 0 has no history (exact); from chunk 1 on every layer is dense
+    lax = Rollout(model, ctx, ann=AnnConfig(**{**vars(sparse), "calibration_recall": 0.01}), **settings)
+    assert rel(lax.run(), dense) > 1e-4 and lax.attention.dense_layers == set()
+    assert lax.attention.recall[0] == pytest.approx(recall[0])  # (layer 1 sees a dense layer 0 in strict)
