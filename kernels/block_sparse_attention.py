@@ -37,8 +37,12 @@ Kernel layout
 Grid ``(n_qblocks, B * H)``; one program holds one query block (gathered through
 ``q_perm``) in registers and streams the keys of its ranges in tiles of ``block_n``
 with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
-into the scale). The tile at a range end is masked, so no length or bound needs to be
-a multiple of anything. All strides are passed explicitly: the KV cache stores
+into the scale, and into the bias once per call by the wrapper). Each range is
+``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
+bias, scaling and the max shift fuse into one FMA per score), then at most one masked
+tail tile, so no length or bound needs to be a multiple of anything. K / V tiles are
+addressed as a scalar int64 pointer advanced by ``block_n`` rows plus loop-invariant
+int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
 ``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
 """
 
@@ -63,6 +67,7 @@ __all__ = [
     "block_sparse_attention_auto",
     "block_sparse_attention_torch",
     "block_sparse_attention_triton",
+    "HOPPER_LAUNCH_GRID",
     "default_launch",
     "dense_ranges",
     "n_query_blocks",
@@ -98,21 +103,58 @@ def dense_ranges(
     return ranges, counts
 
 
-def default_launch(D: int, block_q: int) -> dict:
+#: Hopper's shared memory per block (227 KiB), less room for the bias tiles (4 * block_n * stages B).
+_SMEM_BUDGET = 232448 - 2048
+
+#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on
+#: Hopper at D = 128 (``bench/block_sparse_bench.py`` sweeps them; every one compiles
+#: for sm_90 within shared memory, see the test). ``block_q`` is part of a plan's
+#: meaning, so a planner picks it; the other three are pure tunables.
+HOPPER_LAUNCH_GRID = (
+    (64, 64, 4, 3),  # best measured before the full-tile split (352 TFLOP/s)
+    (64, 64, 4, 4),
+    (64, 32, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 32, 8, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+)
+
+
+def _smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
+    """Shared memory of a launch: the query block plus a K and a V tile per stage."""
+    return itemsize * D * (block_m + 2 * num_stages * block_n)
+
+
+def default_launch(D: int, block_q: int, itemsize: int = 2) -> dict:
     """Launch defaults for Hopper (H200), used where the caller passes None.
 
     ``block_n`` 64: a K and a V tile of 64 x 128 bf16 are 32 KiB per stage, so three
-    stages plus the query block fit shared memory with room to spare, and range ends
-    waste at most 63 masked keys. ``num_warps`` 4 per 64 query rows (one warpgroup per
-    wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for D > 128, whose
-    tiles are twice as large). Untuned guesses: benchmark before trusting them.
+    stages plus the query block fit shared memory with room to spare, and a range's
+    masked tail tile wastes at most 63 keys. ``num_warps`` 4 per 64 query rows (one
+    warpgroup per wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for
+    D > 128, whose tiles are twice as large). Where that would not fit shared memory
+    (``itemsize`` 4, i.e. fp32 inputs, with large tiles) stages, then ``block_n``, are
+    cut until it does. Override any of them per call; ``HOPPER_LAUNCH_GRID`` lists the
+    candidates the benchmark compares.
     """
     block_m = _block_m(block_q)
-    return {
+    launch = {
         "block_n": 64,
         "num_warps": 8 if block_m >= 128 else 4,
         "num_stages": 3 if D <= 128 else 2,
     }
+
+    def fits():
+        size = _smem_bytes(D, block_m, launch["block_n"], launch["num_stages"], itemsize)
+        return size <= _SMEM_BUDGET
+
+    while not fits() and launch["num_stages"] > 2:
+        launch["num_stages"] -= 1
+    while not fits() and launch["block_n"] > 16:
+        launch["block_n"] //= 2
+    return launch
 
 
 def _block_m(block_q: int) -> int:
@@ -299,6 +341,91 @@ def block_sparse_attention_torch(
 if HAS_TRITON:
 
     @triton.jit
+    def _attend_tile(
+        acc,
+        l_i,
+        m_i,
+        qt,
+        k_tile,
+        v_tile,
+        b_tile,
+        k_offs,
+        v_offs,
+        offs_n,
+        n_valid,
+        qk_scale,
+        HAS_BIAS: tl.constexpr,
+        MASKED: tl.constexpr,
+        SCALE_NEG: tl.constexpr,
+        UPCAST: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """One key tile of the online softmax; returns the updated (acc, l_i, m_i).
+
+        ``k_tile`` / ``v_tile`` / ``b_tile`` point at the tile's first key. A full tile
+        (``MASKED`` False) reads BLOCK_N keys with no mask at all; a tail tile reads the
+        first ``n_valid`` (``0 < n_valid < BLOCK_N``) and gives the rest logit -inf.
+        Logits are in base 2: ``qk_scale`` = scale * log2(e) and the bias behind
+        ``b_tile`` is pre-multiplied by log2(e) by the wrapper.
+        """
+        if MASKED:
+            col_ok = offs_n < n_valid
+        if HAS_BIAS:
+            # Issued first: its latency hides behind the K load and the QK^T dot.
+            if MASKED:
+                kb = tl.load(b_tile + offs_n, mask=col_ok, other=float("-inf"))
+            else:
+                kb = tl.load(b_tile + offs_n)
+        if MASKED:
+            kt = tl.load(k_tile + k_offs, mask=col_ok[:, None], other=0.0)
+            # The tail tile is not software-pipelined: issue V with K so that the two
+            # loads' latencies overlap instead of adding up.
+            vt = tl.load(v_tile + v_offs, mask=col_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(k_tile + k_offs)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(qt, tl.trans(kt), input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            # Masked columns: 0 * scale + -inf = -inf. A key with bias -inf likewise.
+            t = s * qk_scale + kb[None, :]
+            m_new = tl.maximum(m_i, tl.max(t, 1))
+            # A row with no finite logit yet keeps m = -inf; shift by 0 there so that
+            # exp2(-inf - -inf) never makes a NaN (p and alpha become 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(t - m_use[:, None])
+        elif MASKED:
+            t = tl.where(col_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(t, 1))  # finite: the tile has >= 1 valid key
+            m_use = m_new
+            p = tl.math.exp2(t - m_use[:, None])
+        else:
+            # Every logit finite: the row max of scale * s is scale * max(s) (min(s) for a
+            # negative scale), so scaling and shifting fuse into one FMA per score.
+            if SCALE_NEG:
+                m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if not MASKED:
+            vt = tl.load(v_tile + v_offs)
+        if UPCAST:
+            # Round p as the native path does (to the input dtype), then compute in fp32.
+            p = p.to(v_tile.dtype.element_ty).to(tl.float32)
+            vt = vt.to(tl.float32)
+        else:
+            p = p.to(vt.dtype)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
+        return acc, l_i, m_new
+
+    # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
+    # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
+    # alignment the kernel could use: tiles start at unaligned range starts anyway.
+    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
@@ -306,7 +433,7 @@ if HAS_TRITON:
         o_ptr,
         ranges_ptr,
         counts_ptr,
-        bias_ptr,
+        bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
         perm_ptr,
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
@@ -338,9 +465,6 @@ if HAS_TRITON:
         stride_cb,
         stride_ch,
         stride_cq,
-        stride_bb,
-        stride_bh,
-        stride_bl,
         stride_pb,
         stride_ph,
         stride_pl,
@@ -349,6 +473,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_PERM: tl.constexpr,
+        SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
@@ -360,26 +485,34 @@ if HAS_TRITON:
         h = (pid_bh % H).to(tl.int64)
 
         offs_i = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.max_contiguous(tl.multiple_of(tl.arange(0, D), D), D)
+        offs_n = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         slot = pid_m * block_q + offs_i  # position in the (permuted) query order
         row_ok = (offs_i < block_q) & (slot < Lq)
         if HAS_PERM:
             p_ptrs = perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl
             rows = tl.load(p_ptrs, mask=row_ok, other=0)
-            rows = tl.minimum(tl.maximum(rows, 0), Lq - 1)  # memory safety only
+            # Clamped for memory safety only; int32 (Lq < 2**31) keeps it cheap to hold
+            # until the store, widened where it multiplies a stride.
+            rows = tl.minimum(tl.maximum(rows, 0), Lq - 1).to(tl.int32)
         else:
-            rows = slot.to(tl.int64)
+            rows = slot
 
         q_base = q_ptr + b * stride_qb + h * stride_qh
-        q_ptrs = q_base + rows[:, None] * stride_ql + offs_d[None, :] * stride_qd
+        q_ptrs = q_base + rows.to(tl.int64)[:, None] * stride_ql + offs_d[None, :] * stride_qd
         qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         if UPCAST:
             qt = qt.to(tl.float32)
 
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
-        bias_base = bias_ptr + b * stride_bb + h * stride_bh
+        bias_base = bias_ptr + pid_bh.to(tl.int64) * Lk
+        # In-tile offsets: loop invariant int32 (the wrapper guarantees BLOCK_N rows of
+        # any stride fit); the tile's int64 base is a scalar pointer advanced per tile.
+        k_offs = offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd
+        v_offs = offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd
+        k_step = stride_kl.to(tl.int64) * BLOCK_N
+        v_step = stride_vl.to(tl.int64) * BLOCK_N
         r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
         count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
         count = tl.minimum(tl.maximum(count, 0), R)
@@ -388,55 +521,39 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         for r in range(0, count):
-            # int64 bounds make the tile index int64: n0 * stride never overflows on
-            # long caches, while in-tile offsets stay small int32.
-            start = tl.maximum(tl.load(r_base + r * stride_rr).to(tl.int64), 0)
-            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp).to(tl.int64), Lk)
-            for n0 in range(start, end, BLOCK_N):
-                cols = n0 + offs_n
-                col_ok = cols < end
-                k_tile = k_base + n0 * stride_kl
-                kt = tl.load(
-                    k_tile + offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None],
-                    other=0.0,
+            start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
+            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
+            n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
+            n_full = n_keys // BLOCK_N
+            k_tile = k_base + start.to(tl.int64) * stride_kl
+            v_tile = v_base + start.to(tl.int64) * stride_vl
+            b_tile = bias_base + start
+            for _ in range(0, n_full):  # full tiles: no masks
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
+                    qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
-                if UPCAST:
-                    kt = kt.to(tl.float32)
-                s = tl.dot(qt, tl.trans(kt), input_precision=INPUT_PRECISION) * qk_scale
-                if HAS_BIAS:
-                    kb = tl.load(bias_base + cols * stride_bl, mask=col_ok, other=float("-inf"))
-                    s = s + kb[None, :] * 1.4426950408889634  # log2(e); masked columns become -inf
-                else:
-                    s = tl.where(col_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                # A row with no finite logit yet keeps m = -inf; shift by 0 there so that
-                # exp2(-inf - -inf) never makes a NaN (p and alpha become 0 / stay finite).
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.math.exp2(m_i - m_use)
-                p = tl.math.exp2(s - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_tile = v_base + n0 * stride_vl
-                vt = tl.load(
-                    v_tile + offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None],
-                    other=0.0,
+                k_tile += k_step
+                v_tile += v_step
+                b_tile += BLOCK_N
+            n_tail = n_keys - n_full * BLOCK_N
+            if n_tail > 0:  # at most one masked tile per range
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
+                    qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
-                if UPCAST:
-                    # Round p as the native path does (to the input dtype), then compute in fp32.
-                    p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
-                    vt = vt.to(tl.float32)
-                else:
-                    p = p.to(vt.dtype)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
-                m_i = m_new
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_base = o_ptr + b * stride_ob + h * stride_oh
-        o_ptrs = o_base + rows[:, None] * stride_ol + offs_d[None, :] * stride_od
+        o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
+    """Whether ``block_n`` rows x D of ``t`` ([B, H, L, D]) are addressable with int32 offsets."""
+    span = (block_n - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    return span < 2**31 - 1
 
 
 def _kernel_supports(q: Tensor, block_q) -> bool:
@@ -487,7 +604,7 @@ def block_sparse_attention(
         raise ValueError(
             f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}"
         )
-    launch = default_launch(D, block_q)
+    launch = default_launch(D, block_q, q.element_size())
     if block_n is not None:
         launch["block_n"] = block_n
     if num_warps is not None:
@@ -508,10 +625,19 @@ def block_sparse_attention(
     # Triton's interpreter (3.x) multiplies bf16 dot operands as raw bits.
     upcast = q.dtype != torch.float32 and not q.is_cuda
     precision = "ieee" if (upcast or q.dtype == torch.float32) else None
-    bias = key_bias if key_bias is not None else q  # dummy pointer, never read
+    # Bias in base 2, made once per call: a contiguous [B, H, Lk] fp32 tensor (cheap
+    # next to attention), so the kernel reads one contiguous vector per key tile and
+    # adds it with no multiply (the score becomes one FMA: s * qk_scale + bias). -inf
+    # stays -inf; the fp32 product is the same one the kernel used to form per tile.
+    bias = (key_bias * _LOG2E).contiguous() if key_bias is not None else q  # else dummy, never read
     perm = q_perm if q_perm is not None else q  # dummy pointer, never read
-    bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
     perm_strides = q_perm.stride() if q_perm is not None else (0, 0, 0)
+    # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
+    # elements. Always true for caches; a pathological view is copied instead.
+    if not _tile_offsets_fit(k, bn):
+        k = k.contiguous()
+    if not _tile_offsets_fit(v, bn):
+        v = v.contiguous()
     grid = (nqb, B * H)
     _block_sparse_attention_kernel[grid](
         q,
@@ -534,13 +660,13 @@ def block_sparse_attention(
         *out.stride(),
         *ranges.stride(),
         *range_counts.stride(),
-        *bias_strides,
         *perm_strides,
         D=D,
         BLOCK_M=_block_m(block_q),
         BLOCK_N=bn,
         HAS_BIAS=key_bias is not None,
         HAS_PERM=q_perm is not None,
+        SCALE_NEG=scale < 0,
         UPCAST=upcast,
         INPUT_PRECISION=precision,
         num_warps=launch["num_warps"],
