@@ -313,7 +313,8 @@ class AnnSA:
         q_perm, ranges, counts = plan
         b, n, h, d = q.shape
         nqb, bq, lk = ranges.shape[2], self.config.block_q, keys.shape[1]
-        picks = sorted({round(i * (nqb - 1) / max(sample_blocks - 1, 1)) for i in range(min(sample_blocks, nqb))})
+        n_pick = min(sample_blocks, nqb)
+        picks = sorted({round(i * (nqb - 1) / max(n_pick - 1, 1)) for i in range(n_pick)})
         used = torch.arange(ranges.shape[3], device=q.device) < counts[..., None]        # [B, H, nqb, R]
         key = torch.arange(lk, device=q.device)
         mass = []

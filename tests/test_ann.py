@@ -295,3 +295,36 @@ def test_calibration_makes_low_recall_layers_dense(model):
     lax = Rollout(model, ctx, ann=AnnConfig(**{**vars(sparse), "calibration_recall": 0.01}), **settings)
     assert rel(lax.run(), dense) > 1e-4 and lax.attention.dense_layers == set()
     assert lax.attention.recall[0] == pytest.approx(recall[0])  # (layer 1 sees a dense layer 0 in strict)
+
+
+def test_recall_samples_every_block_it_is_asked_for():
+    """recall() over more sample blocks than exist covers each block once (not only the first)."""
+    torch.manual_seed(0)
+    tpf, d = 64, 16
+    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=1, head_dim=d, tokens_per_frame=tpf,
+                 chunk_frames=2, max_frames=8)
+    annsa, _ = build_ann(AnnConfig(bits=3, probes=0, annca=False), kv)
+    for c in range(3):
+        kv.begin_chunk(2 * c, 2)
+        kv.begin_clean_pass()
+        k = torch.randn(1, 2 * tpf, 1, d)
+        kv.extend(0, k, k)
+        kv.after_attention(0, k)
+        annsa.index_history(0)
+        kv.commit()
+    kv.begin_chunk(6, 2)
+    keys, values, bias = kv.extend(0, torch.randn(1, 2 * tpf, 1, d), torch.randn(1, 2 * tpf, 1, d))
+    q = torch.randn(1, 2 * tpf, 1, d)
+    plan = annsa.plan(0, q)
+    q_perm, ranges, counts = plan
+    assert ranges.shape[2] == 2  # two query blocks
+    masses = []
+    for blk in range(2):
+        inside = torch.zeros(keys.shape[1], dtype=torch.bool)
+        for r in range(int(counts[0, 0, blk])):
+            inside[int(ranges[0, 0, blk, r, 0]):int(ranges[0, 0, blk, r, 1])] = True
+        rows = q_perm[0, 0, blk * 64:(blk + 1) * 64]
+        p = torch.softmax(q[0, rows, 0] @ keys[0, :, 0].T / d ** 0.5, dim=-1)
+        masses.append(p[:, inside].sum(-1))
+    expected = torch.cat(masses).mean().item()
+    assert annsa.recall(q, keys, bias, plan, sample_blocks=16).item() == pytest.approx(expected, abs=1e-5)
