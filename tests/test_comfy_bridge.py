@@ -1,0 +1,349 @@
+"""The ComfyUI bridge, in process, against a real ComfyUI checkout named by ``COMFYUI_PATH``.
+
+A tiny random Wan 2.1 T2V checkpoint is written to disk, loaded by ComfyUI (its own model
+detection builds a stock ``comfy.ldm.wan.model.WanModel``) and by ``fastar``; the bridge's rollout
+on the ComfyUI model must equal ``fastar``'s own rollout. Skipped without ``COMFYUI_PATH``.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFYUI_PATH, reason="COMFYUI_PATH is not set (no ComfyUI checkout to test against)")
+
+TOL = 1e-4
+# ComfyUI's Wan detection reads the head count as dim // 128, its frequency size as 256 and its
+# text width as 4096, so the smallest model it builds has two heads of 128.
+TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+H = W = 32          # pixels: 4x4 latent, 2x2 tokens per frame
+TOKENS = 16         # prompt tokens
+
+
+class _MissingTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """ComfyUI imports torchvision at module scope for models these tests never build. Where the
+    installed torchvision cannot load against this torch build, an empty stand-in is imported;
+    anything that calls into it raises."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def missing(attr, owner=spec.name):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Unavailable(f"{owner}.{attr}")
+
+        module.__getattr__ = missing
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+class _Unavailable:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(f"{self._name} needs torchvision, which cannot be loaded here")
+
+
+def _import_comfy():
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _MissingTorchvision())
+    if COMFYUI_PATH not in sys.path:
+        sys.path.insert(0, COMFYUI_PATH)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management
+    import comfy.sd
+
+    return comfy
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    return _import_comfy()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from comfyui_fastar.fastar.models import WanConfig, WanModel
+
+    model = WanModel(WanConfig(**TINY)).init_random(seed=7)
+    path = tmp_path_factory.mktemp("ckpt") / "wan_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))  # no fastar metadata
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(comfy, checkpoint):
+    from comfyui_fastar.fastar.models import load_wan
+
+    comfy_model = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float32})
+    core = load_wan(checkpoint, dtype=torch.float32)
+    return comfy_model, core
+
+
+@pytest.fixture(scope="module")
+def bridge(comfy):
+    from comfyui_fastar.nodes import bridge
+
+    return bridge
+
+
+def _prompt(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, TOKENS, TINY["text_dim"], generator=g)
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _core_rollout(core, context, *, frames, chunk, cfg=1.0, negative=None, cache=None, seed=3, batch=1):
+    from comfyui_fastar.fastar import CacheConfig, FlowMatchSchedule, rollout
+
+    return rollout(core, context.repeat(batch, 1, 1), frames=frames, height=H, width=W, chunk_frames=chunk,
+                   schedule=FlowMatchSchedule(), cache=cache or CacheConfig(), seed=seed,
+                   negative_context=None if negative is None else negative.repeat(batch, 1, 1), cfg=cfg)
+
+
+def test_comfyui_builds_the_stock_wan_model(models):
+    from comfy.ldm.wan.model import WanModel
+
+    comfy_model, core = models
+    dm = comfy_model.model.diffusion_model
+    assert type(dm) is WanModel and dm.model_type == "t2v"
+    assert (dm.dim, dm.num_heads, len(dm.blocks)) == (core.config.dim, core.config.num_heads, core.config.num_layers)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("cfg", [1.0, 2.5])
+def test_bridge_rollout_equals_core_rollout(models, bridge, chunk, cfg):
+    comfy_model, core = models
+    pos, neg = _prompt(1), _prompt(2)
+    frames = 6
+    settings = bridge.SampleSettings(width=W, height=H, frames=frames, seed=3, chunk_frames=chunk, cfg=cfg)
+    out = bridge.sample(comfy_model, [[pos, {}]], [[neg, {}]], settings)["samples"]
+    ref = _core_rollout(core, pos, frames=frames, chunk=chunk, cfg=cfg, negative=neg if cfg != 1.0 else None)
+    # The LATENT leaves in the VAE's space: the model's latent format maps it out of the model's.
+    assert out.shape == (1, 16, frames, H // 8, W // 8)
+    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    # ... and back: the core rollout's latent is what the model sampled.
+    assert _rel(comfy_model.model.process_latent_in(out), ref) <= TOL
+
+
+def test_bridge_window_cache_and_batch_equal_core(models, bridge):
+    from comfyui_fastar.fastar import CacheConfig
+
+    comfy_model, core = models
+    pos = _prompt(4)
+    cache = CacheConfig("window", sink_frames=1, window_frames=2)
+    settings = bridge.SampleSettings(width=W, height=H, frames=6, batch_size=2, seed=5, chunk_frames=1, cache=cache)
+    out = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=5, batch=2)
+    assert out.shape[0] == 2
+    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+
+
+def test_bridge_tempcache_equals_core(models, bridge):
+    from comfyui_fastar.fastar import TempCacheConfig
+
+    comfy_model, core = models
+    pos = _prompt(6)
+    cache = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
+    settings = bridge.SampleSettings(width=W, height=H, frames=6, seed=9, chunk_frames=1, cache=cache)
+    out = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=9)
+    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+
+
+def test_bridge_ann_sparsity_equals_core(models, bridge):
+    ann = pytest.importorskip("comfyui_fastar.fastar.ann")
+    from comfyui_fastar.fastar import FlowMatchSchedule, rollout
+    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, PatchModel
+
+    comfy_model, core = models
+    pos = _prompt(8)
+    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 4, 0).result[0]
+    assert config == ann.AnnConfig(bits=2, probes=0, dense_steps_fraction=0.25, dense_layers=(1,), keep_fraction=0.5,
+                                   min_tokens=4)
+    patched = PatchModel.execute(comfy_model, None, config).result[0]
+    settings = bridge.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1, ann=config)
+    out = bridge.sample(patched, [[pos, {}]], None, settings)["samples"]
+    ref = rollout(core, pos, frames=4, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(), seed=2,
+                  ann=config)
+    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    dense = _core_rollout(core, pos, frames=4, chunk=1, seed=2)
+    assert _rel(ref, dense) > 0  # the sparse path was taken
+
+
+def _ksampler(comfy, model, pos, neg, cfg):
+    import comfy.sample
+
+    latent = torch.zeros(1, 16, 3, H // 8, W // 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(11))
+    return comfy.sample.sample(model, noise, 3, cfg, "euler", "simple", [[pos, {}]], [[neg, {}]], latent,
+                               disable_pbar=True, seed=11)
+
+
+def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, bridge):
+    comfy_model, _ = models
+    pos, neg = _prompt(1), _prompt(2)
+    before = repr(comfy_model.model_options), repr(comfy_model.wrappers)
+    patched = bridge.patch_model(comfy_model)
+    assert patched is not comfy_model and patched.model is comfy_model.model
+    assert (repr(comfy_model.model_options), repr(comfy_model.wrappers)) == before  # input never mutated
+    assert bridge.is_patched(patched) and not bridge.is_patched(comfy_model)
+    for cfg in (1.0, 3.0):
+        stock = _ksampler(comfy, comfy_model, pos, neg, cfg)
+        ours = _ksampler(comfy, patched, pos, neg, cfg)
+        assert torch.equal(stock, ours)
+    # a plain forward of the diffusion model, with the patched model's transformer_options
+    dm = comfy_model.model.diffusion_model
+    x = torch.randn(1, 16, 3, H // 8, W // 8, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([500.0])
+    options = bridge._transformer_options(patched, patched.model_options)
+    with torch.no_grad():
+        assert torch.equal(dm(x, t, pos), dm(x, t, pos, transformer_options=options))
+
+
+def test_existing_attention_override_is_chained(comfy, models, bridge):
+    comfy_model, _ = models
+    pos, neg = _prompt(1), _prompt(2)
+    calls = []
+
+    def other_override(func, *args, **kwargs):  # e.g. a SageAttention patch
+        calls.append(args[0].shape)
+        return func(*args, **kwargs)
+
+    other = comfy_model.clone()
+    other.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = other_override
+    stock = _ksampler(comfy, other, pos, neg, 1.0)
+    n_stock = len(calls)
+    assert n_stock > 0
+    patched = bridge.patch_model(other)
+    assert torch.equal(_ksampler(comfy, patched, pos, neg, 1.0), stock)
+    assert len(calls) == 2 * n_stock  # still called for every attention outside a rollout
+    # patching twice chains to the original override, not to ourselves
+    twice = bridge.patch_model(patched)
+    assert twice.model_options["transformer_options"]["optimized_attention_override"].fastar_previous is other_override
+    # inside a rollout FAST-AR owns the Wan attention calls
+    calls.clear()
+    bridge.sample(patched, [[pos, {}]], None, bridge.SampleSettings(width=W, height=H, frames=1, chunk_frames=1))
+    assert calls == []
+
+
+def test_non_wan_model_gets_one_clear_error(comfy, bridge):
+    import comfy.model_patcher
+
+    from comfyui_fastar.fastar import FastARError
+
+    class NotWan(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = torch.nn.Linear(2, 2)
+
+    patcher = comfy.model_patcher.ModelPatcher(NotWan(), torch.device("cpu"), torch.device("cpu"))
+    with pytest.raises(FastARError, match=r"Wan 2\.1 text-to-video.*NotWan / Linear"):
+        bridge.patch_model(patcher)
+
+
+def test_cancel_between_chunks_frees_the_cache(comfy, models, bridge):
+    from comfyui_fastar.fastar import KVCache
+
+    comfy_model, _ = models
+    pos = _prompt(1)
+    seen = []
+
+    def cancel_after_first(report):
+        seen.append(report.chunk)
+        comfy.model_management.interrupt_current_processing(True)
+
+    settings = bridge.SampleSettings(width=W, height=H, frames=6, chunk_frames=1)
+    try:
+        with pytest.raises(Exception) as info:
+            bridge.sample(comfy_model, [[pos, {}]], None, settings, on_chunk=cancel_after_first)
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert type(info.value).__name__ == "InterruptProcessingException"
+    assert seen == [0]
+    del info
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is KVCache]
+    # the next run is unaffected by the cancelled one
+    again = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    fresh = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    assert torch.equal(again, fresh)
+
+
+def test_nodes(comfy, models, bridge):
+    from comfyui_fastar import comfy_entrypoint
+    from comfyui_fastar.fastar import FastARError, TempCacheConfig
+    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, TempCacheSettings
+
+    import asyncio
+
+    ext = asyncio.run(comfy_entrypoint())
+    nodes = asyncio.run(ext.get_node_list())
+    from comfyui_fastar.nodes import fastar_nodes
+
+    expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAnnSparsity", "FastARAutoregressiveSampler"}
+    assert {n.define_schema().node_id for n in nodes} == expected
+    for n in nodes:
+        schema = n.define_schema()
+        schema.validate()
+        assert schema.category == "FAST-AR"
+        assert all(i.tooltip for i in schema.inputs)
+
+    comfy_model, core = models
+    tc = TempCacheSettings.execute(True, 0.5, 3, 1, "key", "head").result[0]
+    assert tc == TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1, matching="key", grouping="head")
+    patched = PatchModel.execute(comfy_model, tc).result[0]
+    assert bridge.is_patched(patched) and not bridge.is_patched(comfy_model)
+
+    pos = _prompt(1)
+    latent = AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "1",
+                                               0.0, "unbounded", 3, 12, 1.0).result[0]
+    ref = _core_rollout(core, pos, frames=3, chunk=1, cache=tc)
+    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
+
+    # unpatched model, window cache: patched on the fly
+    latent = AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 21, 1, 3, "1000,750,500,250", 5.0,
+                                               "3", 0.0, "window", 1, 3, 1.0).result[0]
+    assert latent["samples"].shape == (1, 16, 6, H // 8, W // 8)
+
+    assert "not a multiple of 3" in AutoregressiveLongSampler.validate_inputs(length=13, frames_per_chunk="3")
+    assert "decreasing" in AutoregressiveLongSampler.validate_inputs(timesteps="250,500")
+    assert AutoregressiveLongSampler.validate_inputs(length=81, frames_per_chunk="3", timesteps="1000,500") is True
+    with pytest.raises(FastARError, match="needs a negative prompt"):
+        AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3",
+                                          0.0, "unbounded", 3, 12, 2.0)
