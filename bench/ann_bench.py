@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from tempcache_bench import CHUNK, TPF, capture  # noqa: E402
+from tempcache_bench import CHUNK, TPF, capture, testbed  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 
 from comfyui_fastar.fastar.ann import build_ann, plan_density  # noqa: E402
@@ -69,10 +69,7 @@ def main():
     ap.add_argument("--layers", default="9,19")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = fastar.models.build_model("1.3B", device="cuda", dtype=torch.bfloat16)
-    context = torch.randn(1, 512, model.text_dim, device="cuda", dtype=torch.bfloat16,
-                          generator=torch.Generator(device="cuda").manual_seed(0))
+    model, context = testbed()
     layers = [int(x) for x in args.layers.split(",")]
     kv_dense, clean_q, query_q = capture(model, context, args.history_frames, layers)
     del model

@@ -57,6 +57,15 @@ class Recorder(FastARAttention):
         return super().self_attention(layer, q, k, v)
 
 
+def testbed():
+    """The 1.3B-shaped model (random weights, bf16) on the GPU and a seeded stand-in prompt."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = fastar.models.build_model("1.3B", device="cuda", dtype=torch.bfloat16)
+    context = torch.randn(1, 512, model.text_dim, device="cuda", dtype=torch.bfloat16,
+                          generator=torch.Generator(device="cuda").manual_seed(0))
+    return model, context
+
+
 def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
     """Teacher-forced dense pass over real latents: per-layer K/V of all frames, clean-pass queries
     per chunk, and the queries of the next chunk at one denoising step."""
@@ -186,10 +195,7 @@ def main():
     ap.add_argument("--tag", default="tempcache_bench", help="name of the JSON/PNG written")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = fastar.models.build_model("1.3B", device="cuda", dtype=torch.bfloat16)
-    context = torch.randn(1, 512, model.text_dim, device="cuda", dtype=torch.bfloat16,
-                          generator=torch.Generator(device="cuda").manual_seed(0))
+    model, context = testbed()
     layers = [int(x) for x in args.layers.split(",")]
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
