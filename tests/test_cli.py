@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from comfyui_fastar.fastar.cli import main
 
@@ -44,6 +45,12 @@ def test_cli_default_tempcache_stays_within_budget(tmp_path, capsys):
     assert json.loads(table.read_text())["cache"] == "tempcache"
     assert max(r["cache_tokens"] for r in rows) <= 7 * 16 < rows[-1]["frames"] * 16
     assert "budget 7 frames" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cli_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
+    assert main(["--device", "cuda", "--plot", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err.strip() == "fastar: error: --device cuda: no CUDA device is available"
 
 
 def test_cli_unknown_cache_mode_is_argparse_error(capsys):
