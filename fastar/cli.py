@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from .ann import ANN_METHODS, AnnConfig
 from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig
 from .models import WAN_CONFIGS, build_model, load_wan
@@ -39,6 +40,9 @@ def parse_args(argv):
                    help="tempcache: token budget in latent frames, sink included (default 21)")
     p.add_argument("--merge-threshold", type=float, default=0.9,
                    help="tempcache: key cosine similarity two tokens need to merge (default 0.9)")
+    p.add_argument("--ann", choices=("none",) + ANN_METHODS, default="none",
+                   help="AnnSA/AnnCA sparse attention with the default AnnConfig of that method (experimental; "
+                        "needs --cache tempcache or unbounded; default none: dense)")
     p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
                                                                 "(default tiny on CPU, 1.3B on GPU)")
     p.add_argument("--checkpoint", help="a Wan 2.1 T2V / causal .safetensors checkpoint to run instead")
@@ -104,13 +108,15 @@ def run(args) -> list[dict]:
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
+    ann = None if args.ann == "none" else AnnConfig(method=args.ann)
+    engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
+                     schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann)
     print(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
           + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
-             if args.cache == "tempcache" else ""))
-    engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
-                     schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise)
+             if args.cache == "tempcache" else "")
+          + (f", {args.ann} sparse attention" if ann is not None else ""))
     rows = []
     bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
 

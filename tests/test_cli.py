@@ -58,3 +58,11 @@ def test_cli_unknown_cache_mode_is_argparse_error(capsys):
         main(["--cache", "ring"])
     assert exc.value.code == 2
     assert "invalid choice: 'ring'" in capsys.readouterr().err
+
+
+def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
+    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    assert main(args + ["--ann", "lsh", "--cache", "unbounded"]) == 0
+    assert "lsh sparse attention" in capsys.readouterr().out
+    assert main(args + ["--ann", "lsh", "--cache", "window"]) == 2
+    assert "window cache" in capsys.readouterr().err
