@@ -3,7 +3,8 @@
 ``FastARAttention`` is the attention state a forward runs under. Self-attention reads
 ``[sink | history | own chunk]`` from the KV cache (writing the chunk's own K/V into the
 cache's scratch slot first, so no concatenation is ever made); cross-attention attends the
-prompt tokens. Both end in ``attend``, the single dense op later components swap out.
+prompt tokens. Dense calls end in ``attend`` (cuDNN SDPA, TempCache's log m as a key bias);
+where an ``AnnConfig`` schedules sparsity they go to AnnSA / AnnCA (``fastar.ann``).
 """
 from __future__ import annotations
 
