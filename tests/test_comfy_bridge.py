@@ -314,8 +314,6 @@ def test_nodes(comfy, models, bridge):
 
     ext = asyncio.run(comfy_entrypoint())
     nodes = asyncio.run(ext.get_node_list())
-    from comfyui_fastar.nodes import fastar_nodes
-
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAnnSparsity", "FastARAutoregressiveSampler"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
