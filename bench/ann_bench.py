@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from tempcache_bench import CHUNK, TPF, capture, testbed  # noqa: E402
+from testbed import CHUNK, TPF, capture, testbed  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 
 from comfyui_fastar.fastar.ann import build_ann, plan_density  # noqa: E402
@@ -67,16 +67,22 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--history-frames", type=int, default=81)
     ap.add_argument("--layers", default="9,19")
+    ap.add_argument("--tag", default="ann_bench", help="name of the JSON written")
+    ap.add_argument("--lsh", default="6:0,6:2,8:0,8:2,10:0,10:2", help="lsh settings as bits:probes,...")
+    ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
+    ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
+    ap.add_argument("--plain", action="store_true", help="the plain random init instead of bench/testbed's "
+                                                           "sensitized one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model, context = testbed()
+    model, context = testbed(sensitive=not args.plain)
     layers = [int(x) for x in args.layers.split(",")]
     kv_dense, clean_q, query_q = capture(model, context, args.history_frames, layers)
     del model
     torch.cuda.empty_cache()
-    settings = [AnnConfig(bits=b, probes=p) for b in (6, 8, 10) for p in (0, 2)]
-    settings += [AnnConfig(bits=8, probes=2, block_q=128), AnnConfig(bits=8, probes=0, block_q=128)]
-    settings += [AnnConfig(method="quant", keep_fraction=f) for f in (0.125, 0.25, 0.5)]
+    settings = [AnnConfig(bits=int(b), probes=int(p)) for b, p in (x.split(":") for x in args.lsh.split(","))]
+    settings += [AnnConfig(bits=8, probes=2, block_q=128), AnnConfig(bits=8, probes=0, block_q=128)][:args.block_q128]
+    settings += [AnnConfig(method="quant", keep_fraction=float(f)) for f in args.quant_keep.split(",")]
     rows = []
     for cfg in settings:
         per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames) for layer in layers]
@@ -90,9 +96,10 @@ def main():
               f"speedup {row['speedup_incl_plan']:.2f}x", flush=True)
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
-              "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights, bf16), "
+              "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights"
+                        + ("" if args.plain else ", sensitized: bench/testbed.py") + ", bf16), "
                         "next chunk's queries at sigma 0.625", "settings": rows}
-    with open(os.path.join(args.out, "ann_bench.json"), "w") as f:
+    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

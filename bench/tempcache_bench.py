@@ -35,63 +35,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from realvideo import real_latents  # noqa: E402
+from testbed import CHUNK, HEIGHT, SINK, TPF, WIDTH, capture, testbed  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 
 CacheConfig, TempCacheConfig, KVCache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.KVCache
-FastARAttention, Rollout, attend = fastar.FastARAttention, fastar.Rollout, fastar.attend
-
-HEIGHT, WIDTH, CHUNK, TPF, SINK = 480, 832, 3, 1560, 3
-
-
-class Recorder(FastARAttention):
-    """Dense cached attention that keeps the queries of selected layers."""
-
-    def __init__(self, cache, layers):
-        super().__init__(cache)
-        self.layers, self.q = layers, {}
-
-    def self_attention(self, layer, q, k, v):
-        if layer in self.layers:
-            self.q[layer] = q.clone()
-        return super().self_attention(layer, q, k, v)
-
-
-def testbed():
-    """The 1.3B-shaped model (random weights, bf16) on the GPU and a seeded stand-in prompt."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = fastar.models.build_model("1.3B", device="cuda", dtype=torch.bfloat16)
-    context = torch.randn(1, 512, model.text_dim, device="cuda", dtype=torch.bfloat16,
-                          generator=torch.Generator(device="cuda").manual_seed(0))
-    return model, context
-
-
-def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
-    """Teacher-forced dense pass over real latents: per-layer K/V of all frames, clean-pass queries
-    per chunk, and the queries of the next chunk at one denoising step."""
-    frames = history_frames + CHUNK
-    latents = real_latents(frames, HEIGHT, WIDTH).to("cuda")
-    kv = KVCache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1, num_heads=model.num_heads,
-                 head_dim=model.head_dim, tokens_per_frame=TPF, chunk_frames=CHUNK, max_frames=frames,
-                 device="cuda", dtype=model.dtype)
-    rec = Recorder(kv, set(layers))
-    clean_q = {layer: [] for layer in layers}
-    zero = torch.zeros(1, device="cuda")
-    with torch.inference_mode():
-        for c in range(history_frames // CHUNK):
-            kv.begin_chunk(c * CHUNK, CHUNK)
-            kv.begin_clean_pass()
-            model(latents[:, :, c * CHUNK:(c + 1) * CHUNK], zero, context, frame_offset=c * CHUNK, attention=rec)
-            kv.commit()
-            for layer in layers:
-                clean_q[layer].append(rec.q[layer])
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x0 = latents[:, :, history_frames:]
-        x = (1 - sigma) * x0 + sigma * torch.randn(x0.shape, device="cuda", generator=g)
-        kv.begin_chunk(history_frames, CHUNK)
-        model(x, torch.full((1,), 1000 * sigma, device="cuda"), context, frame_offset=history_frames, attention=rec)
-    query_q = {layer: rec.q[layer] for layer in layers}
-    return kv, clean_q, query_q
+Rollout, attend = fastar.Rollout, fastar.attend
 
 
 def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384):
@@ -140,7 +88,7 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
     g = torch.Generator(device="cuda").manual_seed(layer)
     pick = torch.randperm(q.shape[1], device="cuda", generator=g)[:n_queries]
     scale = d ** -0.5
-    recalls, group_recalls = [], []
+    recalls, group_recalls, hist_recalls = [], [], []
     for h in range(heads):
         qh = q[0, pick, h].float()
         p_dense = torch.softmax(qh @ kv_dense.k[layer, 0, :n_all, h].float().T * scale, dim=-1)
@@ -160,6 +108,8 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
                             + torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
                             + torch.minimum(p_dense[:, own], p_c[:, own_pos:]).sum(-1))
             group_recalls.append(group_recall.mean().item())
+            hist_kept = torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
+            hist_recalls.append((hist_kept.sum() / p_dense[:, sink_tok:own.start].sum()).item())
             sink_tok = SINK * TPF
             hist0 = sink_tok
             p_tok[:, :sink_tok] = p_c[:, :sink_tok]
@@ -180,7 +130,8 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
     token_recall = statistics.mean(recalls)
     return {"merge_ratio": merged / written if written else 0.0,
             "recall": statistics.mean(group_recalls) if group_recalls else token_recall,
-            "recall_token": token_recall, "rel_error": err}
+            "recall_token": token_recall, "rel_error": err,
+            "recall_history": statistics.mean(hist_recalls) if hist_recalls else float("nan")}
 
 
 def main():
@@ -193,14 +144,18 @@ def main():
     ap.add_argument("--matchings", default="key,query")
     ap.add_argument("--rollout-chunks", type=int, default=240, help="0: skip the long rollout")
     ap.add_argument("--tag", default="tempcache_bench", help="name of the JSON/PNG written")
+    ap.add_argument("--fidelity-only", action="store_true", help="skip the speed measurements")
+    ap.add_argument("--plain", action="store_true", help="the plain random init instead of bench/testbed's "
+                                                           "sensitized one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model, context = testbed()
+    model, context = testbed(sensitive=not args.plain)
     layers = [int(x) for x in args.layers.split(",")]
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
               "inputs": "real clips (bench/data) via bench/realvideo.real_latents, 480x832, stride 1; "
-                        "1.3B-shaped model, random weights, bf16; queries at sigma 0.625"}
+                        "1.3B-shaped model, random weights" + ("" if args.plain else " sensitized (bench/testbed.py)")
+                        + ", bf16; queries at sigma 0.625"}
 
     # ---- fidelity sweep --------------------------------------------------------------------
     tic = time.time()
@@ -223,10 +178,15 @@ def main():
                    "per_layer": rows}
             sweep.append(row)
             print(f"budget {budget:3d} {name:22s} merge {row['merge_ratio']:.3f} recall {row['recall']:.4f} "
-                  f"token-recall {row['recall_token']:.4f} err {row['rel_error']:.4f}")
+                  f"token-recall {row['recall_token']:.4f} history {row['recall_history']:.4f} "
+                  f"err {row['rel_error']:.4f}")
     result["fidelity"] = sweep
     del kv_dense, clean_q, query_q
     torch.cuda.empty_cache()
+    if args.fidelity_only:
+        with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return
 
     # ---- speed: one write vs the attention it saves ------------------------------------------
     cfg = TempCacheConfig()

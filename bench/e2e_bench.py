@@ -1,0 +1,354 @@
+"""End-to-end long rollouts: FAST-AR against dense attention, speed, memory and fidelity, in one run.
+
+Wan 2.1 1.3B shapes (480x832, 3-frame chunks, 4 steps + clean pass, bf16), the sensitized random-weight
+testbed of bench/testbed.py. Every number comes from this run on this device:
+
+  speed     per-chunk latency and peak memory against generated frames for dense unbounded, dense
+            sink + window, TempCache only, AnnSA only, AnnCA only and all of FAST-AR (defaults). FAST-AR
+            runs --chunks chunks for real (240 = 720 latent = 2880 video frames); the components run
+            --component-chunks; dense unbounded runs --dense-chunks for real, then single chunks on caches
+            prefilled to --dense-points frames, and the last point (which no card holds) is composed:
+            the measured chunk at the largest prefilled point + 150 x the measured change in one layer's
+            self-attention time. The end-to-end speedup is the ratio of the areas under the per-chunk
+            latency curves over the whole rollout (dense interpolated between its points).
+  floor     the linear layers alone (every nn.Linear of the 5 forwards at their real shapes), and the
+            forwards with attention removed.
+  fidelity  continuing the real clip (bench/realvideo.py) after --horizons cached frames: PSNR / SSIM of
+            the generated latents of each setting against dense bf16, beside the bf16 noise floor (dense
+            fp32 vs dense bf16) and the control that drops the cached history (own chunk only).
+
+    python bench/e2e_bench.py --out bench/results        # ~7 minutes on an H200
+    python bench/e2e_bench.py --smoke                    # tiny model on the CPU: checks the script only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pkg import fastar  # noqa: E402
+from testbed import CHUNK, SENSITIVE, OwnChunkOnly, continue_real_video, psnr, ssim, testbed  # noqa: E402
+
+AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
+FastARAttention, Rollout, attend = fastar.FastARAttention, fastar.Rollout, fastar.attend
+
+SETTINGS = {  # name: (cache, ann)
+    "dense": (CacheConfig("unbounded"), None),
+    "sink+window": (CacheConfig("window", 3, 12), None),
+    "tempcache": (TempCacheConfig(), None),
+    "annsa": (CacheConfig("unbounded"), AnnConfig(annca=False)),
+    "annca": (CacheConfig("unbounded"), AnnConfig(annsa=False)),
+    "fastar": (TempCacheConfig(), AnnConfig()),
+}
+FORWARDS = 5  # 4 denoising steps + the clean pass
+VIDEO_PER_LATENT = 4  # Wan 2.1's VAE: 4 video frames per latent frame
+
+
+class NoAttention(FastARAttention):
+    def self_attention(self, layer, q, k, v):
+        return q
+
+    def cross_attention(self, layer, q, k, v):
+        return q
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps):
+    times = []
+    for _ in range(reps):
+        sync(device)
+        tic = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - tic))
+    return statistics.median(times)
+
+
+def peak_gb(device):
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def make_run(model, context, frames, hw, name, attention=None):
+    cache, ann = SETTINGS[name]
+    run = Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache, ann=ann)
+    if attention is not None:
+        run.attention = attention(run.cache)
+    return run
+
+
+def real_rollout(model, context, chunks, hw, name, log_every=40):
+    """Per-chunk latency and peak memory of a real rollout (peak reset before every chunk)."""
+    device = context.device
+    reset_peak(device)
+    rows = []
+    run = make_run(model, context, chunks * CHUNK, hw, name)
+
+    def on_chunk(r):
+        rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
+                     "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if r.chunk % log_every == 0 or r.chunk + 1 == r.num_chunks:
+            print(f"  {name:12s} chunk {r.chunk:4d}: {rows[-1]['latency_ms']:8.1f} ms  peak {rows[-1]['peak_gb']:6.1f} GB "
+                  f" held {r.cache.tokens_held} tokens", flush=True)
+    with torch.inference_mode():
+        run.run(on_chunk)
+    del run
+    return rows
+
+
+def prefill(run, frames, device):
+    """Fill a rollout's cache with ``frames`` frames of random K/V through the cache protocol."""
+    kv, g = run.cache, torch.Generator(device=device).manual_seed(1)
+    shape = (kv.batch, CHUNK * kv.tokens_per_frame, kv.num_heads, kv.head_dim)
+    k = torch.randn(shape, device=device, dtype=kv.dtype, generator=g)
+    for c in range(frames // CHUNK):
+        kv.begin_chunk(c * CHUNK, CHUNK)
+        kv.begin_clean_pass()
+        for layer in range(kv.num_layers):
+            kv.extend(layer, k, k)
+        kv.commit()
+
+
+def dense_point(model, context, cached, hw, reps):
+    """One dense chunk after ``cached`` prefilled frames: median ms and peak GB."""
+    device = context.device
+    reset_peak(device)
+    run = make_run(model, context, cached + CHUNK, hw, "dense")
+    with torch.inference_mode():
+        prefill(run, cached, device)
+        run.cache.begin_chunk(cached, CHUNK)
+        run.sample_chunk(cached // CHUNK)  # warm-up
+        ms = timed(lambda: run.sample_chunk(cached // CHUNK), device, reps)
+    out = {"frames": cached + CHUNK, "latency_ms": ms, "peak_gb": peak_gb(device), "source": "prefilled"}
+    del run
+    return out
+
+
+def self_attention_ms(model, q_tokens, k_tokens, device, reps):
+    """One layer's dense self-attention call (cuDNN through ``attend``)."""
+    g = torch.Generator(device=device).manual_seed(2)
+    shape = (1, q_tokens, model.num_heads, model.head_dim)
+    q = torch.randn(shape, device=device, dtype=model.dtype, generator=g)
+    k = torch.randn((1, k_tokens, model.num_heads, model.head_dim), device=device, dtype=model.dtype, generator=g)
+    attend(q, k, k)
+    return timed(lambda: attend(q, k, k), device, reps)
+
+
+def linear_floor_ms(model, tokens, text_tokens, device, reps):
+    """Every nn.Linear of one chunk (5 forwards) at its real input shape: the GEMM floor."""
+    calls = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".cross_attn." in name and name.endswith((".k", ".v")):
+            calls.append((mod, text_tokens))
+        elif isinstance(mod, torch.nn.Linear) and name.startswith("blocks."):
+            calls.append((mod, tokens))
+    inputs = {}
+    for mod, n in calls:
+        key = (n, mod.in_features)
+        if key not in inputs:
+            inputs[key] = torch.randn(1, n, mod.in_features, device=device, dtype=model.dtype)
+
+    def chunk():
+        for _ in range(FORWARDS):
+            for mod, n in calls:
+                mod(inputs[n, mod.in_features])
+    with torch.inference_mode():
+        chunk()
+        return timed(chunk, device, reps)
+
+
+def fidelity(model, model32, context, horizons, hw, gen_frames):
+    """Generated latents after each horizon of real cached frames, against dense bf16."""
+    rows = []
+    for history in horizons:
+        frames = history + gen_frames
+
+        def gen(name, m=model, ctx=context, attention=None):
+            run = make_run(m, ctx, frames, hw, name, attention)
+            with torch.inference_mode():
+                return continue_real_video(run, history)
+        ref = gen("dense")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref32 = gen("dense", model32, context.float())
+        torch.backends.cuda.matmul.allow_tf32 = True
+        row = {"history_frames": history, "generated_frames": gen_frames,
+               "noise_floor": {"psnr": psnr(ref, ref32), "ssim": ssim(ref, ref32)}}
+        own = gen("dense", attention=OwnChunkOnly)
+        row["own_chunk_only"] = {"psnr": psnr(own, ref), "ssim": ssim(own, ref)}
+        for name in SETTINGS:
+            if name != "dense":
+                out = gen(name)
+                row[name] = {"psnr": psnr(out, ref), "ssim": ssim(out, ref)}
+        rows.append(row)
+        print(f"fidelity after {history} frames: " + "  ".join(
+            f"{k} {v['psnr']:.1f} dB/{v['ssim']:.4f}" for k, v in row.items() if isinstance(v, dict)), flush=True)
+    return rows
+
+
+def dense_curve(points):
+    """Piecewise-linear dense latency at any frame count, from sorted (frames, ms) points."""
+    pts = sorted((p["frames"], p["latency_ms"]) for p in points)
+
+    def at(frames):
+        if frames <= pts[0][0]:
+            return pts[0][1]
+        for (f0, t0), (f1, t1) in zip(pts, pts[1:]):
+            if frames <= f1:
+                return t0 + (t1 - t0) * (frames - f0) / (f1 - f0)
+        return pts[-1][1]
+    return at
+
+
+def summarize(result, chunks):
+    fa = result["rollouts"]["fastar"]
+    # the dense rollout's first chunks carry one-off setup (cuDNN plans, allocator growth): left out
+    at = dense_curve(result["rollouts"]["dense"][2:] + result["dense_points"])
+    auc_fastar = sum(r["latency_ms"] for r in fa)
+    auc_dense = sum(at(r["frames"]) for r in fa)
+    near_240 = [r["latency_ms"] for r in fa if abs(r["frames"] - 240 // VIDEO_PER_LATENT) <= 2 * CHUNK]
+    last = [r["latency_ms"] for r in fa[-5:]]
+    peak_240 = max(r["peak_gb"] for r in fa if abs(r["frames"] - 240 // VIDEO_PER_LATENT) <= 2 * CHUNK) \
+        if near_240 else float("nan")
+    steady = statistics.median(r["latency_ms"] for r in fa[len(fa) // 2:])
+    s = {"chunks": chunks, "latent_frames": chunks * CHUNK, "video_frames": chunks * CHUNK * VIDEO_PER_LATENT,
+         "auc_fastar_s": auc_fastar / 1e3, "auc_dense_s": auc_dense / 1e3, "speedup_auc": auc_dense / auc_fastar,
+         "fastar_ms_near_video_frame_240": statistics.median(near_240) if near_240 else float("nan"),
+         "fastar_ms_last5": statistics.median(last),
+         "flatness_last_over_240": statistics.median(last) / statistics.median(near_240) if near_240 else float("nan"),
+         "peak_gb_near_240": peak_240, "peak_gb_last": max(r["peak_gb"] for r in fa[-5:]),
+         "fastar_steady_ms": steady, "linear_floor_ms": result["floor"]["linear_ms"],
+         "steady_over_linear_floor": steady / result["floor"]["linear_ms"]}
+    s["peak_last_over_240"] = s["peak_gb_last"] / s["peak_gb_near_240"]
+    return s
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_f, ax_m) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, rows in result["rollouts"].items():
+        x = [VIDEO_PER_LATENT * r["frames"] for r in rows]
+        fps = [VIDEO_PER_LATENT * CHUNK / (r["latency_ms"] / 1e3) for r in rows]
+        ax_f.plot(x, fps, "-", lw=1, label=f"{name} (rollout)")
+        ax_m.plot(x, [r["peak_gb"] for r in rows], "-", lw=1, label=f"{name} (rollout)")
+    pts = result["dense_points"]
+    for src, marker in (("prefilled", "o"), ("composed", "s")):
+        sel = [p for p in pts if p["source"] == src]
+        if sel:
+            x = [VIDEO_PER_LATENT * p["frames"] for p in sel]
+            ax_f.plot(x, [VIDEO_PER_LATENT * CHUNK / (p["latency_ms"] / 1e3) for p in sel], marker, color="k",
+                      label=f"dense ({src} cache)")
+            ax_m.plot(x, [p["peak_gb"] for p in sel], marker, color="k", label=f"dense ({src} cache)")
+    ax_f.set(xlabel="video frames generated", ylabel="video frames per second", title="throughput", yscale="log")
+    ax_m.set(xlabel="video frames generated", ylabel="peak GB during the chunk", title="peak memory")
+    for ax in (ax_f, ax_m):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    s = result["summary"]
+    fig.suptitle(f"Wan 2.1 1.3B shapes, 480x832, bf16, random weights (sensitized), {result['device']}, "
+                 f"{result['date']}: FAST-AR x{s['speedup_auc']:.1f} over dense across {s['video_frames']} frames",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--chunks", type=int, default=240, help="FAST-AR rollout length (240 chunks = 2880 frames)")
+    ap.add_argument("--component-chunks", type=int, default=40)
+    ap.add_argument("--dense-chunks", type=int, default=27)
+    ap.add_argument("--dense-points", default="81,240,450")
+    ap.add_argument("--compose-frames", type=int, default=720)
+    ap.add_argument("--horizons", default="21,81")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.smoke:
+        device, size, hw = torch.device("cpu"), "tiny", (64, 96)
+        args.chunks, args.component_chunks, args.dense_chunks = 24, 4, 4
+        args.dense_points, args.compose_frames, args.horizons, args.reps = "15,21", 30, "6,9", 1
+    else:
+        device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
+    model32, context32 = testbed(dtype=torch.float32, size=size, device=str(device))
+    model, context = testbed(dtype=torch.bfloat16, size=size, device=str(device))
+    tokens = CHUNK * (hw[0] // 16) * (hw[1] // 16)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "shapes": {"height": hw[0], "width": hw[1], "chunk_frames": CHUNK, "tokens_per_chunk": tokens,
+                         "forwards_per_chunk": FORWARDS, "model": size, "dtype": "bfloat16"},
+              "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)"},
+              "settings": {k: [repr(c), repr(a)] for k, (c, a) in SETTINGS.items()}}
+    tic = time.time()
+
+    result["fidelity"] = fidelity(model, model32, context32.to(model.dtype), [int(h) for h in args.horizons.split(",")],
+                                  hw, 2 * CHUNK)
+    del model32, context32
+    print(f"[{time.time() - tic:.0f} s] fidelity done", flush=True)
+
+    result["floor"] = {"linear_ms": linear_floor_ms(model, tokens, context.shape[1], device, args.reps)}
+    run = make_run(model, context, CHUNK, hw, "dense", NoAttention)
+    with torch.inference_mode():
+        run.cache.begin_chunk(0, CHUNK)
+        run.sample_chunk(0)
+        result["floor"]["no_attention_ms"] = timed(lambda: run.sample_chunk(0), device, args.reps)
+    del run
+    print(f"[{time.time() - tic:.0f} s] floor: {result['floor']}", flush=True)
+
+    real_rollout(model, context, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
+    rollouts = {"fastar": real_rollout(model, context, args.chunks, hw, "fastar")}
+    for name in ("tempcache", "annsa", "annca", "sink+window"):
+        rollouts[name] = real_rollout(model, context, args.component_chunks, hw, name)
+    rollouts["dense"] = real_rollout(model, context, args.dense_chunks, hw, "dense")
+    result["rollouts"] = rollouts
+    print(f"[{time.time() - tic:.0f} s] rollouts done", flush=True)
+
+    points = [dense_point(model, context, int(n), hw, args.reps) for n in args.dense_points.split(",")]
+    for p in points:
+        print(f"  dense prefilled to {p['frames'] - CHUNK} frames: {p['latency_ms']:.1f} ms, peak {p['peak_gb']:.1f} GB")
+    last = points[-1]
+    tpf = tokens // CHUNK
+    a_last = self_attention_ms(model, tokens, last["frames"] * tpf, device, args.reps)
+    a_comp = self_attention_ms(model, tokens, (args.compose_frames + CHUNK) * tpf, device, args.reps)
+    kv_gb_per_frame = 2 * model.num_layers * tpf * model.num_heads * model.head_dim * 2 / 1e9
+    points.append({"frames": args.compose_frames + CHUNK, "source": "composed",
+                   "latency_ms": last["latency_ms"] + FORWARDS * model.num_layers * (a_comp - a_last),
+                   "peak_gb": last["peak_gb"] + kv_gb_per_frame * (args.compose_frames + CHUNK - last["frames"]),
+                   "self_attention_ms": {"at_last_point": a_last, "at_composed": a_comp}})
+    result["dense_points"] = points
+    print(f"  dense composed at {args.compose_frames} frames: {points[-1]['latency_ms']:.1f} ms, "
+          f"{points[-1]['peak_gb']:.1f} GB (not held by any card)")
+
+    result["summary"] = summarize(result, args.chunks)
+    print("summary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result["summary"].items()})
+    tag = "e2e_bench_smoke" if args.smoke else "e2e_bench"
+    with open(os.path.join(args.out, tag + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, tag + ".png"))
+    print(f"[{time.time() - tic:.0f} s] wrote {os.path.join(args.out, tag)}.json/.png")
+
+
+if __name__ == "__main__":
+    main()

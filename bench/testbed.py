@@ -1,0 +1,161 @@
+"""The benchmarks' testbed: the Wan 2.1 1.3B-shaped model with random weights, made sensitive.
+
+No Wan weights can be downloaded here, and a plain random init hides approximation errors: its
+query and key projections are independent, so every query spreads its attention almost evenly
+over all keys of similar content, and dropping half of the cache barely moves the output. A
+trained video DiT concentrates attention on a few corresponding tokens (same content, nearby
+place and time: the correspondence TempCache and AnnSA rely on). ``sensitize`` gives the random
+model that property without touching any other weight:
+
+  * the key projection is tied to the query projection (plus ``k_noise`` of fresh noise), so a
+    token's query matches the keys of tokens with similar content;
+  * the RMS q/k norm gains are set to ``qk_gain``: logits scale by qk_gain**2, from ~sqrt(d)
+    cosine units to sharply peaked softmaxes;
+  * 3-axis RoPE then turns the match into a local one in space and time, as in trained models;
+  * the self-attention output projection is scaled by ``self_gain``, so what attention reads
+    reaches the output.
+
+bench/e2e_bench.py checks that the result is sensitive: the control that drops the cached history
+(``OwnChunkOnly``) must score far below every FAST-AR setting, next to the bf16 noise floor.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pkg import fastar  # noqa: E402
+from realvideo import real_latents  # noqa: E402
+
+CacheConfig, KVCache, FastARAttention = fastar.CacheConfig, fastar.KVCache, fastar.FastARAttention
+
+HEIGHT, WIDTH, CHUNK, TPF, SINK = 480, 832, 3, 1560, 3
+# Chosen on the H200 (bench/NOTES.md, "Testbed"): with these, the own-chunk-only control falls 18 dB
+# below the bf16 noise floor, and at layer 15 the top 1% of keys hold 0.70 of the attention mass.
+SENSITIVE = {"qk_gain": 1.5, "k_noise": 0.5, "self_gain": 5.0}
+
+
+@torch.no_grad()
+def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: float = 5.0, seed: int = 0):
+    """Tie each self-attention's key projection to its query projection, sharpen its logits and
+    scale its output projection by ``self_gain`` (the gated branch is otherwise a few % of the
+    residual stream, so the cached history could not move the output)."""
+    for i, block in enumerate(model.blocks):
+        block.self_attn.o.weight.mul_(self_gain)
+        attn = block.self_attn
+        g = torch.Generator(device=attn.q.weight.device).manual_seed(seed * 1009 + i)
+        noise = torch.randn(attn.q.weight.shape, device=attn.q.weight.device, generator=g)
+        attn.k.weight.copy_(attn.q.weight + k_noise * attn.q.weight.float().std() * noise.to(attn.q.weight.dtype))
+        attn.k.bias.copy_(attn.q.bias)
+        attn.norm_q.weight.fill_(qk_gain)
+        attn.norm_k.weight.fill_(qk_gain)
+    return model
+
+
+def testbed(sensitive: bool = True, dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda", **gains):
+    """The model (1.3B-shaped, sensitized unless told not to) and a seeded stand-in prompt."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = fastar.models.build_model(size, device=device, dtype=torch.float32)
+    if sensitive:
+        sensitize(model, **{**SENSITIVE, **gains})
+    model = model.to(dtype)  # built in fp32 first, so every dtype holds the same weights
+    context = torch.randn(1, 512, model.text_dim, device=device, dtype=dtype,
+                          generator=torch.Generator(device=device).manual_seed(0))
+    return model, context
+
+
+class Recorder(FastARAttention):
+    """Dense cached attention that keeps the queries of selected layers."""
+
+    def __init__(self, cache, layers):
+        super().__init__(cache)
+        self.layers, self.q = layers, {}
+
+    def self_attention(self, layer, q, k, v):
+        if layer in self.layers:
+            self.q[layer] = q.clone()
+        return super().self_attention(layer, q, k, v)
+
+
+def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
+    """Teacher-forced dense pass over real latents: per-layer K/V of all frames, clean-pass queries
+    per chunk, and the queries of the next chunk at one denoising step."""
+    frames = history_frames + CHUNK
+    latents = real_latents(frames, HEIGHT, WIDTH).to("cuda")
+    kv = KVCache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1, num_heads=model.num_heads,
+                 head_dim=model.head_dim, tokens_per_frame=TPF, chunk_frames=CHUNK, max_frames=frames,
+                 device="cuda", dtype=model.dtype)
+    rec = Recorder(kv, set(layers))
+    clean_q = {layer: [] for layer in layers}
+    zero = torch.zeros(1, device="cuda")
+    with torch.inference_mode():
+        for c in range(history_frames // CHUNK):
+            kv.begin_chunk(c * CHUNK, CHUNK)
+            kv.begin_clean_pass()
+            model(latents[:, :, c * CHUNK:(c + 1) * CHUNK], zero, context, frame_offset=c * CHUNK, attention=rec)
+            kv.commit()
+            for layer in layers:
+                clean_q[layer].append(rec.q[layer])
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x0 = latents[:, :, history_frames:]
+        x = (1 - sigma) * x0 + sigma * torch.randn(x0.shape, device="cuda", generator=g)
+        kv.begin_chunk(history_frames, CHUNK)
+        model(x, torch.full((1,), 1000 * sigma, device="cuda"), context, frame_offset=history_frames, attention=rec)
+    query_q = {layer: rec.q[layer] for layer in layers}
+    return kv, clean_q, query_q
+
+
+class OwnChunkOnly(FastARAttention):
+    """The control that drops the cached history: each chunk attends only its own keys."""
+
+    def self_attention(self, layer, q, k, v):
+        keys, values, _ = self.cache.extend(layer, k, v)
+        n = k.shape[1]
+        return fastar.attend(q, keys[:, -n:], values[:, -n:])
+
+
+def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = None, on_chunk=None):
+    """Teacher-force a rollout on ``prefix_frames`` real latent frames (their clean passes fill the
+    cache), then let it generate the rest; returns the generated latents [B, C, F - prefix, h, w]."""
+    ch = run.chunk_frames
+    if prefix_frames % ch:
+        raise ValueError(f"prefix_frames={prefix_frames} must be a multiple of the chunk ({ch})")
+    if latents is None:
+        b, c, _, h, w = run.chunk_shape
+        latents = real_latents(prefix_frames, h * 8, w * 8).to(run.device)
+    outs = []
+    for c in range(run.num_chunks):
+        start = c * ch
+        run.cache.begin_chunk(start, ch)
+        if start < prefix_frames:
+            run.cache.begin_clean_pass()
+            run.attention.step = len(run.sigmas)
+            run.predict(latents[:, :, start:start + ch].to(run.model.dtype), run.context_noise, start)
+        else:
+            outs.append(run.sample_chunk(c))
+        run.cache.commit()
+        if on_chunk is not None:
+            on_chunk(c)
+    return torch.cat(outs, dim=2)
+
+
+def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB with the reference's value range as the peak."""
+    x, ref = x.float(), ref.float()
+    mse = (x - ref).pow(2).mean()
+    return (10 * torch.log10((ref.max() - ref.min()) ** 2 / mse)).item()
+
+
+def ssim(x: torch.Tensor, ref: torch.Tensor, window: int = 7) -> float:
+    """Mean SSIM over latent channels and frames (uniform window, the reference's range as L)."""
+    x, ref = x.float().flatten(0, 2).unsqueeze(1), ref.float().flatten(0, 2).unsqueeze(1)  # [N, 1, h, w]
+    rng = (ref.max() - ref.min()).item()
+    c1, c2 = (0.01 * rng) ** 2, (0.03 * rng) ** 2
+    pool = torch.nn.functional.avg_pool2d
+    mx, my = pool(x, window, 1), pool(ref, window, 1)
+    vx, vy = pool(x * x, window, 1) - mx * mx, pool(ref * ref, window, 1) - my * my
+    cov = pool(x * ref, window, 1) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return s.mean().item()
