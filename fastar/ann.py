@@ -74,7 +74,10 @@ class AnnConfig:
     AnnSA recall (dense attention mass inside its plan) and makes layers below it dense.
     ``method='quant'``
     selects for AnnSA, instead of bucket hits, the ``keep_fraction`` best blocks of 64 sorted
-    history keys by int8-quantized similarity to their mean keys (AnnCA always uses buckets)."""
+    history keys by int8-quantized similarity to their mean keys (AnnCA always uses buckets).
+    ``annca`` is off by default: on the sensitized testbed (random prompt features, no real text
+    encoder here) it costs more fidelity than dropping the whole cached history
+    (bench/results/e2e_bench.json: 37 dB against 43-47 dB)."""
     method: str = "lsh"
     bits: int = 8
     probes: int = 2
@@ -82,7 +85,7 @@ class AnnConfig:
     dense_steps_fraction: float = 0.3
     dense_layers: tuple[int, ...] = ()
     annsa: bool = True
-    annca: bool = True
+    annca: bool = False
     min_tokens: int = 64
     seed: int = 0
     keep_fraction: float = 0.25

@@ -38,8 +38,9 @@ def parse_args(argv):
     p.add_argument("--window-frames", type=int, default=12, help="window cache: recent frames kept (default 12)")
     p.add_argument("--max-cache-frames", type=int, default=21,
                    help="tempcache: token budget in latent frames, sink included (default 21)")
-    p.add_argument("--merge-threshold", type=float, default=0.9,
-                   help="tempcache: key cosine similarity two tokens need to merge (default 0.9)")
+    p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
+                   help=f"tempcache: key cosine similarity two tokens need to merge "
+                        f"(default {TempCacheConfig.merge_threshold})")
     p.add_argument("--ann", choices=("none",) + ANN_METHODS, default="none",
                    help="AnnSA/AnnCA sparse attention with the default AnnConfig of that method (experimental; "
                         "needs --cache tempcache or unbounded; default none: dense)")

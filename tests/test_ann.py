@@ -15,7 +15,7 @@ from comfyui_fastar.fastar.ann import LSH, build_ann, plan_density
 from comfyui_fastar.fastar.models import build_model
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
-ALL = AnnConfig(bits=1, probes=1, dense_steps_fraction=0.0, min_tokens=0)  # every bucket: density 1
+ALL = AnnConfig(bits=1, probes=1, dense_steps_fraction=0.0, min_tokens=0, annca=True)  # every bucket: density 1
 
 
 def rel(a, b):
@@ -143,9 +143,9 @@ def test_annca_all_kept_equals_dense_and_floor_applies():
     _, annca = build_ann(ALL, cache)
     assert annca.keep(0, q, k).all()
     assert rel(annca.attention(0, q, k, v), attend(q, k, v)) <= 1e-5
-    _, floor = build_ann(AnnConfig(bits=8, probes=0, min_tokens=23), cache)  # floor = every token
+    _, floor = build_ann(AnnConfig(bits=8, probes=0, min_tokens=23, annca=True), cache)  # floor = every token
     assert rel(floor.attention(0, q, k, v), attend(q, k, v)) <= 1e-5
-    _, sparse = build_ann(AnnConfig(bits=8, probes=0, min_tokens=5), cache)
+    _, sparse = build_ann(AnnConfig(bits=8, probes=0, min_tokens=5, annca=True), cache)
     keep = sparse.keep(0, q, k)
     assert (keep.sum(-1) >= 5).all() and keep.float().mean() < 1
     # equals dense attention over each frame's kept tokens (a -inf mask)
@@ -204,7 +204,8 @@ def masked_stand_in(q, k, v, ranges, counts, *, key_bias=None, q_perm=None, bloc
 @pytest.mark.parametrize("method", ["lsh", "quant"])
 def test_sparse_forward_has_no_host_sync(monkeypatch, method):
     gen = torch.Generator().manual_seed(3)
-    cfg = AnnConfig(method=method, bits=4, probes=1, dense_steps_fraction=0.0, min_tokens=3, keep_fraction=0.5)
+    cfg = AnnConfig(method=method, bits=4, probes=1, dense_steps_fraction=0.0, min_tokens=3, keep_fraction=0.5,
+                    annca=True)
     attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2)), ann=cfg)
     q, k, v = fill(attn, 3, gen)
     ctx_k, ctx_v = torch.randn(B, 9, H, D), torch.randn(B, 9, H, D)
@@ -257,7 +258,8 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
         return auto(q, k, v, ranges, counts, **kw)
 
     monkeypatch.setattr(ann_mod, "block_sparse_attention_auto", spy)
-    sparse = rollout(model, ctx, ann=AnnConfig(bits=6, probes=0, min_tokens=2, dense_steps_fraction=0.5), **settings)
+    sparse = rollout(model, ctx, ann=AnnConfig(bits=6, probes=0, min_tokens=2, dense_steps_fraction=0.5, annca=True),
+                     **settings)
     assert torch.isfinite(sparse).all()
     assert 0 < rel(sparse, dense) < 1.0
     # 3 chunks x 2 layers x (1 sparse step + clean pass)
