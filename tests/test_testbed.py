@@ -1,0 +1,75 @@
+"""The benchmarks' testbed (bench/testbed.py) and the end-to-end runner's CPU smoke mode."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import testbed  # noqa: E402
+from testbed import fastar  # noqa: E402
+
+
+def test_sensitize_ties_keys_to_queries_and_touches_nothing_else():
+    plain = fastar.models.build_model("tiny", seed=3)
+    model = testbed.sensitize(fastar.models.build_model("tiny", seed=3), qk_gain=1.5, k_noise=0.5, self_gain=5.0)
+    changed = set()
+    for (name, p0), (_, p1) in zip(plain.named_parameters(), model.named_parameters()):
+        if not torch.equal(p0, p1):
+            changed.add(name.split(".", 2)[-1])
+    assert changed == {"self_attn.k.weight", "self_attn.o.weight", "self_attn.norm_q.weight",
+                       "self_attn.norm_k.weight"}
+    for b0, b1 in zip(plain.blocks, model.blocks):
+        q, k = b1.self_attn.q.weight.flatten(), b1.self_attn.k.weight.flatten()
+        corr = torch.corrcoef(torch.stack([q, k]))[0, 1].item()
+        assert abs(corr - (1 + 0.5 ** 2) ** -0.5) < 0.05  # q + 0.5 * std(q) * noise
+        torch.testing.assert_close(b1.self_attn.o.weight, 5.0 * b0.self_attn.o.weight)
+        assert (b1.self_attn.norm_q.weight == 1.5).all() and (b1.self_attn.norm_k.weight == 1.5).all()
+
+
+def _continue(model, ctx, prefix, attention=None):
+    run = fastar.Rollout(model, ctx, frames=9, height=64, width=96, chunk_frames=3)
+    if attention is not None:
+        run.attention = attention(run.cache)
+    with torch.inference_mode():
+        return testbed.continue_real_video(run, 6, prefix)
+
+
+def test_continuing_a_video_reads_the_prefix_only_through_the_cache():
+    model = testbed.sensitize(fastar.models.build_model("tiny", seed=0))
+    ctx = torch.randn(1, 5, model.text_dim, generator=torch.Generator().manual_seed(0))
+    a = testbed.real_latents(6, 64, 96)
+    b = a.flip(2)  # the same frames in another order
+    out_a, out_b = _continue(model, ctx, a), _continue(model, ctx, b)
+    assert out_a.shape == (1, 16, 3, 8, 12)
+    assert not torch.equal(out_a, out_b)  # the cached history shapes what is generated
+    # the control that drops the history generates the same thing whatever the prefix was
+    own_a = _continue(model, ctx, a, testbed.OwnChunkOnly)
+    own_b = _continue(model, ctx, b, testbed.OwnChunkOnly)
+    assert torch.equal(own_a, own_b) and not torch.equal(own_a, out_a)
+
+
+def test_psnr_and_ssim():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(1, 4, 2, 16, 16, generator=g)
+    noise = 0.01 * torch.randn(ref.shape, generator=g)
+    expected = 10 * torch.log10((ref.max() - ref.min()) ** 2 / noise.pow(2).mean()).item()
+    assert abs(testbed.psnr(ref + noise, ref) - expected) < 1e-4
+    assert abs(testbed.ssim(ref, ref) - 1.0) < 1e-6
+    assert testbed.ssim(ref + noise, ref) > testbed.ssim(ref + 10 * noise, ref) > testbed.ssim(torch.rand_like(ref), ref)
+
+
+def test_e2e_runner_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "e2e_bench.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "e2e_bench_smoke.json").read_text())
+    assert set(result["rollouts"]) == {"fastar", "tempcache", "annsa", "annca", "sink+window", "dense"}
+    assert len(result["rollouts"]["fastar"]) == result["summary"]["chunks"]
+    assert [p["source"] for p in result["dense_points"]][-1] == "composed"
+    for row in result["fidelity"]:
+        assert {"noise_floor", "own_chunk_only", "tempcache", "annsa", "annca", "fastar"} <= set(row)
+    assert result["summary"]["speedup_auc"] > 0
+    assert (tmp_path / "e2e_bench_smoke.png").stat().st_size > 0
