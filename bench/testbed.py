@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from realvideo import real_latents  # noqa: E402
+from realvideo import DATA, _orthogonal, real_latents  # noqa: E402
 
 CacheConfig, KVCache, FastARAttention = fastar.CacheConfig, fastar.KVCache, fastar.FastARAttention
 
@@ -54,15 +54,40 @@ def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: floa
     return model
 
 
-def testbed(sensitive: bool = True, dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda", **gains):
-    """The model (1.3B-shaped, sensitized unless told not to) and a seeded stand-in prompt."""
+def prompt_context(text_dim: int, tokens: int = 512, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """The Wan clip's own prompt as a text context [1, tokens, text_dim]: its real token features
+    (all-MiniLM-L6-v2, bench/make_prompt_fixture.py) mapped to ``text_dim`` by a fixed orthogonal
+    matrix, standardised, and zero-padded to ``tokens`` as Wan pads its umT5 output."""
+    from safetensors.torch import load_file
+
+    feats = load_file(os.path.join(DATA, "wan_prompt_minilm.safetensors"))["positive"].float()  # [n, 384]
+    n, width = feats.shape
+    if n > tokens:
+        raise ValueError(f"the prompt has {n} tokens, more than tokens={tokens}")
+    lift = _orthogonal(text_dim, width, seed=7).T if text_dim >= width else _orthogonal(width, text_dim, seed=7)
+    x = feats @ lift
+    x = (x - x.mean()) / x.std()
+    out = torch.zeros(1, tokens, text_dim)
+    out[0, :n] = x
+    return out.to(device=device, dtype=dtype)
+
+
+def testbed(sensitive: bool = True, dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda",
+            prompt: str = "random", **gains):
+    """The model (1.3B-shaped, sensitized unless told not to) and its prompt: ``random`` (a seeded
+    Gaussian stand-in, 512 tokens) or ``wan`` (the real clip's prompt, ``prompt_context``)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     model = fastar.models.build_model(size, device=device, dtype=torch.float32)
     if sensitive:
         sensitize(model, **{**SENSITIVE, **gains})
     model = model.to(dtype)  # built in fp32 first, so every dtype holds the same weights
-    context = torch.randn(1, 512, model.text_dim, device=device, dtype=dtype,
-                          generator=torch.Generator(device=device).manual_seed(0))
+    if prompt == "wan":
+        context = prompt_context(model.text_dim, device=device, dtype=dtype)
+    elif prompt == "random":
+        context = torch.randn(1, 512, model.text_dim, device=device, dtype=dtype,
+                              generator=torch.Generator(device=device).manual_seed(0))
+    else:
+        raise ValueError(f"prompt must be 'random' or 'wan', got {prompt!r}")
     return model, context
 
 

@@ -73,3 +73,21 @@ def test_e2e_runner_smoke(tmp_path):
         assert {"noise_floor", "own_chunk_only", "tempcache", "annsa", "annca", "fastar"} <= set(row)
     assert result["summary"]["speedup_auc"] > 0
     assert (tmp_path / "e2e_bench_smoke.png").stat().st_size > 0
+
+
+def test_real_prompt_context():
+    from safetensors import safe_open
+
+    import make_prompt_fixture
+
+    path = os.path.join(BENCH, "data", "wan_prompt_minilm.safetensors")
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["text"] == make_prompt_fixture.clip_prompt()  # the clip's own prompt
+        n = f.get_slice("positive").get_shape()[0]
+    for text_dim in (4096, 32):  # Wan's width, and the tiny model's (a projection, not a lift)
+        ctx = testbed.prompt_context(text_dim)
+        assert ctx.shape == (1, 512, text_dim)
+        real = ctx[0, :n]
+        assert (real.abs().sum(-1) > 0).all() and (ctx[0, n:] == 0).all()  # zero-padded as Wan pads umT5
+        assert abs(real.mean().item()) < 1e-4 and abs(real.std().item() - 1) < 1e-3
+        torch.testing.assert_close(testbed.prompt_context(text_dim), ctx)  # a fixed map
