@@ -42,7 +42,7 @@ def parse_args(argv):
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
     p.add_argument("--ann", choices=("none",) + ANN_METHODS, default="none",
-                   help="AnnSA/AnnCA sparse attention with the default AnnConfig of that method (experimental; "
+                   help="AnnSA sparse attention with the default AnnConfig of that method (AnnCA off; experimental; "
                         "needs --cache tempcache or unbounded; default none: dense)")
     p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
                                                                 "(default tiny on CPU, 1.3B on GPU)")
