@@ -26,22 +26,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402  (the repository as package comfyui_fastar)
+from testbed import NoAttention, prefill  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 
-CacheConfig, FastARAttention, Rollout = fastar.CacheConfig, fastar.FastARAttention, fastar.Rollout
+CacheConfig, Rollout = fastar.CacheConfig, fastar.Rollout
 build_model = fastar.models.build_model
 
 HEIGHT, WIDTH, CHUNK, TPF = 480, 832, 3, 1560
-
-
-class NoAttention(FastARAttention):
-    """Attention removed: what remains of a forward is the linear-layer floor."""
-
-    def self_attention(self, layer, q, k, v):
-        return q
-
-    def cross_attention(self, layer, q, k, v):
-        return q
 
 
 def sync_time(fn, reps):
@@ -69,20 +60,6 @@ def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
         return cuda_ms(call, reps) / 1e3
     except RuntimeError:
         return None
-
-
-def prefill(run: Rollout, frames: int):
-    """Fill the rollout's cache with `frames` frames of random K/V through the cache protocol."""
-    kv, g = run.cache, torch.Generator(device="cuda").manual_seed(1)
-    shape = (kv.batch, CHUNK * TPF, kv.num_heads, kv.head_dim)
-    k = torch.randn(shape, device="cuda", dtype=kv.dtype, generator=g)
-    v = torch.randn(shape, device="cuda", dtype=kv.dtype, generator=g)
-    for c in range(frames // CHUNK):
-        kv.begin_chunk(c * CHUNK, CHUNK)
-        kv.begin_clean_pass()
-        for layer in range(kv.num_layers):
-            kv.extend(layer, k, v)
-        kv.commit()
 
 
 def main():

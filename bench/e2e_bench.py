@@ -34,10 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from testbed import CHUNK, SENSITIVE, OwnChunkOnly, continue_real_video, psnr, ssim, testbed  # noqa: E402
+from testbed import (CHUNK, SENSITIVE, NoAttention, OwnChunkOnly, continue_real_video, prefill, psnr,  # noqa: E402
+                     ssim, testbed)
 
 AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
-FastARAttention, Rollout, attend = fastar.FastARAttention, fastar.Rollout, fastar.attend
+Rollout, attend = fastar.Rollout, fastar.attend
 
 SETTINGS = {  # name: (cache, ann)
     "dense": (CacheConfig("unbounded"), None),
@@ -49,14 +50,6 @@ SETTINGS = {  # name: (cache, ann)
 }
 FORWARDS = 5  # 4 denoising steps + the clean pass
 VIDEO_PER_LATENT = 4  # Wan 2.1's VAE: 4 video frames per latent frame
-
-
-class NoAttention(FastARAttention):
-    def self_attention(self, layer, q, k, v):
-        return q
-
-    def cross_attention(self, layer, q, k, v):
-        return q
 
 
 def sync(device):
@@ -114,26 +107,13 @@ def real_rollout(model, context, chunks, hw, name, log_every=40):
     return rows
 
 
-def prefill(run, frames, device):
-    """Fill a rollout's cache with ``frames`` frames of random K/V through the cache protocol."""
-    kv, g = run.cache, torch.Generator(device=device).manual_seed(1)
-    shape = (kv.batch, CHUNK * kv.tokens_per_frame, kv.num_heads, kv.head_dim)
-    k = torch.randn(shape, device=device, dtype=kv.dtype, generator=g)
-    for c in range(frames // CHUNK):
-        kv.begin_chunk(c * CHUNK, CHUNK)
-        kv.begin_clean_pass()
-        for layer in range(kv.num_layers):
-            kv.extend(layer, k, k)
-        kv.commit()
-
-
 def dense_point(model, context, cached, hw, reps):
     """One dense chunk after ``cached`` prefilled frames: median ms and peak GB."""
     device = context.device
     reset_peak(device)
     run = make_run(model, context, cached + CHUNK, hw, "dense")
     with torch.inference_mode():
-        prefill(run, cached, device)
+        prefill(run, cached)
         run.cache.begin_chunk(cached, CHUNK)
         run.sample_chunk(cached // CHUNK)  # warm-up
         ms = timed(lambda: run.sample_chunk(cached // CHUNK), device, reps)

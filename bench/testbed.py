@@ -132,6 +132,30 @@ def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
     return kv, clean_q, query_q
 
 
+class NoAttention(FastARAttention):
+    """Attention removed (self and cross return q): what remains of a forward is its floor."""
+
+    def self_attention(self, layer, q, k, v):
+        return q
+
+    def cross_attention(self, layer, q, k, v):
+        return q
+
+
+def prefill(run, frames: int) -> None:
+    """Fill a rollout's cache with ``frames`` frames of random K/V through the cache protocol."""
+    kv, g = run.cache, torch.Generator(device=run.device).manual_seed(1)
+    shape = (kv.batch, CHUNK * kv.tokens_per_frame, kv.num_heads, kv.head_dim)
+    k = torch.randn(shape, device=run.device, dtype=kv.dtype, generator=g)
+    v = torch.randn(shape, device=run.device, dtype=kv.dtype, generator=g)
+    for c in range(frames // CHUNK):
+        kv.begin_chunk(c * CHUNK, CHUNK)
+        kv.begin_clean_pass()
+        for layer in range(kv.num_layers):
+            kv.extend(layer, k, v)
+        kv.commit()
+
+
 class OwnChunkOnly(FastARAttention):
     """The control that drops the cached history: each chunk attends only its own keys."""
 
