@@ -104,17 +104,17 @@ class Recorder(FastARAttention):
         return super().self_attention(layer, q, k, v)
 
 
-def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
+def capture(model, context, history_frames, layers, sigma=0.625, seed=0, height=HEIGHT, width=WIDTH):
     """Teacher-forced dense pass over real latents: per-layer K/V of all frames, clean-pass queries
     per chunk, and the queries of the next chunk at one denoising step."""
-    frames = history_frames + CHUNK
-    latents = real_latents(frames, HEIGHT, WIDTH).to("cuda")
+    frames, device = history_frames + CHUNK, context.device
+    latents = real_latents(frames, height, width).to(device)
     kv = KVCache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1, num_heads=model.num_heads,
-                 head_dim=model.head_dim, tokens_per_frame=TPF, chunk_frames=CHUNK, max_frames=frames,
-                 device="cuda", dtype=model.dtype)
+                 head_dim=model.head_dim, tokens_per_frame=(height // 16) * (width // 16), chunk_frames=CHUNK,
+                 max_frames=frames, device=device, dtype=model.dtype)
     rec = Recorder(kv, set(layers))
     clean_q = {layer: [] for layer in layers}
-    zero = torch.zeros(1, device="cuda")
+    zero = torch.zeros(1, device=device)
     with torch.inference_mode():
         for c in range(history_frames // CHUNK):
             kv.begin_chunk(c * CHUNK, CHUNK)
@@ -123,11 +123,11 @@ def capture(model, context, history_frames, layers, sigma=0.625, seed=0):
             kv.commit()
             for layer in layers:
                 clean_q[layer].append(rec.q[layer])
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         x0 = latents[:, :, history_frames:]
-        x = (1 - sigma) * x0 + sigma * torch.randn(x0.shape, device="cuda", generator=g)
+        x = (1 - sigma) * x0 + sigma * torch.randn(x0.shape, device=device, generator=g)
         kv.begin_chunk(history_frames, CHUNK)
-        model(x, torch.full((1,), 1000 * sigma, device="cuda"), context, frame_offset=history_frames, attention=rec)
+        model(x, torch.full((1,), 1000 * sigma, device=device), context, frame_offset=history_frames, attention=rec)
     query_q = {layer: rec.q[layer] for layer in layers}
     return kv, clean_q, query_q
 

@@ -91,3 +91,13 @@ def test_real_prompt_context():
         assert (real.abs().sum(-1) > 0).all() and (ctx[0, n:] == 0).all()  # zero-padded as Wan pads umT5
         assert abs(real.mean().item()) < 1e-4 and abs(real.std().item() - 1) < 1e-3
         torch.testing.assert_close(testbed.prompt_context(text_dim), ctx)  # a fixed map
+
+
+def test_probe_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "testbed_probe.py"), "--smoke", "--out", str(tmp_path),
+                           "--settings", "plain,1.5:0.5:5:1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "testbed_probe_smoke.json").read_text())["settings"]
+    assert set(rows) == {"plain", "1.5:0.5:5:1"}
+    # the sensitized tiny model attends far more sharply than the plain one
+    assert rows["1.5:0.5:5:1"]["concentration"]["top1pct"] > 2 * rows["plain"]["concentration"]["top1pct"]
