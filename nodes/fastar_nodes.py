@@ -119,9 +119,9 @@ class AnnSparsity(io.ComfyNode):
                                 tooltip="Comma-separated layer indices that always run dense (layers that are not "
                                         "measurably sparse)."),
                 io.Boolean.Input("annsa", default=d.annsa, tooltip="Sparse self-attention over the KV cache."),
-                io.Boolean.Input("annca", default=d.annca, tooltip="Sparse cross-attention over the prompt. Off by default: "
-                                                                   "unvalidated with real text features, and costly "
-                                                                   "on random ones."),
+                io.Boolean.Input("annca", default=d.annca,
+                                 tooltip="Sparse cross-attention over the prompt. Off by default: unvalidated with "
+                                         "real text features, and costly on random ones."),
                 io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01,
                                tooltip="quant: share of history key blocks each query block reads."),
                 io.Int.Input("min_tokens", default=d.min_tokens, min=0, max=4096, step=1,

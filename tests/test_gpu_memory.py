@@ -18,7 +18,7 @@ class Cancel(Exception):
     (CacheConfig("unbounded"), None),
     (CacheConfig("window", 1, 2), None),
     (TempCacheConfig(max_cache_frames=4, sink_frames=1), None),
-    (CacheConfig("unbounded"), AnnConfig(bits=4, probes=1)),
+    (CacheConfig("unbounded"), AnnConfig(bits=4, probes=1, annca=True)),
 ])
 @pytest.mark.parametrize("cancel", [False, True])
 def test_rollout_returns_device_memory(cache, ann, cancel):
