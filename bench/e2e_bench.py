@@ -99,7 +99,8 @@ def real_rollout(model, context, chunks, hw, name, log_every=40):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if r.chunk % log_every == 0 or r.chunk + 1 == r.num_chunks:
-            print(f"  {name:12s} chunk {r.chunk:4d}: {rows[-1]['latency_ms']:8.1f} ms  peak {rows[-1]['peak_gb']:6.1f} GB "
+            row = rows[-1]
+            print(f"  {name:12s} chunk {r.chunk:4d}: {row['latency_ms']:8.1f} ms  peak {row['peak_gb']:6.1f} GB "
                   f" held {r.cache.tokens_held} tokens", flush=True)
     with torch.inference_mode():
         run.run(on_chunk)
@@ -307,7 +308,8 @@ def main():
 
     points = [dense_point(model, context, int(n), hw, args.reps) for n in args.dense_points.split(",")]
     for p in points:
-        print(f"  dense prefilled to {p['frames'] - CHUNK} frames: {p['latency_ms']:.1f} ms, peak {p['peak_gb']:.1f} GB")
+        print(f"  dense prefilled to {p['frames'] - CHUNK} frames: {p['latency_ms']:.1f} ms, "
+              f"peak {p['peak_gb']:.1f} GB")
     last = points[-1]
     tpf = tokens // CHUNK
     a_last = self_attention_ms(model, tokens, last["frames"] * tpf, device, args.reps)
