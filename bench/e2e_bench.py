@@ -17,7 +17,7 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
             the generated latents of each setting against dense bf16, beside the bf16 noise floor (dense
             fp32 vs dense bf16) and the control that drops the cached history (own chunk only).
 
-    python bench/e2e_bench.py --out bench/results        # ~7 minutes on an H200
+    python bench/e2e_bench.py --out bench/results        # ~9 minutes on an H200
     python bench/e2e_bench.py --smoke                    # tiny model on the CPU: checks the script only
 """
 from __future__ import annotations
