@@ -101,3 +101,11 @@ def test_probe_smoke(tmp_path):
     assert set(rows) == {"plain", "1.5:0.5:5:1"}
     # the sensitized tiny model attends far more sharply than the plain one
     assert rows["1.5:0.5:5:1"]["concentration"]["top1pct"] > 2 * rows["plain"]["concentration"]["top1pct"]
+
+
+def test_dense_curve_interpolates_between_points_and_clamps_outside():
+    import e2e_bench
+
+    at = e2e_bench.dense_curve([{"frames": 30, "latency_ms": 300.0}, {"frames": 10, "latency_ms": 100.0},
+                                {"frames": 20, "latency_ms": 150.0}])
+    assert [at(f) for f in (5, 10, 15, 20, 25, 30, 40)] == [100.0, 100.0, 125.0, 150.0, 225.0, 300.0, 300.0]
