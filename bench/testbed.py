@@ -5,7 +5,7 @@ query and key projections are independent, so every query spreads its attention 
 over all keys of similar content, and dropping half of the cache barely moves the output. A
 trained video DiT concentrates attention on a few corresponding tokens (same content, nearby
 place and time: the correspondence TempCache and AnnSA rely on). ``sensitize`` gives the random
-model that property without touching any other weight:
+model that property, touching only its self-attention weights:
 
   * the key projection is tied to the query projection (plus ``k_noise`` of fresh noise), so a
     token's query matches the keys of tokens with similar content;
@@ -43,8 +43,8 @@ def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: floa
     scale its output projection by ``self_gain`` (the gated branch is otherwise a few % of the
     residual stream, so the cached history could not move the output)."""
     for i, block in enumerate(model.blocks):
-        block.self_attn.o.weight.mul_(self_gain)
         attn = block.self_attn
+        attn.o.weight.mul_(self_gain)
         g = torch.Generator(device=attn.q.weight.device).manual_seed(seed * 1009 + i)
         noise = torch.randn(attn.q.weight.shape, device=attn.q.weight.device, generator=g)
         attn.k.weight.copy_(attn.q.weight + k_noise * attn.q.weight.float().std() * noise.to(attn.q.weight.dtype))
