@@ -93,9 +93,13 @@ def real_rollout(model, context, chunks, hw, name, log_every=40):
     rows = []
     run = make_run(model, context, chunks * CHUNK, hw, name)
 
+    annsa = run.attention.annsa
+
     def on_chunk(r):
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
                      "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
+        if annsa is not None:  # keys read / keys of each layer's last sparse call (the clean pass's)
+            rows[-1]["annsa_density"] = annsa.density.mean().item()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if r.chunk % log_every == 0 or r.chunk + 1 == r.num_chunks:

@@ -68,6 +68,8 @@ def test_e2e_runner_smoke(tmp_path):
     result = json.loads((tmp_path / "e2e_bench_smoke.json").read_text())
     assert set(result["rollouts"]) == {"fastar", "tempcache", "annsa", "annca", "sink+window", "dense"}
     assert len(result["rollouts"]["fastar"]) == result["summary"]["chunks"]
+    assert all(0 < r["annsa_density"] <= 1 for r in result["rollouts"]["fastar"])  # logged where AnnSA runs
+    assert "annsa_density" not in result["rollouts"]["tempcache"][0]
     assert [p["source"] for p in result["dense_points"]][-1] == "composed"
     for row in result["fidelity"]:
         assert {"noise_floor", "own_chunk_only", "tempcache", "annsa", "annca", "fastar"} <= set(row)
