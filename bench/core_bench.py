@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,23 +26,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402  (the repository as package comfyui_fastar)
 from testbed import NoAttention, prefill  # noqa: E402
-from timing import cuda_ms  # noqa: E402
+from timing import cuda_ms, wall_ms  # noqa: E402
 
 CacheConfig, Rollout = fastar.CacheConfig, fastar.Rollout
 build_model = fastar.models.build_model
 
 HEIGHT, WIDTH, CHUNK, TPF = 480, 832, 3, 1560
-
-
-def sync_time(fn, reps):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        tic = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times), times
 
 
 def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
@@ -101,7 +89,7 @@ def main():
     run.attention = NoAttention()
     with torch.inference_mode():
         run.sample_chunk(0)
-        floor, _ = sync_time(lambda: run.sample_chunk(0), 5)
+        floor = statistics.median(wall_ms(lambda: run.sample_chunk(0), 5)) / 1e3
     del run
     cross = sdpa_seconds(q_len, 512, cfg.num_heads, cfg.head_dim)
     result["floor_ms"] = 1e3 * floor
@@ -124,7 +112,8 @@ def main():
                 run.cache.begin_chunk(n, CHUNK)
                 c = n // CHUNK
                 run.sample_chunk(c)  # warm-up
-                t, reps = sync_time(lambda: run.sample_chunk(c), args.reps)
+                reps = wall_ms(lambda: run.sample_chunk(c), args.reps)
+                t = statistics.median(reps) / 1e3
             peak = torch.cuda.max_memory_allocated() / 1e9
             held = run.cache.stats()
             del run
@@ -135,7 +124,7 @@ def main():
             torch.cuda.empty_cache()
             continue
         raw, self_t = raw_sdpa_chunk(n)
-        row = {"cached_frames": n, "latency_ms": 1e3 * t, "reps_ms": [1e3 * r for r in reps], "peak_gb": peak,
+        row = {"cached_frames": n, "latency_ms": 1e3 * t, "reps_ms": reps, "peak_gb": peak,
                "cache_held_gb": held.held_gb, "raw_sdpa_ms": 1e3 * raw, "self_sdpa_ms_per_call": 1e3 * self_t,
                "floor_plus_sdpa_ms": 1e3 * (floor + raw), "ratio_to_floor_plus_sdpa": t / (floor + raw),
                "source": "prefilled cache"}

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from testbed import (CHUNK, SENSITIVE, NoAttention, OwnChunkOnly, continue_real_video, prefill, psnr,  # noqa: E402
                      ssim, testbed)
+from timing import wall_ms  # noqa: E402
 
 AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
 Rollout, attend = fastar.Rollout, fastar.attend
@@ -50,22 +51,6 @@ SETTINGS = {  # name: (cache, ann)
 }
 FORWARDS = 5  # 4 denoising steps + the clean pass
 VIDEO_PER_LATENT = 4  # Wan 2.1's VAE: 4 video frames per latent frame
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, reps):
-    times = []
-    for _ in range(reps):
-        sync(device)
-        tic = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(1e3 * (time.perf_counter() - tic))
-    return statistics.median(times)
 
 
 def peak_gb(device):
@@ -121,7 +106,7 @@ def dense_point(model, context, cached, hw, reps):
         prefill(run, cached)
         run.cache.begin_chunk(cached, CHUNK)
         run.sample_chunk(cached // CHUNK)  # warm-up
-        ms = timed(lambda: run.sample_chunk(cached // CHUNK), device, reps)
+        ms = statistics.median(wall_ms(lambda: run.sample_chunk(cached // CHUNK), reps, device))
     return {"frames": cached + CHUNK, "latency_ms": ms, "peak_gb": peak_gb(device), "source": "prefilled"}
 
 
@@ -132,7 +117,7 @@ def self_attention_ms(model, q_tokens, k_tokens, device, reps):
     q = torch.randn(shape, device=device, dtype=model.dtype, generator=g)
     k = torch.randn((1, k_tokens, model.num_heads, model.head_dim), device=device, dtype=model.dtype, generator=g)
     attend(q, k, k)
-    return timed(lambda: attend(q, k, k), device, reps)
+    return statistics.median(wall_ms(lambda: attend(q, k, k), reps, device))
 
 
 def linear_floor_ms(model, tokens, text_tokens, device, reps):
@@ -155,7 +140,7 @@ def linear_floor_ms(model, tokens, text_tokens, device, reps):
                 mod(inputs[n, mod.in_features])
     with torch.inference_mode():
         chunk()
-        return timed(chunk, device, reps)
+        return statistics.median(wall_ms(chunk, reps, device))
 
 
 def fidelity(model, model32, context, horizons, hw, gen_frames):
@@ -206,10 +191,10 @@ def summarize(result, chunks):
     at = dense_curve(result["rollouts"]["dense"][2:] + result["dense_points"])
     auc_fastar = sum(r["latency_ms"] for r in fa)
     auc_dense = sum(at(r["frames"]) for r in fa)
-    near_240 = [r["latency_ms"] for r in fa if abs(r["frames"] - 240 // VIDEO_PER_LATENT) <= 2 * CHUNK]
+    rows_240 = [r for r in fa if abs(r["frames"] - 240 // VIDEO_PER_LATENT) <= 2 * CHUNK]
+    near_240 = [r["latency_ms"] for r in rows_240]
     last = [r["latency_ms"] for r in fa[-5:]]
-    peak_240 = max(r["peak_gb"] for r in fa if abs(r["frames"] - 240 // VIDEO_PER_LATENT) <= 2 * CHUNK) \
-        if near_240 else float("nan")
+    peak_240 = max(r["peak_gb"] for r in rows_240) if rows_240 else float("nan")
     steady = statistics.median(r["latency_ms"] for r in fa[len(fa) // 2:])
     s = {"chunks": chunks, "latent_frames": chunks * CHUNK, "video_frames": chunks * CHUNK * VIDEO_PER_LATENT,
          "auc_fastar_s": auc_fastar / 1e3, "auc_dense_s": auc_dense / 1e3, "speedup_auc": auc_dense / auc_fastar,
@@ -299,7 +284,8 @@ def main():
     with torch.inference_mode():
         run.cache.begin_chunk(0, CHUNK)
         run.sample_chunk(0)
-        result["floor"]["no_attention_ms"] = timed(lambda: run.sample_chunk(0), device, args.reps)
+        result["floor"]["no_attention_ms"] = statistics.median(wall_ms(lambda: run.sample_chunk(0), args.reps,
+                                                                       device))
     print(f"[{time.time() - tic:.0f} s] floor: {result['floor']}", flush=True)
 
     real_rollout(model, context, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans

@@ -104,11 +104,10 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
             dense_groups = torch.zeros(p_dense.shape[0], m_slots + 1, device="cuda")
             dense_groups.scatter_add_(1, torch.where(o >= 0, o, m_slots).expand(p_dense.shape[0], -1),
                                       p_dense[:, sink_tok:own.start])
-            group_recall = (torch.minimum(p_dense[:, :sink_tok], p_c[:, :sink_tok]).sum(-1)
-                            + torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
+            hist_kept = torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
+            group_recall = (torch.minimum(p_dense[:, :sink_tok], p_c[:, :sink_tok]).sum(-1) + hist_kept
                             + torch.minimum(p_dense[:, own], p_c[:, own_pos:]).sum(-1))
             group_recalls.append(group_recall.mean().item())
-            hist_kept = torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
             hist_recalls.append((hist_kept.sum() / p_dense[:, sink_tok:own.start].sum()).item())
             sink_tok = SINK * TPF
             hist0 = sink_tok

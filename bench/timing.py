@@ -1,5 +1,6 @@
-"""Device timing shared by the benchmarks: CUDA events around a call, median of repeats."""
+"""Timing shared by the benchmarks: CUDA events around a call, or host wall time around a whole call."""
 import statistics
+import time
 
 import torch
 
@@ -17,3 +18,19 @@ def cuda_ms(fn, reps: int = 15, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall_ms(fn, reps: int, device=None) -> list[float]:
+    """Host wall-clock milliseconds of each of ``reps`` calls of ``fn()``, with a CUDA device
+    synchronised before and after each (host launch time included; no sync on a CPU)."""
+    cuda = torch.device(device or "cuda").type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - tic))
+    return times
