@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.qk_norm_rope import qk_norm_rope_auto
 from ..errors import FastARError
 
 
@@ -93,15 +94,6 @@ def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: in
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x [B, L, H, D] by freqs [L, D/2, 2]."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -128,9 +120,13 @@ class WanAttention(nn.Module):
     def heads(self, x):
         return x.unflatten(-1, (self.num_heads, self.head_dim))
 
+    def _norm_rope(self, norm, x, freqs):
+        weight = norm.weight if isinstance(norm, RMSNorm) else None
+        return qk_norm_rope_auto(x, weight, freqs, self.num_heads, norm.eps if weight is not None else 0.0)
+
     def self_attention(self, x, freqs, attention, layer):
-        q = apply_rope(self.heads(self.norm_q(self.q(x))), freqs)
-        k = apply_rope(self.heads(self.norm_k(self.k(x))), freqs)
+        q = self._norm_rope(self.norm_q, self.q(x), freqs)
+        k = self._norm_rope(self.norm_k, self.k(x), freqs)
         v = self.heads(self.v(x))
         return self.o(attention.self_attention(layer, q, k, v).flatten(2))
 
