@@ -284,7 +284,7 @@ class KVCache:
             bias.copy_(bias.gather(-1, perm))
         tc = self.tempcache
         if tc is not None:
-            for state in (tc.count[layer], tc.newest[layer]):
+            for state in (tc.count[layer], tc.newest[layer], tc.token[layer]):
                 state.copy_(state.gather(-1, perm))
             new_slot = torch.argsort(perm, dim=-1)                  # old slot -> new slot
             last = tc.last_slots[layer]
@@ -302,7 +302,7 @@ class KVCache:
             held += round(tc.held_tokens().mean().item())
             merged = round(tc.merged.sum().item() / per_head)
             evicted = round(tc.evicted.sum().item() / per_head)
-            nbytes += tc.count.nbytes + tc.newest.nbytes
+            nbytes += tc.count.nbytes + tc.newest.nbytes + tc.token.nbytes
         return CacheStats(
             frames_cached=self.frames_cached,
             tokens_held=held,

@@ -6,8 +6,10 @@ joins one group: the newest key becomes the group's representative, the value is
 mean of the group's values, and the group size m enters attention as the logit bias log m.
 For identical keys this is exact: softmax over groups of (q.k/sqrt(d) + log m) weighting the
 group means equals attention over every member. Unmatched tokens take the least recently
-refreshed history slots, so the cache never exceeds ``max_cache_frames`` frames of tokens:
-memory is flat by construction. Sink frames are never merged or evicted.
+refreshed history slots (among equally old ones, the earliest written token positions), so
+the cache never exceeds ``max_cache_frames`` frames of tokens: memory is flat by construction.
+Which slot holds a key never decides anything, so AnnSA may reorder slots freely. Sink frames
+are never merged or evicted.
 
 All of it runs on the device with fixed shapes (no host sync): per head, every history slot
 has a count (0 = empty) and the frame of its newest member; discarded writes go to one spare
@@ -76,6 +78,7 @@ class TempCache:
         shape = (num_layers, batch, num_heads, history_tokens)
         self.count = torch.zeros(shape, device=device)                  # group size m, 0 = empty
         self.newest = torch.full(shape, -1, dtype=torch.long, device=device)  # frame of the representative
+        self.token = torch.zeros(shape, dtype=torch.long, device=device)      # its position in its write
         # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
         self.merged = torch.zeros(num_layers, dtype=torch.long, device=device)
         self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
@@ -123,7 +126,7 @@ class TempCache:
         dump_rows = dump * h + heads[:, None]                        # [H, 1] per-head dump row
         merged_total = evicted_total = 0
         for b in range(b_size):
-            count, newest = self.count[layer, b], self.newest[layer, b]  # [H, M]
+            count, newest, written = self.count[layer, b], self.newest[layer, b], self.token[layer, b]  # [H, M]
             kb, vb = k[b], v[b]
             flat_k, flat_v = kb.view(-1, d), vb.view(-1, d)             # row = token * H + head
             new_k, new_v = kb[new], vb[new]                              # [N, H, D]
@@ -155,9 +158,11 @@ class TempCache:
                                new_k.transpose(0, 1).reshape(-1, d))
             rep_frame = torch.where(rep >= 0, new_frames[rep.clamp_min(0)], newest)
             newest.copy_(torch.where(added > 0, rep_frame, newest))
+            written.copy_(torch.where(added > 0, rep, written))
             count.copy_(total)
-            # unmatched tokens take the least recently refreshed slots (empty ones first)
-            order = torch.argsort(newest, dim=1, stable=True)             # [H, M]
+            # unmatched tokens take the least recently refreshed slots (empty ones first; ties by
+            # write position, never by slot index)
+            order = torch.argsort(newest * (1 << 32) + written, dim=1)    # [H, M]
             fresh = ~merge
             pos = torch.cumsum(fresh.long(), dim=1) - 1
             place = fresh & (pos < m_slots)
@@ -168,7 +173,8 @@ class TempCache:
             flat_v.index_copy_(0, rows_new, new_v.transpose(0, 1).reshape(-1, d))
             slot_new = torch.where(place, heads[:, None] * m_slots + dest, h * m_slots).flatten()
             for state, value in ((count, torch.ones(h * n, device=k.device)),
-                                 (newest, new_frames.expand(h, n).flatten())):
+                                 (newest, new_frames.expand(h, n).flatten()),
+                                 (written, token.expand(h, n).flatten())):
                 padded = torch.cat([state.flatten(), state.new_zeros(1)])
                 padded.index_copy_(0, slot_new, value.to(state.dtype))
                 state.copy_(padded[:-1].view(h, m_slots))
