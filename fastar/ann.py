@@ -14,10 +14,9 @@ contiguous key *ranges* in tiles of 64; a bucket's keys scattered over the cache
 one range per key. Sorted, a bucket is one range, adjacent selected buckets fuse into one,
 and empty buckets bridge runs, so a query block reads a few long runs of memory. Attention is
 a sum over a key *set*, so slot order never changes a dense result; TempCache's history is a
-pool of slots whose state is permuted along, and the unbounded cache keeps only frame counts.
-(With TempCache, sorting changes which of several equally old slots eviction takes first, a
-tie the policy leaves open: at density 1 AnnSA equals dense TempCache until such a tie is
-broken differently.) A window cache's ring writes whole frames into frame slots, which a sort
+pool of slots whose state is permuted along (its eviction breaks ties by write position, never
+by slot index), and the unbounded cache keeps only frame counts. A window cache's ring writes
+whole frames into frame slots, which a sort
 would scatter: AnnSA refuses it (AnnCA works with any cache). The re-sort copies one layer's
 history K/V once per chunk (the unbounded cache re-hashes and re-sorts its whole history: a
 GEMM with ``bits`` columns and one sort, small next to the attention it saves).
@@ -27,10 +26,18 @@ become a fixed-size range list on the device (``R = 2 + ceil(2**bits / 2)`` slot
 ignored by ``range_counts``) that ``block_sparse_attention_auto`` reads. Nothing syncs with the
 host: every shape comes from Python integers the schedule knows.
 
-``method='quant'`` keeps the same sorted layout but selects differently: at write time each
-block of 64 sorted history keys gets its mean key, int8-quantized; per step a query block
-reads the ``keep_fraction`` key blocks whose quantized mean scores highest against any of its
-(int8) queries. Its density is fixed by ``keep_fraction``; the bucket method's is data-driven.
+``method='quant'`` (the default) keeps the same sorted layout but selects differently: at
+write time each block of 64 sorted history keys gets its mean key, int8-quantized; per step a
+query block reads the ``keep_fraction`` key blocks whose quantized mean scores highest against
+any of its (int8) queries, as a logit plus the log of the block's key multiplicity (TempCache's
+log m: a merged key stands for m frames) (``kernels/quant_scores.py``); touching blocks fuse
+into one range.
+Its density is fixed by ``keep_fraction``, so its cost is too; the bucket method's is
+data-driven. Why it is the default: on real-video queries it keeps more of the attention mass
+at a given density than buckets do (bench/results/ann_bench*.json).
+
+On CUDA a whole plan is one CUDA graph replay (``AnnSA._replay``): its ~40 small kernels cost
+far more to launch than to run.
 
 **AnnCA** (cross-attention). Per current frame, prompt tokens sharing a bucket (with probes)
 with at least one of the frame's queries are kept; if fewer than ``min_tokens`` survive, the
@@ -54,6 +61,7 @@ import torch
 
 from ..kernels import triton_runs_on
 from ..kernels.block_sparse_attention import block_sparse_attention_auto
+from ..kernels.quant_scores import quant_block_scores_auto
 from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
@@ -72,13 +80,12 @@ class AnnConfig:
     ``bits=1, probes=1`` selects every bucket: exactly dense attention.
     ``calibration_recall`` > 0: the first sparse forward over history measures each layer's
     AnnSA recall (dense attention mass inside its plan) and makes layers below it dense.
-    ``method='quant'``
+    ``method='quant'`` (default)
     selects for AnnSA, instead of bucket hits, the ``keep_fraction`` best blocks of 64 sorted
     history keys by int8-quantized similarity to their mean keys (AnnCA always uses buckets).
-    ``annca`` is off by default: on the sensitized testbed (random prompt features, no real text
-    encoder here) it costs more fidelity than dropping the whole cached history
-    (bench/results/e2e_bench.json: 37 dB against 43-47 dB)."""
-    method: str = "lsh"
+    ``annca`` is off by default: over Wan's 512 prompt tokens dense cross-attention costs ~0.1 ms
+    a call on an H200, less than selecting tokens does (bench/results/ann_bench.json)."""
+    method: str = "quant"
     bits: int = 8
     probes: int = 2
     block_q: int = 64
@@ -88,7 +95,7 @@ class AnnConfig:
     annca: bool = False
     min_tokens: int = 64
     seed: int = 0
-    keep_fraction: float = 0.25
+    keep_fraction: float = 0.35
     calibration_recall: float = 0.0
 
     def __post_init__(self):
@@ -145,7 +152,8 @@ def _is_int(x) -> bool:
 
 class LSH:
     """Sign-of-random-projection hashing: ``bits`` Gaussian planes per layer and head, drawn
-    once from ``seed`` on the host (so every device gets the same planes)."""
+    once from ``seed`` on the host (so every device gets the same planes). The methods take one
+    layer's planes (``self.planes[layer]``, [H, D, bits]) so a captured plan can be fed any layer's."""
 
     def __init__(self, bits: int, probes: int, *, num_layers: int, num_heads: int, head_dim: int, seed: int,
                  device):
@@ -154,22 +162,23 @@ class LSH:
         self.bits, self.probes = bits, probes
         self.weights = (1 << torch.arange(bits, device=device))
 
-    def project(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def project(planes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, H, D] -> projections [B, H, L, bits] (in x's dtype, fp32 out)."""
-        return torch.einsum("blhd,hdk->bhlk", x, self.planes[layer].to(x.dtype)).float()
+        return torch.einsum("blhd,hdk->bhlk", x, planes.to(x.dtype)).float()
 
     def codes(self, proj: torch.Tensor) -> torch.Tensor:
         """Bucket id of each projection row: the packed sign bits (int64)."""
         return ((proj > 0).long() * self.weights).sum(-1)
 
-    def hash(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def hash(self, planes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Bucket ids [B, H, L] of x [B, L, H, D]."""
-        return self.codes(self.project(layer, x))
+        return self.codes(self.project(planes, x))
 
-    def probe_codes(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def probe_codes(self, planes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Buckets each row of x [B, L, H, D] probes: its own, then its code with each of its
         ``probes`` smallest-margin bits flipped. Returns [B, H, L, 1 + probes]."""
-        proj = self.project(layer, x)
+        proj = self.project(planes, x)
         code = self.codes(proj)
         if not self.probes:
             return code[..., None]
@@ -191,6 +200,22 @@ def _hit_buckets(cands: torch.Tensor, group: torch.Tensor, groups: int, buckets:
     flat = (group.expand(b, h, n)[..., None] * buckets + cands).reshape(b, h, n * p)
     hit.scatter_(-1, flat, True)
     return hit.view(b, h, groups, buckets)
+
+
+def _runs_to_ranges(run_start, run_end, starts, ends, r: int, sink: int, chunk_start: int, chunk_stop: int):
+    """A plan's (ranges [B, H, nqb, r, 2], counts [B, H, nqb], density) from runs over candidate
+    segments [B, H, nqb, n] (``starts`` / ``ends`` rows; flags mark a run's first and last
+    segment): slot 0 is the sink ``[0, sink)``, slot 1 the open chunk, then one range per run;
+    density is the mean fraction of the ``chunk_stop`` keys a query block reads."""
+    b, h, nqb, _ = run_start.shape
+    ranges = torch.zeros(b, h, nqb, r + 1, 2, dtype=torch.int32, device=starts.device)  # slot r: dump
+    for col, flags, edge in ((0, run_start, starts), (1, run_end, ends)):
+        slot = torch.where(flags, 1 + torch.cumsum(flags, -1), r)
+        ranges[..., col].scatter_(-1, slot, edge.to(torch.int32))
+    ranges[..., 0, 1] = sink
+    ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
+    ranges, counts = ranges[..., :r, :], (2 + run_start.sum(-1)).to(torch.int32)
+    return ranges, counts, plan_density(ranges, counts, chunk_stop)
 
 
 def _warn_twin(q: torch.Tensor) -> None:
@@ -216,7 +241,8 @@ class AnnSA:
         self.offsets = torch.full((cache.num_layers, cache.batch, cache.num_heads, nb + 1), start,
                                   dtype=torch.int32, device=cache.device)
         self.density = torch.ones(cache.num_layers, device=cache.device)  # keys read / keys, last sparse call
-        self.reps: list = [None] * cache.num_layers  # 'quant': (int8 block means, scale, block holds keys)
+        self.reps: list = [None] * cache.num_layers  # 'quant': (int8 block means, their scale, block log mass)
+        self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
 
     @torch.no_grad()
     def index_history(self, layer: int) -> None:
@@ -224,7 +250,7 @@ class AnnSA:
         record the bucket offsets. Empty TempCache slots sort last and join no bucket."""
         cache, nb = self.cache, self.config.buckets
         rows = cache.sorted_rows(clean_pass=True)
-        code = self.lsh.hash(layer, cache.k[layer, :, rows])       # [B, H, M]
+        code = self.lsh.hash(self.lsh.planes[layer], cache.k[layer, :, rows])       # [B, H, M]
         filled = cache.filled_rows(layer)
         if filled is not None:
             code = torch.where(filled, code, nb)
@@ -234,12 +260,15 @@ class AnnSA:
         edges = torch.arange(nb + 1, device=code.device).expand(*code.shape[:2], nb + 1).contiguous()
         self.offsets[layer] = (rows.start + torch.searchsorted(ordered, edges)).to(torch.int32)
         if self.config.method == "quant":
-            self.reps[layer] = self._block_means(cache.k[layer, :, rows], ordered < nb)
+            bias = cache.log_count_bias[layer, :, :, rows] if cache.has_bias else None
+            self.reps[layer] = self._block_means(cache.k[layer, :, rows], ordered < nb, bias)
 
     @staticmethod
-    def _block_means(k: torch.Tensor, filled: torch.Tensor):
-        """int8 means of each block of KEY_BLOCK history keys k [B, M, H, D] over its filled
-        keys (filled [B, H, M]); returns (int8 [B, H, nkb, D], fp32 scale [B, H, 1, 1], bool [B, H, nkb])."""
+    def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
+        """Per block of KEY_BLOCK history keys k [B, M, H, D] (filled [B, H, M]; ``bias`` the
+        keys' TempCache log m [B, H, M] or None): the int8 mean of its filled keys with their
+        fp32 scale [B, H, 1, 1], and the log of its key multiplicity (logsumexp of log m over
+        its filled keys, log(count) without TempCache, -inf when empty) [B, H, nkb]."""
         b, m, h, d = k.shape
         nkb = -(-m // KEY_BLOCK)
         pad = nkb * KEY_BLOCK - m
@@ -247,72 +276,116 @@ class AnnSA:
         kb = torch.nn.functional.pad(k.float().transpose(1, 2), (0, 0, 0, pad)).view(b, h, nkb, KEY_BLOCK, d)
         count = w.sum(-1)
         mean = (kb * w[..., None]).sum(-2) / count.clamp_min(1)[..., None]
-        return _int8(mean) + (count > 0,)
-
-    def _quant_plan(self, layer: int, q: torch.Tensor, q_perm: torch.Tensor, nqb: int):
-        """Ranges of the 'quant' method: each query block reads its ``keep_fraction`` best key
-        blocks; a key block scores the best int8 dot product of its mean key with any of the
-        block's queries (a block mixing two clusters of queries keeps both clusters' keys)."""
-        cache, bq = self.cache, self.config.block_q
-        b, n, h, d = q.shape
-        rows = cache.sorted_rows(clean_pass=False)
-        nkb = -(-(rows.stop - rows.start) // KEY_BLOCK)
-        top = math.ceil(self.config.keep_fraction * nkb) if self.reps[layer] is not None else 0  # None: no write yet
-        ranges = torch.zeros(b, h, nqb, 2 + top, 2, dtype=torch.int32, device=q.device)
-        if top:
-            k8, _, holds = self.reps[layer]
-            qs = q.transpose(1, 2).gather(2, q_perm[..., None].expand(b, h, n, d))   # bucket order
-            q8, _ = _int8(torch.nn.functional.pad(qs.float(), (0, 0, 0, nqb * bq - n)))
-            pad_rows = (torch.arange(nqb * bq, device=q.device) >= n)[:, None]
-            score = torch.stack([  # one head at a time: [B, n, nkb] scores stay small
-                (q8[:, i].float() @ k8[:, i].float().transpose(-1, -2)).masked_fill_(pad_rows, float("-inf"))
-                .view(b, nqb, bq, nkb).amax(2) for i in range(h)], dim=1)          # [B, H, nqb, nkb]
-            score.masked_fill_(~holds[:, :, None], float("-inf"))
-            pick = score.topk(top, dim=-1).indices.sort(-1).values                 # [B, H, nqb, top]
-            start = rows.start + pick * KEY_BLOCK
-            end = torch.clamp(start + KEY_BLOCK, max=rows.stop)
-            end = torch.where(holds.gather(-1, pick.flatten(2)).view_as(pick), end, start)  # empty blocks read nothing
-            ranges[..., 2:, 0], ranges[..., 2:, 1] = start.to(torch.int32), end.to(torch.int32)
-        counts = torch.full((b, h, nqb), 2 + top, dtype=torch.int32, device=q.device)
-        return ranges, counts
+        log_m = bias.float() if bias is not None else torch.zeros_like(filled, dtype=torch.float32)
+        log_m = torch.nn.functional.pad(log_m.masked_fill(~filled, float("-inf")), (0, pad), value=float("-inf"))
+        return (*_int8(mean), log_m.view(b, h, nkb, KEY_BLOCK).logsumexp(-1))
 
     def plan(self, layer: int, q: torch.Tensor):
         """Ranges of each query block of q [B, n, H, D] (the open chunk's queries) over the keys
-        ``extend`` returned: (q_perm [B, H, n], ranges [B, H, nqb, R, 2], range_counts [B, H, nqb])."""
-        cfg, cache, nb = self.config, self.cache, self.config.buckets
+        ``extend`` returned: (q_perm [B, H, n], ranges [B, H, nqb, R, 2], range_counts [B, H, nqb]).
+        On CUDA the plan is one CUDA graph replay (see ``_replay``): the returned tensors are the
+        graph's outputs, valid until the next ``plan`` call."""
+        cfg, cache = self.config, self.cache
+        sink, chunk = cache.sink_rows, cache.chunk_rows()
+        fixed = (sink, chunk.start, chunk.stop)
+        if cfg.method == "lsh":
+            inputs = (q, self.lsh.planes[layer], self.offsets[layer])
+            fn = lambda q, planes, offsets: self._lsh_plan(q, planes, offsets, *fixed)  # noqa: E731
+            key = ("lsh", *fixed)
+        else:
+            rows = cache.sorted_rows(clean_pass=False)
+            nkb = -(-(rows.stop - rows.start) // KEY_BLOCK)
+            top = math.ceil(cfg.keep_fraction * nkb) if self.reps[layer] is not None else 0  # None: no write yet
+            inputs = (q, self.lsh.planes[layer], *(self.reps[layer] if top else ()))
+            fn = lambda q, planes, *reps: self._quant_plan(q, planes, *reps, rows, top, *fixed)  # noqa: E731
+            key = ("quant", rows.start, rows.stop, top, *fixed)
+        q_perm, ranges, counts, density = self._replay(key, fn, inputs)
+        self.density[layer] = density
+        return q_perm, ranges, counts
+
+    graphs = True  # CUDA graphs for plans (``_replay``); False runs them eagerly (to compare)
+
+    def _replay(self, key, fn, inputs):
+        """``fn(*inputs)``; on CUDA captured once per signature as a CUDA graph and replayed.
+
+        Why: a plan is ~40 small kernels whose launch cost (~1.5 ms a call on the H200's host)
+        is many times their GPU time; a replay is one launch plus copies of the inputs into the
+        graph's buffers. The signature is every shape and Python integer the plan bakes in, so a
+        cache at its budget (TempCache) replays one graph all rollout long; only the latest graph
+        is kept (an unbounded cache captures one per chunk, replayed by every layer and step)."""
+        q = inputs[0]
+        if not (self.graphs and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+            return fn(*inputs)
+        key = (*key, *((tuple(t.shape), t.dtype) for t in inputs), q.device)
+        if self._graph is None or self._graph[0] != key:
+            self._graph = None  # free the old graph's memory before capturing
+            static = [t.clone() for t in inputs]
+            # Warm-up outside the capture (Triton compiles, cuBLAS initialises) on the current
+            # stream: a fresh side stream per capture would get a cuBLAS workspace of its own,
+            # kept for the life of the process.
+            fn(*static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(*static)
+            self._graph = (key, graph, static, out)
+        _, graph, static, out = self._graph
+        for buf, t in zip(static, inputs):
+            buf.copy_(t)
+        graph.replay()
+        return out
+
+    def _lsh_plan(self, q, planes, offsets, sink: int, chunk_start: int, chunk_stop: int):
+        """The bucket plan: a query block reads the history runs of every bucket its queries
+        probe (``offsets`` [B, H, nb + 1]: the layer's sorted bucket bounds)."""
+        cfg, nb = self.config, self.config.buckets
         b, n, h, _ = q.shape
         nqb = -(-n // cfg.block_q)
-        cands = self.lsh.probe_codes(layer, q)                     # [B, H, n, 1 + probes]
+        cands = self.lsh.probe_codes(planes, q)                     # [B, H, n, 1 + probes]
         q_perm = torch.argsort(cands[..., 0], dim=-1, stable=True)
-        sink, chunk = cache.sink_rows, cache.chunk_rows()
-        if cfg.method == "quant":
-            ranges, counts = self._quant_plan(layer, q, q_perm, nqb)
-            ranges[..., 0, 1] = sink
-            ranges[..., 1, 0], ranges[..., 1, 1] = chunk.start, chunk.stop
-            return q_perm, ranges, counts
         cands = cands.gather(2, q_perm[..., None].expand_as(cands))
         block = torch.arange(n, device=q.device) // cfg.block_q
-        hit = _hit_buckets(cands, block, nqb, nb)                  # [B, H, nqb, nb]
-        off = self.offsets[layer]                                  # [B, H, nb + 1]
-        starts, ends = off[..., :-1, None].transpose(-1, -2), off[..., 1:, None].transpose(-1, -2)
-        sel = hit | (starts == ends)                               # empty buckets bridge runs
+        hit = _hit_buckets(cands, block, nqb, nb)                   # [B, H, nqb, nb]
+        starts, ends = offsets[..., None, :-1], offsets[..., None, 1:]
+        sel = hit | (starts == ends)                                # empty buckets bridge runs
         prev = torch.nn.functional.pad(sel[..., :-1], (1, 0), value=False)
         nxt = torch.nn.functional.pad(sel[..., 1:], (0, 1), value=False)
-        run_start, run_end = sel & ~prev, sel & ~nxt
-        r = self.max_ranges
-        ranges = torch.zeros(b, h, nqb, r + 1, 2, dtype=torch.int32, device=q.device)  # slot r: dump
-        for col, flags, edge in ((0, run_start, starts), (1, run_end, ends)):
-            slot = torch.where(flags, 2 + torch.cumsum(flags, -1) - 1, r)
-            ranges[..., col].scatter_(-1, slot, edge.expand(b, h, nqb, nb))
-        ranges[..., 0, 1] = sink
-        ranges[..., 1, 0], ranges[..., 1, 1] = chunk.start, chunk.stop
-        counts = (2 + run_start.sum(-1)).to(torch.int32)
-        return q_perm, ranges[..., :r, :].contiguous(), counts
+        return (q_perm, *_runs_to_ranges(sel & ~prev, sel & ~nxt, starts.expand_as(sel), ends.expand_as(sel),
+                                         self.max_ranges, sink, chunk_start, chunk_stop))
+
+    def _quant_plan(self, q, planes, *reps_rows_top_fixed):
+        """The 'quant' plan: each query block reads its ``keep_fraction`` best key blocks; a key
+        block scores the best int8 dot product of its mean key with any of the block's queries
+        (a block mixing two clusters of queries keeps both clusters' keys), as a logit, plus the
+        log of its key multiplicity (TempCache's merged keys weigh m times). Picked blocks that
+        touch in the sorted history fuse into one range. Queries are ordered by LSH bucket."""
+        *reps, rows, top, sink, chunk_start, chunk_stop = reps_rows_top_fixed
+        bq = self.config.block_q
+        b, n, h, d = q.shape
+        nqb = -(-n // bq)
+        q_perm = torch.argsort(self.lsh.hash(planes, q), dim=-1, stable=True)
+        if not top:
+            empty = [torch.zeros(b, h, nqb, 0, dtype=dt, device=q.device)
+                     for dt in (torch.bool, torch.bool, torch.int32, torch.int32)]
+            return (q_perm, *_runs_to_ranges(*empty, 2, sink, chunk_start, chunk_stop))
+        k8, k_scale, log_mass = reps
+        inv_scale = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)                 # [B, H]
+        logit_scale = k_scale.view(b, h) / (inv_scale * math.sqrt(d))                    # int8 dot -> logit
+        score = quant_block_scores_auto(q.transpose(1, 2), q_perm, inv_scale, k8, logit_scale, log_mass, bq)
+        pick = score.topk(top, dim=-1).indices.sort(-1).values                          # [B, H, nqb, top]
+        held = (log_mass > float("-inf")).gather(-1, pick.flatten(2)).view_as(pick)
+        start = rows.start + pick * KEY_BLOCK
+        end = torch.where(held, torch.clamp(start + KEY_BLOCK, max=rows.stop), start)  # empty blocks read nothing
+        joins = (pick[..., 1:] == pick[..., :-1] + 1) & held[..., 1:] & held[..., :-1]  # block i-1 runs into i
+        run_start = ~torch.nn.functional.pad(joins, (1, 0), value=False)
+        run_end = ~torch.nn.functional.pad(joins, (0, 1), value=False)
+        return (q_perm, *_runs_to_ranges(run_start, run_end, start, end, 2 + top, sink, chunk_start, chunk_stop))
 
     @torch.no_grad()
-    def recall(self, q, keys, bias, plan, sample_blocks: int = 4) -> torch.Tensor:
+    def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:
         """Dense attention mass inside ``plan`` (``self.plan``'s result), averaged over the
-        queries of ``sample_blocks`` query blocks spread over the chunk (device scalar)."""
+        queries of ``sample_blocks`` query blocks spread over the chunk (device scalar).
+        ``history_only``: the share of the mass on cached keys (all but the open chunk's own,
+        which every plan reads) that the plan keeps: the part of recall the selection earns."""
         q_perm, ranges, counts = plan
         b, n, h, d = q.shape
         nqb, bq, lk = ranges.shape[2], self.config.block_q, keys.shape[1]
@@ -320,6 +393,8 @@ class AnnSA:
         picks = sorted({round(i * (nqb - 1) / max(n_pick - 1, 1)) for i in range(n_pick)})
         used = torch.arange(ranges.shape[3], device=q.device) < counts[..., None]        # [B, H, nqb, R]
         key = torch.arange(lk, device=q.device)
+        chunk = self.cache.chunk_rows()
+        cached = ((key < chunk.start) | (key >= chunk.stop)) if history_only else torch.ones_like(key, dtype=torch.bool)
         mass = []
         for blk in picks:
             rows = q_perm[:, :, blk * bq:(blk + 1) * bq]                                  # [B, H, r]
@@ -330,13 +405,13 @@ class AnnSA:
                 logits = qs @ keys[:, :, i].float().transpose(1, 2) / math.sqrt(d)
                 if bias is not None:
                     logits = logits + bias[:, i, None]
-                mass.append((logits.softmax(-1) * inside[:, i, None]).sum(-1).flatten())
+                p = logits.softmax(-1) * cached
+                mass.append(((p * inside[:, i, None]).sum(-1) / p.sum(-1).clamp_min(1e-30)).flatten())
         return torch.cat(mass).mean()
 
     def attention(self, layer: int, q, keys, values, bias, plan=None):
         """Sparse self-attention of q [B, n, H, D] over ``extend``'s keys/values [B, Lk, H, D]."""
         q_perm, ranges, counts = plan if plan is not None else self.plan(layer, q)
-        self.density[layer] = plan_density(ranges, counts, keys.shape[1])
         _warn_twin(q)
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, q_perm=q_perm,
@@ -358,9 +433,9 @@ class AnnCA:
         if n % tpf:
             raise FastARError(f"AnnCA: {n} queries are not whole frames of {tpf} tokens")
         frames = n // tpf
-        cands = self.lsh.probe_codes(layer, q)                    # [B, H, n, P]
+        cands = self.lsh.probe_codes(self.lsh.planes[layer], q)   # [B, H, n, P]
         hit = _hit_buckets(cands, torch.arange(n, device=q.device) // tpf, frames, self.config.buckets)
-        code_k = self.lsh.hash(layer, k)                           # [B, H, Lc]
+        code_k = self.lsh.hash(self.lsh.planes[layer], k)          # [B, H, Lc]
         keep = hit.gather(-1, code_k[:, :, None, :].expand(b, h, frames, lc))
         m = min(self.config.min_tokens, lc)
         if m:

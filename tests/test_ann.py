@@ -15,7 +15,7 @@ from comfyui_fastar.fastar.ann import LSH, build_ann, plan_density
 from comfyui_fastar.fastar.models import build_model
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
-ALL = AnnConfig(bits=1, probes=1, dense_steps_fraction=0.0, min_tokens=0, annca=True)  # every bucket: density 1
+ALL = AnnConfig(method="lsh", bits=1, probes=1, dense_steps_fraction=0.0, min_tokens=0, annca=True)  # every bucket: density 1
 
 
 def rel(a, b):
@@ -49,11 +49,12 @@ def test_lsh_deterministic_for_a_seed():
     a = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=7, device="cpu")
     b = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=7, device="cpu")
     c = LSH(8, 2, num_layers=2, num_heads=2, head_dim=32, seed=8, device="cpu")
-    assert torch.equal(a.hash(1, x), b.hash(1, x)) and not torch.equal(a.hash(1, x), c.hash(1, x))
-    assert torch.equal(a.probe_codes(0, x), b.probe_codes(0, x))
-    assert a.hash(0, x).max() < 256 and a.hash(0, x).min() >= 0
+    assert torch.equal(a.hash(a.planes[1], x), b.hash(b.planes[1], x))
+    assert not torch.equal(a.hash(a.planes[1], x), c.hash(c.planes[1], x))
+    assert torch.equal(a.probe_codes(a.planes[0], x), b.probe_codes(b.planes[0], x))
+    assert a.hash(a.planes[0], x).max() < 256 and a.hash(a.planes[0], x).min() >= 0
     # a query's probes differ from its own bucket in exactly one bit
-    pc = a.probe_codes(0, x)
+    pc = a.probe_codes(a.planes[0], x)
     flips = pc[..., 1:] ^ pc[..., :1]
     assert ((flips & (flips - 1)) == 0).all() and (flips > 0).all()
 
@@ -113,7 +114,7 @@ def test_annsa_every_bucket_equals_dense(cache_cfg, cfg):
     assert torch.equal(ks.sort(1).values, kd.sort(1).values)
 
 
-@pytest.mark.parametrize("cfg", [AnnConfig(bits=6, probes=1, dense_steps_fraction=0.0),
+@pytest.mark.parametrize("cfg", [AnnConfig(method="lsh", bits=6, probes=1, dense_steps_fraction=0.0),
                                  AnnConfig(method="quant", keep_fraction=0.4, dense_steps_fraction=0.0)],
                          ids=["lsh", "quant"])
 def test_annsa_plan_is_sparse_on_structured_inputs(cfg):
@@ -258,7 +259,7 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
         return auto(q, k, v, ranges, counts, **kw)
 
     monkeypatch.setattr(ann_mod, "block_sparse_attention_auto", spy)
-    sparse = rollout(model, ctx, ann=AnnConfig(bits=6, probes=0, min_tokens=2, dense_steps_fraction=0.5, annca=True),
+    sparse = rollout(model, ctx, ann=AnnConfig(method="lsh", bits=6, probes=0, min_tokens=2, dense_steps_fraction=0.5, annca=True),
                      **settings)
     assert torch.isfinite(sparse).all()
     assert 0 < rel(sparse, dense) < 1.0
@@ -287,7 +288,7 @@ def test_calibration_makes_low_recall_layers_dense(model):
     ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
     settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, seed=3, schedule=FlowMatchSchedule((1000.0,)))
     dense = rollout(model, ctx, **settings)
-    sparse = AnnConfig(bits=6, probes=0, annca=False, dense_steps_fraction=0.0)
+    sparse = AnnConfig(method="lsh", bits=6, probes=0, annca=False, dense_steps_fraction=0.0)
     strict = Rollout(model, ctx, ann=AnnConfig(**{**vars(sparse), "calibration_recall": 0.999}), **settings)
     out = strict.run()
     recall = strict.attention.recall
@@ -305,7 +306,7 @@ def test_recall_samples_every_block_it_is_asked_for():
     tpf, d = 64, 16
     kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=1, head_dim=d, tokens_per_frame=tpf,
                  chunk_frames=2, max_frames=8)
-    annsa, _ = build_ann(AnnConfig(bits=3, probes=0, annca=False), kv)
+    annsa, _ = build_ann(AnnConfig(method="lsh", bits=3, probes=0, annca=False), kv)
     for c in range(3):
         kv.begin_chunk(2 * c, 2)
         kv.begin_clean_pass()
@@ -330,3 +331,38 @@ def test_recall_samples_every_block_it_is_asked_for():
         masses.append(p[:, inside].sum(-1))
     expected = torch.cat(masses).mean().item()
     assert annsa.recall(q, keys, bias, plan, sample_blocks=16).item() == pytest.approx(expected, abs=1e-5)
+
+
+
+def test_quant_block_log_mass_counts_merged_keys():
+    """A 'quant' key block weighs its keys' multiplicity: logsumexp of TempCache's log m over its
+    filled keys, log(count) without TempCache, -inf when it holds no key."""
+    k = torch.randn(1, 3 * ann_mod.KEY_BLOCK, 1, 8)
+    filled = torch.ones(1, 1, k.shape[1], dtype=torch.bool)
+    filled[..., 2 * ann_mod.KEY_BLOCK:] = False                      # third block empty
+    filled[..., ann_mod.KEY_BLOCK:ann_mod.KEY_BLOCK + 10] = False    # second block: 54 keys
+    log_m = torch.zeros(1, 1, k.shape[1])
+    log_m[..., 0] = torch.tensor(5.0).log()                           # one key merged from 5 frames
+    _, _, plain = ann_mod.AnnSA._block_means(k, filled, None)
+    _, _, merged = ann_mod.AnnSA._block_means(k, filled, log_m)
+    torch.testing.assert_close(plain[0, 0, :2], torch.tensor([64.0, 54.0]).log())
+    torch.testing.assert_close(merged[0, 0, :2], torch.tensor([68.0, 54.0]).log())
+    assert plain[0, 0, 2] == merged[0, 0, 2] == float("-inf")
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["merging", "eviction-only"])
+def test_annsa_sort_never_changes_what_tempcache_evicts(enabled):
+    """Many chunks past the budget: AnnSA at density 1 (its history re-sorted every chunk) holds
+    the same keys as plain TempCache and attends identically (eviction ignores slot order)."""
+    cfg = TempCacheConfig(enabled=enabled, max_cache_frames=4, sink_frames=1, merge_threshold=0.5)
+    sparse = FastARAttention(make_cache(cfg), ann=ALL)
+    dense = FastARAttention(make_cache(cfg))
+    q, k, v = fill(sparse, 6, torch.Generator().manual_seed(3))
+    fill(dense, 6, torch.Generator().manual_seed(3))
+    assert int(dense.cache.tempcache.evicted.sum()) > 0
+    rows = dense.cache.sorted_rows(clean_pass=False)
+    held = [c.cache.k[0, :, rows][c.cache.tempcache.count[0].transpose(1, 2)[..., None].expand(-1, -1, -1, D) > 0]
+            for c in (sparse, dense)]
+    assert torch.equal(held[0].sort().values, held[1].sort().values)
+    sparse.step = dense.step = 3
+    assert rel(sparse.self_attention(0, q, k, v), dense.self_attention(0, q, k, v)) <= 1e-5

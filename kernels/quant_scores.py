@@ -1,0 +1,137 @@
+"""AnnSA 'quant' planning: int8 scores of key blocks against query blocks, as one Triton kernel.
+
+Why: the selection step scores every block of 64 sorted history keys (its int8 mean key)
+against every query of a query block and keeps the best blocks. In eager PyTorch that is a
+per-head loop of fp32 GEMMs over a ``[Lq, n_key_blocks]`` score matrix, ~3 ms per layer call;
+here each program scores one query block against all key blocks and writes only the block max.
+
+Semantics (the twin defines them): queries ``q [B, H, Lq, D]`` are taken in ``q_perm`` order
+and cut into blocks of ``block_q``; each query is quantized as ``clamp(floor(q * inv_scale
++ 0.5), -127, 127)`` (``inv_scale [B, H]``, i.e. 127 / max |q| of the head). The score of key
+block ``j`` for query block ``i`` is
+
+    max over the block's queries of (int8 q . key_means[b, h, j]) * logit_scale[b, h] + block_bias[b, h, j]
+
+an estimate of the log attention mass the block would get: ``logit_scale`` turns the integer
+dot product back into a logit, ``block_bias`` is the log of the block's key multiplicity
+(logsumexp of TempCache's log m over its keys; ``-inf`` for a block with no key, which then
+scores ``-inf``). Products of values within +-127 summed over D <= 256 are exact in fp32, so
+the kernel's fp16 tensor-core dot of the (integer-valued) operands gives exactly the twin's
+integers; the final multiply-add may round differently by one ulp (FMA). Under the CPU
+interpreter kernel and twin agree exactly (tests). On the H200 they agreed to 1e-6 on one
+real-video capture and not on another (bench/results/ann_bench*.json, ``scores_equal_twin``);
+not yet diagnosed (a suspect: ``q * inv_scale + 0.5`` contracted into one FMA moves a query
+sitting on a half-step to the next level).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import HAS_TRITON, triton_runs_on
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["quant_block_scores", "quant_block_scores_auto", "quant_block_scores_torch", "quantize_queries"]
+
+
+def quantize_queries(q: Tensor, inv_scale: Tensor) -> Tensor:
+    """q [B, H, L, D] -> its int8 levels as fp32 (round half up, clamped to +-127)."""
+    return torch.floor(q.float() * inv_scale[..., None, None] + 0.5).clamp_(-127, 127)
+
+
+def _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, H, Lq, D], got {tuple(q.shape)}")
+    b, h, lq, d = q.shape
+    if tuple(q_perm.shape) != (b, h, lq) or q_perm.dtype != torch.int64:
+        raise ValueError(f"q_perm must be int64 [B, H, Lq] = [{b}, {h}, {lq}], got {q_perm.dtype} {tuple(q_perm.shape)}")
+    if tuple(inv_scale.shape) != (b, h) or inv_scale.dtype != torch.float32:
+        raise ValueError(f"inv_scale must be float32 [B, H] = [{b}, {h}], got {inv_scale.dtype} {tuple(inv_scale.shape)}")
+    if key_means.ndim != 4 or key_means.shape[:2] != (b, h) or key_means.shape[3] != d or key_means.dtype != torch.int8:
+        raise ValueError(f"key_means must be int8 [B, H, n_key_blocks, D={d}], got {key_means.dtype} {tuple(key_means.shape)}")
+    if tuple(logit_scale.shape) != (b, h) or logit_scale.dtype != torch.float32:
+        raise ValueError(f"logit_scale must be float32 [B, H] = [{b}, {h}], got {logit_scale.dtype} "
+                         f"{tuple(logit_scale.shape)}")
+    if tuple(block_bias.shape) != tuple(key_means.shape[:3]) or block_bias.dtype != torch.float32:
+        raise ValueError(f"block_bias must be float32 {tuple(key_means.shape[:3])}, got {block_bias.dtype} "
+                         f"{tuple(block_bias.shape)}")
+    if block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
+    return b, h, lq, d, -(-lq // block_q), key_means.shape[2]
+
+
+def quant_block_scores_torch(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: Tensor, logit_scale: Tensor,
+                             block_bias: Tensor, block_q: int) -> Tensor:
+    """Reference twin: scores [B, H, n_query_blocks, n_key_blocks] (fp32)."""
+    b, h, lq, d, nqb, nkb = _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)
+    q8 = quantize_queries(q.gather(2, q_perm[..., None].expand(b, h, lq, d)), inv_scale)
+    q8 = torch.nn.functional.pad(q8, (0, 0, 0, nqb * block_q - lq))
+    pad_rows = (torch.arange(nqb * block_q, device=q.device) >= lq)[:, None]
+    dots = torch.stack([  # one head at a time: [B, Lq, nkb] stays small
+        (q8[:, i] @ key_means[:, i].float().transpose(-1, -2)).masked_fill_(pad_rows, float("-inf"))
+        .view(b, nqb, block_q, nkb).amax(2) for i in range(h)], dim=1)
+    return dots * logit_scale[..., None, None] + block_bias[:, :, None]
+
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["H", "Lq", "NKB", "block_q"])
+    def _quant_scores_kernel(q_ptr, perm_ptr, inv_ptr, k_ptr, scale_ptr, bias_ptr, s_ptr, H, Lq, NKB, block_q,
+                             stride_qb, stride_qh, stride_ql, stride_qd, stride_pb, stride_ph, stride_pl,
+                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DOT_DTYPE: tl.constexpr):
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        offs_i, offs_d, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, D), tl.arange(0, BLOCK_K)
+        slot = pid_m * block_q + offs_i
+        row_ok = (offs_i < block_q) & (slot < Lq)
+        rows = tl.load(perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl, mask=row_ok, other=0)
+        rows = tl.minimum(tl.maximum(rows, 0), Lq - 1)
+        qt = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_ql + offs_d[None, :] * stride_qd,
+                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+        qt = tl.minimum(tl.maximum(tl.floor(qt * tl.load(inv_ptr + pid_bh) + 0.5), -127.0), 127.0).to(DOT_DTYPE)
+        logit_scale = tl.load(scale_ptr + pid_bh)
+        k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
+        s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
+        for j0 in range(0, NKB, BLOCK_K):
+            cols = j0 + offs_k
+            col_ok = cols < NKB
+            kt = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0).to(DOT_DTYPE)
+            s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if DOT_DTYPE == tl.float32 else None,
+                       out_dtype=tl.float32)
+            best = tl.max(tl.where(row_ok[:, None], s, float("-inf")), 0)
+            bias = tl.load(bias_ptr + pid_bh.to(tl.int64) * NKB + cols, mask=col_ok, other=0.0)
+            tl.store(s_base + cols, best * logit_scale + bias, mask=col_ok)
+
+
+def quant_block_scores(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: Tensor, logit_scale: Tensor,
+                       block_bias: Tensor, block_q: int) -> Tensor:
+    """Triton kernel with the twin's contract (D a power of two in [16, 256], block_q <= 256)."""
+    if not HAS_TRITON:
+        raise RuntimeError("quant_block_scores needs triton, which is not importable")
+    b, h, lq, d, nqb, nkb = _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)
+    if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
+        raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
+    if not triton_runs_on(q):
+        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}")
+    scores = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
+    if scores.numel():
+        _quant_scores_kernel[(nqb, b * h)](
+            q, q_perm, inv_scale.contiguous(), key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(),
+            scores,
+            h, lq, nkb, block_q, *q.stride(), *q_perm.stride(),
+            D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
+            # fp16 tensor cores on the GPU; fp32 under the CPU interpreter (exact either way)
+            DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4)
+    return scores
+
+
+def quant_block_scores_auto(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q: int) -> Tensor:
+    """The kernel where Triton runs and the shapes suit it, else the twin."""
+    d = q.shape[-1]
+    fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
+    fn = quant_block_scores if triton_runs_on(q) and fits else quant_block_scores_torch
+    return fn(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)

@@ -1,0 +1,51 @@
+"""On a GPU: AnnSA's plans replayed from a CUDA graph equal eager plans.
+
+CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
+kernel tests switch Triton to its interpreter at import, so run this file on its own
+(``pytest tests/test_ann_cuda.py tests/test_gpu_memory.py``); it skips otherwise.
+"""
+import os
+
+import pytest
+import torch
+
+from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, KVCache, TempCacheConfig
+
+B, H, D, TPF, CF = 1, 2, 32, 40, 2
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+
+
+@pytest.mark.parametrize("method", ["lsh", "quant"])
+@pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=6, sink_frames=2)],
+                         ids=["unbounded", "tempcache"])
+def test_cuda_graph_plan_equals_eager_plan(method, cache_cfg):
+    """Replayed plans equal eager ones for every layer and chunk (the graph is fed each layer's inputs)."""
+    cache = KVCache(cache_cfg, num_layers=2, batch=B, num_heads=H, head_dim=D, tokens_per_frame=TPF, chunk_frames=CF,
+                    max_frames=12, device="cuda", dtype=torch.bfloat16)
+    attn = FastARAttention(cache, ann=AnnConfig(method=method, bits=4, probes=1, keep_fraction=0.5,
+                                                dense_steps_fraction=0.0))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd():
+        return torch.randn(B, CF * TPF, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+
+    for c in range(5):
+        cache.begin_chunk(c * CF, CF)
+        for clean in (False, True):
+            if clean:
+                cache.begin_clean_pass()
+            attn.step = 4 if clean else 3
+            qs = [rnd() for _ in range(2)]
+            graphed = [[t.clone() for t in attn.annsa.plan(layer, qs[layer])] for layer in range(2)]
+            attn.annsa.graphs = False
+            eager = [attn.annsa.plan(layer, qs[layer]) for layer in range(2)]
+            attn.annsa.graphs = True
+            for g, e in zip(graphed, eager):
+                assert all(torch.equal(a, b) for a, b in zip(g, e))
+            assert not torch.equal(graphed[0][0], graphed[1][0])  # each layer's own queries were planned
+            for layer in range(2):
+                attn.self_attention(layer, qs[layer], rnd(), rnd())
+        cache.commit()
