@@ -7,8 +7,11 @@ hashes and bucket-sorts it after every clean pass, and the next chunk's queries 
   recall    dense attention mass inside the plan's key ranges (every query block)
   density   keys read / keys, over all query blocks
   time      planning (hash + sort queries + range lists) and the sparse kernel, against cuDNN dense
+and, for AnnCA, the same layers' cross-attention over the real clip's prompt (bench/testbed.prompt_context):
+kept-token density, the dense cross-attention mass on the kept tokens, output error and op time.
 
-    python bench/ann_bench.py --out bench/results
+    python bench/ann_bench.py --out bench/results      # JSON + PNG
+    python bench/ann_bench.py --smoke                  # tiny model on the CPU: checks the script only
 """
 from __future__ import annotations
 
@@ -24,42 +27,109 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from testbed import CHUNK, TPF, capture, testbed  # noqa: E402
-from timing import cuda_ms  # noqa: E402
+from testbed import CHUNK, capture, testbed  # noqa: E402
+from timing import cuda_ms, wall_ms  # noqa: E402
 
-from comfyui_fastar.fastar.ann import build_ann, plan_density  # noqa: E402
+from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
+from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
 
 
+def ms(fn, device) -> float:
+    return cuda_ms(fn) if device.type == "cuda" else statistics.median(wall_ms(fn, 3, device))
+
+
 def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
-    heads, d = kv_dense.num_heads, kv_dense.head_dim
-    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=TPF,
-                 chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device="cuda", dtype=kv_dense.dtype)
+    heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
+    tpf = kv_dense.tokens_per_frame
+    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
+                 chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device=device, dtype=kv_dense.dtype)
     annsa, _ = build_ann(dataclasses.replace(cfg, annca=False), kv)
     for c in range(history_frames // CHUNK):
-        span = slice(c * CHUNK * TPF, (c + 1) * CHUNK * TPF)
+        span = slice(c * CHUNK * tpf, (c + 1) * CHUNK * tpf)
         kv.begin_chunk(c * CHUNK, CHUNK)
         kv.begin_clean_pass()
         kv.extend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
         kv.after_attention(0, clean_q[layer][c])
         annsa.index_history(0)
         kv.commit()
-    own = slice(history_frames * TPF, (history_frames + CHUNK) * TPF)
+    own = slice(history_frames * tpf, (history_frames + CHUNK) * tpf)
     kv.begin_chunk(history_frames, CHUNK)
     keys, values, bias = kv.extend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
     q = query_q[layer]
     plan = annsa.plan(0, q)
-    recall = annsa.recall(q, keys, bias, plan, sample_blocks=10**6).item()  # every query block
+    every = 10**6  # sample every query block
+    recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
+    history_recall = annsa.recall(q, keys, bias, plan, sample_blocks=every, history_only=True).item()
     density = plan_density(plan[1], plan[2], keys.shape[1]).item()
     out = annsa.attention(0, q, keys, values, bias, plan)
     dense = attend(q, keys, values)
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
-    t_plan = cuda_ms(lambda: annsa.plan(0, q))
-    t_sparse = cuda_ms(lambda: annsa.attention(0, q, keys, values, bias, plan))
-    t_dense = cuda_ms(lambda: attend(q, keys, values))
-    return {"recall": recall, "density": density, "rel_error": err, "plan_ms": t_plan, "sparse_ms": t_sparse,
-            "dense_cudnn_ms": t_dense, "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
+    graphed = [t.clone() for t in plan]
+    annsa.graphs = False
+    eager = annsa.plan(0, q)
+    t_plan_eager = ms(lambda: annsa.plan(0, q), device)
+    annsa.graphs = True
+    row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
+           "ranges_per_block": plan[2].float().mean().item(),
+           "graph_plan_equals_eager": all(torch.equal(a, b) for a, b in zip(graphed, eager)),
+           "plan_eager_ms": t_plan_eager}
+    if cfg.method == "quant":  # the planning kernel against its twin, on this device's data
+        k8, k_scale, log_mass = annsa.reps[0]
+        inv = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)
+        args = (q.transpose(1, 2), plan[0], inv, k8, k_scale.view_as(inv) / inv, log_mass, cfg.block_q)
+        got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
+        # equal up to the last multiply-add's rounding (the kernel may fuse it)
+        row["scores_equal_twin"] = bool(torch.allclose(got, want, rtol=1e-6, atol=0, equal_nan=False)
+                                        and torch.equal(got.isinf(), want.isinf()))
+    t_plan = ms(lambda: annsa.plan(0, q), device)
+    t_sparse = ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
+    t_dense = ms(lambda: attend(q, keys, values), device)
+    return {**row, "plan_ms": t_plan, "sparse_ms": t_sparse, "dense_cudnn_ms": t_dense,
+            "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
+
+
+def measure_annca(cfg, cross, layer, tokens_per_frame, device):
+    """AnnCA on one layer's recorded cross-attention (q [1, n, H, D] over the prompt's k / v)."""
+    q, k, v = cross[layer]
+    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=q.shape[2], head_dim=q.shape[3],
+                 tokens_per_frame=tokens_per_frame, chunk_frames=CHUNK, max_frames=CHUNK, device=device, dtype=q.dtype)
+    _, annca = build_ann(dataclasses.replace(cfg, annsa=False, annca=True), kv)
+    keep = annca.keep(0, q, k)                                                     # [B, H, F, Lc]
+    logits = torch.einsum("bnhd,bchd->bhnc", q.float(), k.float()) / q.shape[-1] ** 0.5
+    frame_keep = keep.repeat_interleave(tokens_per_frame, dim=2)                   # [B, H, n, Lc]
+    recall = (logits.softmax(-1) * frame_keep).sum(-1).mean().item()
+    out, dense = annca.attention(0, q, k, v), attend(q, k, v)
+    err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
+    t_sparse = ms(lambda: annca.attention(0, q, k, v), device)
+    t_dense = ms(lambda: attend(q, k, v), device)
+    return {"density": keep.float().mean().item(), "recall": recall, "rel_error": err, "annca_ms": t_sparse,
+            "dense_cudnn_ms": t_dense, "speedup": t_dense / t_sparse}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for method, marker in (("lsh", "o"), ("quant", "s")):
+        rows = [r for r in result["settings"] if r["method"] == method]
+        ax.scatter([r["density"] for r in rows], [r["recall"] for r in rows], marker=marker, label=method)
+        bx.scatter([r["density"] for r in rows], [r["speedup_incl_plan"] for r in rows], marker=marker, label=method)
+        for r in rows:
+            name = f"{r['bits']}b/{r['probes']}p" if method == "lsh" else f"keep {r['keep_fraction']:g}"
+            ax.annotate(name, (r["density"], r["recall"]), fontsize=7)
+    ax.axhline(0.93, color="gray", ls="--", lw=0.8, label="recall target 0.93")
+    ax.set(xlabel="key density (keys read / keys)", ylabel="recall of dense attention mass",
+           title=f"AnnSA, {result['history_frames']} cached real frames")
+    bx.axhline(1.0, color="gray", ls="--", lw=0.8)
+    bx.set(xlabel="key density", ylabel="speedup over cuDNN dense (planning included)", title="AnnSA time")
+    ax.legend(), bx.legend()
+    fig.suptitle(f"Wan 1.3B shapes, sensitized random weights, bf16; {result['device']}, {result['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -67,40 +137,67 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--history-frames", type=int, default=81)
     ap.add_argument("--layers", default="9,19")
-    ap.add_argument("--tag", default="ann_bench", help="name of the JSON written")
+    ap.add_argument("--tag", default="ann_bench", help="name of the JSON / PNG written")
     ap.add_argument("--lsh", default="6:0,6:2,8:0,8:2,10:0,10:2", help="lsh settings as bits:probes,...")
     ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
     ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
+    ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
+    ap.add_argument("--prompt", default="wan", choices=("wan", "random"),
+                    help="wan: the real clip's prompt (bench/testbed.prompt_context); random: a Gaussian one")
     ap.add_argument("--plain", action="store_true", help="the plain random init instead of bench/testbed's "
                                                            "sensitized one")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model, context = testbed(sensitive=not args.plain)
+    if args.smoke:
+        device, size, hw, args.history_frames, args.layers = torch.device("cpu"), "tiny", (64, 96), 6, "0,1"
+        args.tag += "_smoke"
+    else:
+        device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
+    model, context = testbed(sensitive=not args.plain, size=size, device=str(device), prompt=args.prompt)
     layers = [int(x) for x in args.layers.split(",")]
-    kv_dense, clean_q, query_q = capture(model, context, args.history_frames, layers)
+    kv_dense, clean_q, query_q, cross = capture(model, context, args.history_frames, layers, height=hw[0], width=hw[1])
     del model
-    torch.cuda.empty_cache()
-    settings = [AnnConfig(bits=int(b), probes=int(p)) for b, p in (x.split(":") for x in args.lsh.split(","))]
-    settings += [AnnConfig(bits=8, probes=2, block_q=128), AnnConfig(bits=8, probes=0, block_q=128)][:args.block_q128]
-    settings += [AnnConfig(method="quant", keep_fraction=float(f)) for f in args.quant_keep.split(",")]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    settings = [AnnConfig(method="lsh", bits=int(b), probes=int(p))
+                for b, p in (x.split(":") for x in args.lsh.split(",") if x)]
+    settings += [AnnConfig(method="lsh", bits=8, probes=2, block_q=128),
+                 AnnConfig(method="lsh", bits=8, probes=0, block_q=128)][:args.block_q128]
+    settings += [AnnConfig(method="quant", keep_fraction=float(f)) for f in args.quant_keep.split(",") if f]
     rows = []
     for cfg in settings:
         per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames) for layer in layers]
         row = {"method": cfg.method, "bits": cfg.bits, "probes": cfg.probes, "block_q": cfg.block_q,
-               "keep_fraction": cfg.keep_fraction,
-               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0]}, "per_layer": per_layer}
+               "keep_fraction": cfg.keep_fraction if cfg.method == "quant" else None,
+               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0] if not isinstance(per_layer[0][k], bool)},
+               "per_layer": per_layer}
         rows.append(row)
-        print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {cfg.keep_fraction:5.3f}: "
-              f"recall {row['recall']:.3f} density {row['density']:.3f} err {row['rel_error']:.3f} "
-              f"plan {row['plan_ms']:.2f} ms sparse {row['sparse_ms']:.2f} ms dense {row['dense_cudnn_ms']:.2f} ms "
-              f"speedup {row['speedup_incl_plan']:.2f}x", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {row['keep_fraction']}: "
+              f"recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density {row['density']:.3f} "
+              f"err {row['rel_error']:.3f} ranges {row['ranges_per_block']:.0f} plan {row['plan_ms']:.2f} ms "
+              f"(eager {row['plan_eager_ms']:.2f}) sparse {row['sparse_ms']:.2f} ms "
+              f"dense {row['dense_cudnn_ms']:.2f} ms speedup {row['speedup_incl_plan']:.2f}x", flush=True)
+    annca = []
+    for bits in (int(b) for b in args.annca_bits.split(",") if b):
+        cfg = AnnConfig(bits=bits, probes=min(AnnConfig.probes, bits))
+        per_layer = [measure_annca(cfg, cross, layer, kv_dense.tokens_per_frame, device) for layer in layers]
+        row = {"bits": cfg.bits, "probes": cfg.probes, "min_tokens": cfg.min_tokens,
+               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0]}, "per_layer": per_layer}
+        annca.append(row)
+        print(f"AnnCA bits {cfg.bits:2d} probes {cfg.probes}: kept {row['density']:.3f} recall {row['recall']:.3f} "
+              f"err {row['rel_error']:.3f} {row['annca_ms']:.3f} ms vs dense {row['dense_cudnn_ms']:.3f} ms "
+              f"({row['speedup']:.2f}x)", flush=True)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
+              "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
               "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights"
                         + ("" if args.plain else ", sensitized: bench/testbed.py") + ", bf16), "
-                        "next chunk's queries at sigma 0.625", "settings": rows}
+                        "next chunk's queries at sigma 0.625; prompt: " + args.prompt,
+              "key_block": KEY_BLOCK, "settings": rows, "annca": annca}
     with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, args.tag + ".png"))
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def main():
 
     # ---- fidelity sweep --------------------------------------------------------------------
     tic = time.time()
-    kv_dense, clean_q, query_q = capture(model, context, args.history_frames, layers)
+    kv_dense, clean_q, query_q, _ = capture(model, context, args.history_frames, layers)
     print(f"captured {args.history_frames} real frames in {time.time() - tic:.1f} s")
     sweep = []
     for budget in [int(b) for b in args.budgets.split(",")]:

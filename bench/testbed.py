@@ -92,21 +92,28 @@ def testbed(sensitive: bool = True, dtype=torch.bfloat16, size: str = "1.3B", de
 
 
 class Recorder(FastARAttention):
-    """Dense cached attention that keeps the queries of selected layers."""
+    """Dense cached attention that keeps the self-attention queries and the cross-attention
+    (q, k, v) of selected layers."""
 
     def __init__(self, cache, layers):
         super().__init__(cache)
-        self.layers, self.q = layers, {}
+        self.layers, self.q, self.cross = layers, {}, {}
 
     def self_attention(self, layer, q, k, v):
         if layer in self.layers:
             self.q[layer] = q.clone()
         return super().self_attention(layer, q, k, v)
 
+    def cross_attention(self, layer, q, k, v):
+        if layer in self.layers:
+            self.cross[layer] = (q.clone(), k.clone(), v.clone())
+        return super().cross_attention(layer, q, k, v)
+
 
 def capture(model, context, history_frames, layers, sigma=0.625, seed=0, height=HEIGHT, width=WIDTH):
     """Teacher-forced dense pass over real latents: per-layer K/V of all frames, clean-pass queries
-    per chunk, and the queries of the next chunk at one denoising step."""
+    per chunk, and the next chunk's self-attention queries and cross-attention (q, k, v) at one
+    denoising step."""
     frames, device = history_frames + CHUNK, context.device
     latents = real_latents(frames, height, width).to(device)
     kv = KVCache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1, num_heads=model.num_heads,
@@ -129,7 +136,7 @@ def capture(model, context, history_frames, layers, sigma=0.625, seed=0, height=
         kv.begin_chunk(history_frames, CHUNK)
         model(x, torch.full((1,), 1000 * sigma, device=device), context, frame_offset=history_frames, attention=rec)
     query_q = {layer: rec.q[layer] for layer in layers}
-    return kv, clean_q, query_q
+    return kv, clean_q, query_q, dict(rec.cross)
 
 
 class NoAttention(FastARAttention):

@@ -26,7 +26,7 @@ HISTORY, GENERATED, LAYER = 48, 6, 15
 
 
 def concentration(model, context, hw, history, layer):
-    kv, _, query_q = capture(model, context, history, [layer], height=hw[0], width=hw[1])
+    kv, _, query_q, _ = capture(model, context, history, [layer], height=hw[0], width=hw[1])
     tpf = kv.tokens_per_frame
     n = (history + CHUNK) * tpf
     q, k = query_q[layer][0, ::37].float(), kv.k[layer, 0, :n].float()  # every 37th query

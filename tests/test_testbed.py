@@ -77,6 +77,34 @@ def test_e2e_runner_smoke(tmp_path):
     assert (tmp_path / "e2e_bench_smoke.png").stat().st_size > 0
 
 
+def test_ann_bench_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ann_bench.py"), "--smoke", "--out", str(tmp_path),
+                           "--lsh", "8:2", "--block-q128", "0", "--quant-keep", "0.35,1.0", "--annca-bits", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "ann_bench_smoke.json").read_text())
+    rows = {(r["method"], r["keep_fraction"]): r for r in result["settings"]}
+    assert set(rows) == {("lsh", None), ("quant", 0.35), ("quant", 1.0)}
+    every = rows[("quant", 1.0)]
+    assert every["density"] == 1.0 and every["recall"] > 0.999  # every key block kept: dense
+    assert every["ranges_per_block"] == 3  # sink, chunk, and all history blocks fused into one range
+    assert all(layer["scores_equal_twin"] for r in result["settings"] if r["method"] == "quant"
+               for layer in r["per_layer"])
+    assert all(layer["graph_plan_equals_eager"] for r in result["settings"] for layer in r["per_layer"])
+    assert all(r["recall"] >= r["history_recall"] - 1e-6 for r in result["settings"])  # own chunk is always read
+    (ca,) = result["annca"]
+    assert 0 < ca["density"] <= 1 and 0 < ca["recall"] <= 1
+    assert (tmp_path / "ann_bench_smoke.png").stat().st_size > 0
+
+
+def test_fidelity_ablation_smoke():
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "fidelity_ablation.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert all(f" {name} " in line for name in ("tempcache", "fastar", "fastar_sort_only", "fastar_keep1", "fastar_lsh"))
+
+
 def test_real_prompt_context():
     from safetensors import safe_open
 
