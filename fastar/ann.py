@@ -37,7 +37,7 @@ data-driven. Why it is the default: on real-video queries it keeps more of the a
 at a given density than buckets do (bench/results/ann_bench*.json).
 
 On CUDA a whole plan is one CUDA graph replay (``AnnSA._replay``): its ~40 small kernels cost
-far more to launch than to run.
+more to launch than to run wherever the host, not the GPU, sets the pace.
 
 **AnnCA** (cross-attention). Per current frame, prompt tokens sharing a bucket (with probes)
 with at least one of the frame's queries are kept; if fewer than ``min_tokens`` survive, the
@@ -229,6 +229,8 @@ def _warn_twin(q: torch.Tensor) -> None:
 class AnnSA:
     """Bucket-sorted history of a KV cache and the per-step block plans over it."""
 
+    graphs = True  # CUDA graphs for plans (``_replay``); False runs them eagerly (to compare)
+
     def __init__(self, config: AnnConfig, cache, lsh: LSH):
         if not cache.ann_sortable:
             raise FastARError("AnnConfig.annsa needs the unbounded cache or TempCache: a window cache's ring "
@@ -297,20 +299,20 @@ class AnnSA:
             nkb = -(-(rows.stop - rows.start) // KEY_BLOCK)
             top = math.ceil(cfg.keep_fraction * nkb) if self.reps[layer] is not None else 0  # None: no write yet
             inputs = (q, self.lsh.planes[layer], *(self.reps[layer] if top else ()))
-            fn = lambda q, planes, *reps: self._quant_plan(q, planes, *reps, rows, top, *fixed)  # noqa: E731
+            fn = lambda q, planes, *reps: self._quant_plan(q, planes, *reps, rows=rows, top=top,  # noqa: E731
+                                                           sink=sink, chunk_start=chunk.start, chunk_stop=chunk.stop)
             key = ("quant", rows.start, rows.stop, top, *fixed)
         q_perm, ranges, counts, density = self._replay(key, fn, inputs)
         self.density[layer] = density
         return q_perm, ranges, counts
 
-    graphs = True  # CUDA graphs for plans (``_replay``); False runs them eagerly (to compare)
-
     def _replay(self, key, fn, inputs):
         """``fn(*inputs)``; on CUDA captured once per signature as a CUDA graph and replayed.
 
-        Why: a plan is ~40 small kernels whose launch cost (~1.5 ms a call on the H200's host)
-        is many times their GPU time; a replay is one launch plus copies of the inputs into the
-        graph's buffers. The signature is every shape and Python integer the plan bakes in, so a
+        Why: a plan is ~40 small kernels; launched one by one they took 1.0-2.2 ms a call on the
+        H200 in isolation, a replay (one launch plus copies of the inputs into the graph's
+        buffers) 0.26-0.78 ms. Inside a rollout the GPU is the bottleneck and the host runs ahead,
+        so there it gains little (bench/NOTES.md). The signature is every shape and Python integer the plan bakes in, so a
         cache at its budget (TempCache) replays one graph all rollout long; only the latest graph
         is kept (an unbounded cache captures one per chunk, replayed by every layer and step)."""
         q = inputs[0]
@@ -352,13 +354,12 @@ class AnnSA:
         return (q_perm, *_runs_to_ranges(sel & ~prev, sel & ~nxt, starts.expand_as(sel), ends.expand_as(sel),
                                          self.max_ranges, sink, chunk_start, chunk_stop))
 
-    def _quant_plan(self, q, planes, *reps_rows_top_fixed):
+    def _quant_plan(self, q, planes, *reps, rows: slice, top: int, sink: int, chunk_start: int, chunk_stop: int):
         """The 'quant' plan: each query block reads its ``keep_fraction`` best key blocks; a key
         block scores the best int8 dot product of its mean key with any of the block's queries
         (a block mixing two clusters of queries keeps both clusters' keys), as a logit, plus the
         log of its key multiplicity (TempCache's merged keys weigh m times). Picked blocks that
         touch in the sorted history fuse into one range. Queries are ordered by LSH bucket."""
-        *reps, rows, top, sink, chunk_start, chunk_stop = reps_rows_top_fixed
         bq = self.config.block_q
         b, n, h, d = q.shape
         nqb = -(-n // bq)
