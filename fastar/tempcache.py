@@ -78,7 +78,7 @@ class TempCache:
         shape = (num_layers, batch, num_heads, history_tokens)
         self.count = torch.zeros(shape, device=device)                  # group size m, 0 = empty
         self.newest = torch.full(shape, -1, dtype=torch.long, device=device)  # frame of the representative
-        self.token = torch.zeros(shape, dtype=torch.long, device=device)      # its position in its write
+        self.token = torch.zeros(shape, dtype=torch.int32, device=device)     # its position in its write
         # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
         self.merged = torch.zeros(num_layers, dtype=torch.long, device=device)
         self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
