@@ -28,16 +28,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
-from timing import cuda_ms, wall_ms  # noqa: E402
+from timing import op_ms  # noqa: E402
 
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
-
-
-def ms(fn, device) -> float:
-    return cuda_ms(fn) if device.type == "cuda" else statistics.median(wall_ms(fn, 3, device))
 
 
 def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
@@ -69,7 +65,7 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
     graphed = [t.clone() for t in plan]
     annsa.graphs = False
     eager = annsa.plan(0, q)
-    t_plan_eager = ms(lambda: annsa.plan(0, q), device)
+    t_plan_eager = op_ms(lambda: annsa.plan(0, q), device)
     annsa.graphs = True
     row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
            "ranges_per_block": plan[2].float().mean().item(),
@@ -83,9 +79,9 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
         # equal up to the last multiply-add's rounding (the kernel may fuse it)
         row["scores_equal_twin"] = bool(torch.allclose(got, want, rtol=1e-6, atol=0, equal_nan=False)
                                         and torch.equal(got.isinf(), want.isinf()))
-    t_plan = ms(lambda: annsa.plan(0, q), device)
-    t_sparse = ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
-    t_dense = ms(lambda: attend(q, keys, values), device)
+    t_plan = op_ms(lambda: annsa.plan(0, q), device)
+    t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
+    t_dense = op_ms(lambda: attend(q, keys, values), device)
     return {**row, "plan_ms": t_plan, "sparse_ms": t_sparse, "dense_cudnn_ms": t_dense,
             "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
 
@@ -102,8 +98,8 @@ def measure_annca(cfg, cross, layer, tokens_per_frame, device):
     recall = (logits.softmax(-1) * frame_keep).sum(-1).mean().item()
     out, dense = annca.attention(0, q, k, v), attend(q, k, v)
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
-    t_sparse = ms(lambda: annca.attention(0, q, k, v), device)
-    t_dense = ms(lambda: attend(q, k, v), device)
+    t_sparse = op_ms(lambda: annca.attention(0, q, k, v), device)
+    t_dense = op_ms(lambda: attend(q, k, v), device)
     return {"density": keep.float().mean().item(), "recall": recall, "rel_error": err, "annca_ms": t_sparse,
             "dense_cudnn_ms": t_dense, "speedup": t_dense / t_sparse}
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, NoAttention, testbed  # noqa: E402
-from timing import cuda_ms, wall_ms  # noqa: E402
+from timing import op_ms, wall_ms  # noqa: E402
 
 import comfyui_fastar.fastar.models.wan as wan  # noqa: E402
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope_auto, qk_norm_rope_torch  # noqa: E402
@@ -52,11 +52,10 @@ def main():
     weight = (1 + 0.1 * torch.randn(dim, device=device, generator=g)).to(model.dtype)
     freqs = wan.rope_frequencies(model.head_dim, (CHUNK, hw[0] // 16, hw[1] // 16), 81, device=device)
     ref = qk_norm_rope_torch(x.float(), weight.float(), freqs, heads)
-    ms = (lambda fn: cuda_ms(fn)) if device.type == "cuda" else (lambda fn: statistics.median(wall_ms(fn, 3, device)))
     op = {}
     for name, fn in (("eager", qk_norm_rope_torch), ("fused", qk_norm_rope_auto)):
         out = fn(x, weight, freqs, heads)
-        op[name] = {"ms": ms(lambda: fn(x, weight, freqs, heads)),
+        op[name] = {"ms": op_ms(lambda: fn(x, weight, freqs, heads), device),
                     "max_abs_err_vs_fp32": (out.float() - ref).abs().max().item()}
     forward = {}
     for name, fn in (("eager", qk_norm_rope_torch), ("fused", qk_norm_rope_auto)):

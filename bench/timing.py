@@ -34,3 +34,10 @@ def wall_ms(fn, reps: int, device=None) -> list[float]:
             torch.cuda.synchronize(device)
         times.append(1e3 * (time.perf_counter() - tic))
     return times
+
+
+def op_ms(fn, device) -> float:
+    """Median milliseconds of one op: CUDA events on a GPU (``cuda_ms``), host wall time over three
+    calls on a CPU (the benchmarks' --smoke runs)."""
+    device = torch.device(device)
+    return cuda_ms(fn) if device.type == "cuda" else statistics.median(wall_ms(fn, 3, device))
