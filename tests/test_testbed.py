@@ -105,6 +105,15 @@ def test_fidelity_ablation_smoke():
     assert all(f" {name} " in line for name in ("tempcache", "fastar", "fastar_sort_only", "fastar_keep1", "fastar_lsh"))
 
 
+def test_pipeline_ab_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "pipeline_ab.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "pipeline_ab.json").read_text())
+    assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5"}
+    assert rows["tempcache"]["density"] == 1.0 and all(0 < r["density"] < 1 for k, r in rows.items() if k != "tempcache")
+
+
 def test_real_prompt_context():
     from safetensors import safe_open
 
