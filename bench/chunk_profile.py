@@ -1,0 +1,96 @@
+"""Where a steady-state chunk's time goes: GPU kernel time per kernel, grouped, for each setting.
+
+Runs each setting's rollout past the TempCache budget, then profiles one chunk (torch.profiler,
+CUDA activity): the chunk's wall time, the sum of its kernels' GPU time (their ratio says whether
+the host or the GPU sets the pace) and the kernels grouped by what they do. Writes chunk_profile.json.
+
+    python bench/chunk_profile.py --out bench/results      # about 1 minute on an H200
+    python bench/chunk_profile.py --smoke --out /tmp       # tiny model on the CPU: checks the script only
+"""
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_bench as E  # noqa: E402
+from testbed import testbed  # noqa: E402
+
+# kernel-name fragments -> group, first match wins (cuDNN / Triton / cuBLAS / ATen kernel names)
+GROUPS = [("sparse attention", ("_block_sparse", "block_sparse")), ("quant scores", ("quant_scores",)),
+          ("dense attention", ("cudnn", "fmha", "flash", "attention")), ("qk norm + rope", ("qk_norm_rope",)),
+          ("tempcache match", ("correspondence", "_match")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
+          ("sort", ("sort", "radix")), ("copy", ("copy", "memcpy", "memset", "cat", "index")),
+          ("norm / modulate / gelu", ("norm", "gelu", "mul", "add", "elementwise", "vectorized")),
+          ("reduce", ("reduce",))]
+
+
+def group(name: str) -> str:
+    low = name.lower()
+    for g, keys in GROUPS:
+        if any(k in low for k in keys):
+            return g
+    return "other"
+
+
+def profile_chunk(model, ctx, hw, name, chunks, device):
+    """Profile the last of ``chunks`` chunks of a rollout of setting ``name``."""
+    run = E.make_run(model, ctx, chunks * E.CHUNK, hw, name)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []))
+    wall = {}
+    with torch.inference_mode():
+        for c in range(chunks):
+            if c == chunks - 1:
+                prof.start()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            tic = time.perf_counter()
+            run.cache.begin_chunk(c * E.CHUNK, E.CHUNK)
+            run.sample_chunk(c)
+            run.cache.commit()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall[c] = 1e3 * (time.perf_counter() - tic)
+        prof.stop()
+    kernels = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name][0] += ev.time_range.elapsed_us() / 1e3
+            kernels[ev.name][1] += 1
+    groups = collections.defaultdict(float)
+    for k, (ms, _) in kernels.items():
+        groups[group(k)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    return {"wall_ms": wall[chunks - 1], "wall_previous_ms": wall[chunks - 2], "gpu_ms": sum(groups.values()),
+            "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": k[:160], "ms": ms, "calls": n} for k, (ms, n) in top]}
+
+
+def main():
+    smoke = "--smoke" in sys.argv
+    out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "bench/results"
+    dev, size, hw = ("cpu", "tiny", (64, 96)) if smoke else ("cuda", "1.3B", (480, 832))
+    model, ctx = testbed(size=size, device=dev)
+    chunks = 3 if smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", "chunk": chunks - 1}
+    E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
+    for name in ("tempcache", "fastar", "sink+window"):
+        r = profile_chunk(model, ctx, hw, name, chunks, dev)
+        out[name] = r
+        print(f"{name}: wall {r['wall_ms']:.1f} ms (previous chunk {r['wall_previous_ms']:.1f}), "
+              f"GPU kernels {r['gpu_ms']:.1f} ms", flush=True)
+        for g, ms in r["groups_ms"].items():
+            print(f"   {g:24s} {ms:8.1f} ms")
+        for k in r["top_kernels"][:12]:
+            print(f"     {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name'][:100]}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "chunk_profile.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
