@@ -85,24 +85,32 @@ class TempCache:
         # history slot each token of the last write went to (-1: dropped), per layer and head
         self.last_slots = torch.full((num_layers, batch, num_heads, new_tokens), -1, dtype=torch.long, device=device)
 
-    def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor):
+    def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor,
+              identity: torch.Tensor | None = None):
         """Top-1 counterpart of each new token among the filled history slots, and the keys'
         cosine similarity. x: matching features [N, H, D]; new_k [N, H, D]; hist_k [M, H, D];
-        filled [H, M] bool. Returns (index [H, N], cosine [H, N])."""
+        filled [H, M] bool. Returns (index [H, N], cosine [H, N]).
+
+        Shared grouping compares whole tokens (all heads concatenated), but each head may order
+        its slots differently (AnnSA sorts them per head): ``identity`` [H, M] (a slot's newest
+        frame and write position as one int64, unique per held token) aligns the heads first."""
         n, h, d = new_k.shape
         if self.config.grouping == "shared":
-            # one correspondence over the concatenated heads: a plain GEMM (cuBLAS) in query
-            # blocks, scores in the cache dtype, then the exact fp32 cosine of the chosen pair
-            keys = hist_k.reshape(-1, h * d)
+            # heads aligned by token (a gather of the history keys), then one correspondence over
+            # the concatenated heads: a plain GEMM (cuBLAS) in query blocks, scores in the cache
+            # dtype, then the exact fp32 cosine of the chosen pair
+            canon = torch.argsort(identity, dim=1)                                    # [H, M]
+            keys = hist_k.gather(0, canon.t()[..., None].expand_as(hist_k)).reshape(-1, h * d)
+            held = filled[0].gather(0, canon[0])
             norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
-            scale = torch.where(filled[0], 1.0 / norm.clamp_min(1e-12), 0.0)
+            scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
             if self.config.matching == "query":
-                scale = filled[0].float()  # plain q.k argmax over filled slots
+                scale = held.float()  # plain q.k argmax over filled slots
             scale = scale.to(keys.dtype)
             x = x.reshape(n, h * d)
             idx = torch.cat([(x[i:i + 1024] @ keys.T).mul_(scale).argmax(dim=-1) for i in range(0, n, 1024)])
             cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), keys[idx].float(), dim=-1)
-            return idx.expand(h, n), cos.expand(h, n)
+            return canon[:, idx], cos.expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
         scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)
         if self.config.matching == "query":
@@ -111,6 +119,12 @@ class TempCache:
         best = torch.gather(hist_k.transpose(0, 1), 1, idx.clamp_min(0)[..., None].expand(h, n, d)).float()
         cos = torch.cosine_similarity(new_k.transpose(0, 1).float(), best, dim=-1)
         return idx, cos
+
+    @staticmethod
+    def _identity(newest: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+        """A slot's token as one sortable int64: its newest frame, then its write position (empty
+        slots, frame -1, sort first). Oldest first: the eviction order."""
+        return newest * (1 << 32) + written
 
     @torch.no_grad()
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, q: torch.Tensor | None,
@@ -133,7 +147,7 @@ class TempCache:
             filled = count > 0
             if cfg.enabled:
                 x = new_k if cfg.matching == "key" else q[b, -n:]
-                idx, cos = self.match(x, new_k, kb[hist], filled)
+                idx, cos = self.match(x, new_k, kb[hist], filled, self._identity(newest, written))
                 merge = (cos >= cfg.merge_threshold) & filled.gather(1, idx.clamp_min(0)) & (idx >= 0)
             else:
                 idx = torch.zeros(h, n, dtype=torch.long, device=k.device)
@@ -162,7 +176,7 @@ class TempCache:
             count.copy_(total)
             # unmatched tokens take the least recently refreshed slots (empty ones first; ties by
             # write position, never by slot index)
-            order = torch.argsort(newest * (1 << 32) + written, dim=1)    # [H, M]
+            order = torch.argsort(self._identity(newest, written), dim=1)  # [H, M]
             fresh = ~merge
             pos = torch.cumsum(fresh.long(), dim=1) - 1
             place = fresh & (pos < m_slots)

@@ -352,14 +352,24 @@ def test_quant_block_log_mass_counts_merged_keys():
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["merging", "eviction-only"])
 def test_annsa_sort_never_changes_what_tempcache_evicts(enabled):
-    """Many chunks past the budget: AnnSA at density 1 (its history re-sorted every chunk) holds
-    the same keys as plain TempCache and attends identically (eviction ignores slot order)."""
-    cfg = TempCacheConfig(enabled=enabled, max_cache_frames=4, sink_frames=1, merge_threshold=0.5)
+    """Many chunks past the budget: AnnSA at density 1 (its history re-sorted per head every
+    chunk) holds the same keys as plain TempCache and attends identically: eviction ignores slot
+    order, and the shared correspondence compares whole tokens across heads whatever each head's
+    slot order."""
+    cfg = TempCacheConfig(enabled=enabled, max_cache_frames=4, sink_frames=1, merge_threshold=0.9)
+    centers = torch.randn(12, H, D, generator=torch.Generator().manual_seed(5))
     sparse = FastARAttention(make_cache(cfg), ann=ALL)
     dense = FastARAttention(make_cache(cfg))
-    q, k, v = fill(sparse, 6, torch.Generator().manual_seed(3))
-    fill(dense, 6, torch.Generator().manual_seed(3))
-    assert int(dense.cache.tempcache.evicted.sum()) > 0
+    totals = {}  # merges and evictions over all writes (the telemetry holds the last one's)
+    for name, attn in (("sparse", sparse), ("dense", dense)):
+        tc, commit = attn.cache.tempcache, attn.cache.commit
+        totals[name] = torch.zeros(2, dtype=torch.long)
+        attn.cache.commit = lambda t=totals[name], tc=tc, commit=commit: (
+            t.add_(torch.stack([tc.merged.sum(), tc.evicted.sum()])), commit())
+    q, k, v = fill(sparse, 6, torch.Generator().manual_seed(3), centers)
+    fill(dense, 6, torch.Generator().manual_seed(3), centers)
+    assert torch.equal(totals["sparse"], totals["dense"]), totals
+    assert (totals["dense"][0] > 0) == enabled and totals["dense"][1] > 0
     rows = dense.cache.sorted_rows(clean_pass=False)
     held = [c.cache.k[0, :, rows][c.cache.tempcache.count[0].transpose(1, 2)[..., None].expand(-1, -1, -1, D) > 0]
             for c in (sparse, dense)]
