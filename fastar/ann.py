@@ -256,7 +256,7 @@ class AnnSA:
         filled = cache.filled_rows(layer)
         if filled is not None:
             code = torch.where(filled, code, nb)
-        perm = torch.argsort(code, dim=-1, stable=True)
+        perm = torch.argsort(code.to(torch.int16), dim=-1, stable=True)  # ids < 2**13: a 16-bit radix sort
         cache.permute_rows(layer, rows, perm)
         ordered = code.gather(-1, perm)
         edges = torch.arange(nb + 1, device=code.device).expand(*code.shape[:2], nb + 1).contiguous()
@@ -344,7 +344,7 @@ class AnnSA:
         b, n, h, _ = q.shape
         nqb = -(-n // cfg.block_q)
         cands = self.lsh.probe_codes(planes, q)                     # [B, H, n, 1 + probes]
-        q_perm = torch.argsort(cands[..., 0], dim=-1, stable=True)
+        q_perm = torch.argsort(cands[..., 0].to(torch.int16), dim=-1, stable=True)
         cands = cands.gather(2, q_perm[..., None].expand_as(cands))
         block = torch.arange(n, device=q.device) // cfg.block_q
         hit = _hit_buckets(cands, block, nqb, nb)                   # [B, H, nqb, nb]
@@ -364,7 +364,7 @@ class AnnSA:
         bq = self.config.block_q
         b, n, h, d = q.shape
         nqb = -(-n // bq)
-        q_perm = torch.argsort(self.lsh.hash(planes, q), dim=-1, stable=True)
+        q_perm = torch.argsort(self.lsh.hash(planes, q).to(torch.int16), dim=-1, stable=True)
         if not top:
             empty = [torch.zeros(b, h, nqb, 0, dtype=dt, device=q.device)
                      for dt in (torch.bool, torch.bool, torch.int32, torch.int32)]

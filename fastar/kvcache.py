@@ -286,7 +286,8 @@ class KVCache:
         if tc is not None:
             for state in (tc.count[layer], tc.newest[layer], tc.token[layer]):
                 state.copy_(state.gather(-1, perm))
-            new_slot = torch.argsort(perm, dim=-1)                  # old slot -> new slot
+            new_slot = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device)
+                                                       .expand_as(perm))  # old slot -> new slot
             last = tc.last_slots[layer]
             last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
 

@@ -101,8 +101,12 @@ def test_fidelity_ablation_smoke():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "fidelity_ablation.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    assert all(f" {name} " in line for name in ("tempcache", "fastar", "fastar_sort_only", "fastar_keep1", "fastar_lsh"))
+    lines = proc.stdout.strip().splitlines()
+    (table,) = [x for x in lines if x.startswith("fidelity after")]
+    assert all(f" {name} " in table for name in ("tempcache", "fastar", "fastar_sort_only", "fastar_keep1",
+                                                  "fastar_lsh", "fastar_bq128"))
+    repeats = [x for x in lines if x.startswith("run to run, ")]
+    assert [x.split(",")[1].split(":")[0].strip() for x in repeats] == ["dense", "tempcache", "fastar_sort_only"]
 
 
 def test_pipeline_ab_smoke(tmp_path):
@@ -110,7 +114,8 @@ def test_pipeline_ab_smoke(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "pipeline_ab.json").read_text())
-    assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5"}
+    assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.35/per-range", "quant.35/bq128",
+                         "quant.5"}
     assert rows["tempcache"]["density"] == 1.0 and all(0 < r["density"] < 1 for k, r in rows.items() if k != "tempcache")
 
 
