@@ -2,9 +2,9 @@
 
 bench/e2e_bench.py's fidelity table (PSNR / SSIM of generated latents against dense bf16, sensitized testbed,
 Gaussian prompt) over ablations of the combined setting: AnnSA's history sort with no sparse step
-(dense_steps_fraction 1.0), AnnSA reading every key block (keep 1.0), lsh instead of quant, and query blocks
-of 128. Then each of dense, TempCache and the sort-only setting runs twice more: the PSNR between two runs of one
-setting is its run-to-run variability on this device, the scale below which a gap between settings means nothing.
+(dense_steps_fraction 1.0), AnnSA reading every key block (keep 1.0), and lsh instead of quant. Then each of
+dense, TempCache and the sort-only setting runs twice more: the PSNR between two runs of one setting is its
+run-to-run variability on this device, the scale below which a gap between settings means nothing.
 
     python bench/fidelity_ablation.py            # about 2 minutes on an H200; prints the table
     python bench/fidelity_ablation.py --smoke    # tiny model on the CPU: checks the script only
@@ -29,7 +29,6 @@ E.SETTINGS.update({
     "fastar_sort_only": (T(), A(dense_steps_fraction=1.0)),
     "fastar_keep1": (T(), A(keep_fraction=1.0)),
     "fastar_lsh": (T(), A(method="lsh")),
-    "fastar_bq128": (T(), A(block_q=128)),
 })
 model32, ctx32 = testbed(dtype=torch.float32, size=size, device=dev)
 model, ctx = testbed(dtype=torch.bfloat16, size=size, device=dev)

@@ -1,13 +1,10 @@
 """AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
-0.5 (block_q 64, and keep 0.35 at block_q 128), and quant 0.35 with the sparse kernel's per-range loop instead of
-its flat tile loop; 14 chunks each at the TempCache budget (reached after 8), median latency of the last 5 chunks
-and AnnSA's mean density there. Writes pipeline_ab.json.
+0.5; 14 chunks each at the TempCache budget (reached after 8), median latency of the last 5 chunks and AnnSA's
+mean density there. Writes pipeline_ab.json.
 
-    python bench/pipeline_ab.py --out bench/results     # about 2 minutes on an H200
+    python bench/pipeline_ab.py --out bench/results     # about 1.5 minutes on an H200
     python bench/pipeline_ab.py --smoke --out /tmp      # tiny model on the CPU: checks the script only
 """
-import contextlib
-import functools
 import json
 import os
 import statistics
@@ -16,20 +13,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
 from testbed import testbed  # noqa: E402
-
-ann_mod = E.fastar.ann
-
-
-@contextlib.contextmanager
-def per_range_loop():
-    """AnnSA's sparse calls with the kernel's per-range loop (flat=False)."""
-    orig = ann_mod.block_sparse_attention_auto
-    ann_mod.block_sparse_attention_auto = functools.partial(orig, flat=False)
-    try:
-        yield
-    finally:
-        ann_mod.block_sparse_attention_auto = orig
-
 
 smoke = "--smoke" in sys.argv
 out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "bench/results"
@@ -40,27 +23,19 @@ E.SETTINGS.update({
     "lsh8/2": (T(), A(method="lsh")),
     "quant.25": (T(), A(method="quant", keep_fraction=0.25)),
     "quant.35": (T(), A(method="quant", keep_fraction=0.35)),
-    "quant.35/bq128": (T(), A(method="quant", keep_fraction=0.35, block_q=128)),
     "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
 })
 chunks = 4 if smoke else 14
 E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN plans
 E.real_rollout(model, ctx, 2, hw, "quant.35")
-with per_range_loop():
-    E.real_rollout(model, ctx, 2, hw, "quant.35")
-E.real_rollout(model, ctx, 2, hw, "quant.35/bq128")
 out = {}
-runs = [("tempcache", None), ("lsh8/2", None), ("quant.25", None), ("quant.35", None),
-        ("quant.35", per_range_loop), ("quant.35/bq128", None), ("quant.5", None), ("tempcache", None)]
-for name, ctx_mgr in runs:
-    with (ctx_mgr or contextlib.nullcontext)():
-        rows = E.real_rollout(model, ctx, chunks, hw, name, log_every=100)
-    key = name + ("/per-range" if ctx_mgr else "")
+for name in ("tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"):
+    rows = E.real_rollout(model, ctx, chunks, hw, name, log_every=100)
     last = rows[-5:]
-    out[key] = {"ms": statistics.median(r["latency_ms"] for r in last),
-                "density": statistics.mean(r.get("annsa_density", 1.0) for r in last),
-                "all_ms": [round(r["latency_ms"], 1) for r in rows]}
-    print(key, json.dumps(out[key]), flush=True)
+    out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),
+                 "density": statistics.mean(r.get("annsa_density", 1.0) for r in last),
+                 "all_ms": [round(r["latency_ms"], 1) for r in rows]}
+    print(name, json.dumps(out[name]), flush=True)
 os.makedirs(out_dir, exist_ok=True)
 with open(os.path.join(out_dir, "pipeline_ab.json"), "w") as f:
     json.dump(out, f, indent=1)

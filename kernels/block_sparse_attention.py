@@ -17,10 +17,9 @@ with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias`` is TempCache's
 query's *original* position, so ``q_perm`` never shows in the result's order.
 
 - Ranges are half-open ``(start, end)`` pairs of key indices with ``0 <= start <= end
-  <= Lk``; they may be empty, unsorted and unaligned to any block size. Ranges must
-  **not overlap**: the twin counts a key covered twice twice (not attention over a
-  set), and the kernel's tile table has room for ``Lk // block_n + R`` tiles only
-  (overlaps may drop keys; memory stays safe).
+  <= Lk``; they may be empty, unsorted and unaligned to any block size. Ranges are
+  assumed **not to overlap**: a key covered twice is counted twice (in both
+  implementations alike), which is not attention over a set.
 - Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest are
   ignored and may hold anything.
 - A query block with no keys, and a query whose every key has bias ``-inf`` (empty
@@ -38,20 +37,13 @@ Kernel layout
 Grid ``(n_qblocks, B * H)``; one program holds one query block (gathered through
 ``q_perm``) in registers and streams the keys of its ranges in tiles of ``block_n``
 with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
-into the scale, and into the bias once per call by the wrapper). Two loop shapes:
-
-- per range (one range per block, e.g. dense mode): ``floor(len / block_n)`` full
-  tiles read and scored with no mask at all (without a bias, scaling and the max shift
-  fuse into one FMA per score), then at most one masked tail tile;
-- ``flat`` (many ranges per block, as ANN plans have): a small kernel first lists each
-  block's tiles (start, valid keys), then one loop streams them, every tile masked, so
-  the software pipeline prefetches across range boundaries instead of draining at
-  each short range.
-
-No length or bound needs to be a multiple of anything. K / V tiles are addressed as a
-scalar int64 pointer plus loop-invariant int32 in-tile offsets. All strides are passed
-explicitly: the KV cache stores ``[B, L, H, D]`` and hands over ``.transpose(1, 2)``
-views, which are read in place.
+into the scale, and into the bias once per call by the wrapper). Each range is
+``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
+bias, scaling and the max shift fuse into one FMA per score), then at most one masked
+tail tile, so no length or bound needs to be a multiple of anything. K / V tiles are
+addressed as a scalar int64 pointer advanced by ``block_n`` rows plus loop-invariant
+int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
+``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
 """
 
 from __future__ import annotations
@@ -304,12 +296,11 @@ def block_sparse_attention_torch(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    flat: bool | None = None,
 ) -> Tensor:
     """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
 
-    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` / ``flat``
-    are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
+    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` are
+    accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
     shape, dtype and (where q is dense) memory layout. Validates the plan's values with
     :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
     """
@@ -431,57 +422,10 @@ if HAS_TRITON:
         acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
         return acc, l_i, m_new
 
-    @triton.jit(do_not_specialize=["H", "Lk", "R", "T"])
-    def _tile_table_kernel(
-        ranges_ptr,
-        counts_ptr,
-        table_ptr,
-        ntiles_ptr,
-        H,
-        Lk,
-        R,
-        T,
-        stride_rb,
-        stride_rh,
-        stride_rq,
-        stride_rr,
-        stride_rp,
-        stride_cb,
-        stride_ch,
-        stride_cq,
-        BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
-        """One program per query block: its ranges cut into key tiles (start, valid keys),
-        listed in range order, at most T of them (enough for non-overlapping ranges)."""
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)
-        h = (pid_bh % H).to(tl.int64)
-        blk = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
-        r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
-        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
-        count = tl.minimum(tl.maximum(count, 0), R)
-        t_ptr = table_ptr + blk * T * 2
-        offs = tl.arange(0, CHUNK)
-        n = 0
-        for r in range(0, count):
-            start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
-            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
-            n_r = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
-            for c in range(0, n_r, CHUNK):
-                i = c + offs
-                ok = (i < n_r) & (n + i < T)
-                first = start + i * BLOCK_N
-                tl.store(t_ptr + 2 * (n + i), first, mask=ok)
-                tl.store(t_ptr + 2 * (n + i) + 1, tl.minimum(end - first, BLOCK_N), mask=ok)
-            n = tl.minimum(n + n_r, T)
-        tl.store(ntiles_ptr + blk, n)
-
     # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
     # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
     # alignment the kernel could use: tiles start at unaligned range starts anyway.
-    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "T", "block_q"])
+    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
@@ -491,14 +435,11 @@ if HAS_TRITON:
         counts_ptr,
         bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
         perm_ptr,
-        table_ptr,  # FLAT: [B * H, nqb, T, 2] int32 (start, valid keys) per tile
-        ntiles_ptr,  # FLAT: [B * H, nqb] int32 tiles per query block
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
         Lq,
         Lk,
         R,
-        T,
         block_q,
         stride_qb,
         stride_qh,
@@ -535,7 +476,6 @@ if HAS_TRITON:
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
-        FLAT: tl.constexpr,
     ):
         """One program: one query block of one (b, h) against the keys of its ranges."""
         pid_m = tl.program_id(0)
@@ -573,50 +513,35 @@ if HAS_TRITON:
         v_offs = offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd
         k_step = stride_kl.to(tl.int64) * BLOCK_N
         v_step = stride_vl.to(tl.int64) * BLOCK_N
+        r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
+        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
+        count = tl.minimum(tl.maximum(count, 0), R)
+
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        if FLAT:
-            # One loop over the block's tiles (the tile table), every tile masked: the
-            # pipeline prefetches across range boundaries, which pays where a plan has
-            # many short ranges.
-            blk = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
-            n_tiles = tl.load(ntiles_ptr + blk)
-            t_ptr = table_ptr + blk * T * 2
-            for t in range(0, n_tiles):
-                start = tl.load(t_ptr + 2 * t)
-                n_valid = tl.load(t_ptr + 2 * t + 1)
+        for r in range(0, count):
+            start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
+            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
+            n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
+            n_full = n_keys // BLOCK_N
+            k_tile = k_base + start.to(tl.int64) * stride_kl
+            v_tile = v_base + start.to(tl.int64) * stride_vl
+            b_tile = bias_base + start
+            for _ in range(0, n_full):  # full tiles: no masks
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, qt, k_base + start.to(tl.int64) * stride_kl,
-                    v_base + start.to(tl.int64) * stride_vl, bias_base + start, k_offs, v_offs, offs_n,
-                    n_valid, qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
+                    qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
-        else:
-            r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
-            count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
-            count = tl.minimum(tl.maximum(count, 0), R)
-            for r in range(0, count):
-                start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
-                end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
-                n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
-                n_full = n_keys // BLOCK_N
-                k_tile = k_base + start.to(tl.int64) * stride_kl
-                v_tile = v_base + start.to(tl.int64) * stride_vl
-                b_tile = bias_base + start
-                for _ in range(0, n_full):  # full tiles: no masks
-                    acc, l_i, m_i = _attend_tile(
-                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
-                        qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
-                    )
-                    k_tile += k_step
-                    v_tile += v_step
-                    b_tile += BLOCK_N
-                n_tail = n_keys - n_full * BLOCK_N
-                if n_tail > 0:  # at most one masked tile per range
-                    acc, l_i, m_i = _attend_tile(
-                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
-                        qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
-                    )
+                k_tile += k_step
+                v_tile += v_step
+                b_tile += BLOCK_N
+            n_tail = n_keys - n_full * BLOCK_N
+            if n_tail > 0:  # at most one masked tile per range
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
+                    qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                )
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -652,7 +577,6 @@ def block_sparse_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    flat: bool | None = None,
 ) -> Tensor:
     """Triton kernel with the twin's contract; grid ``(ceil(Lq / block_q), B * H)``.
 
@@ -662,9 +586,6 @@ def block_sparse_attention(
     the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
     int in [1, 256]; the kernel tile is it rounded up to a power of two. ``block_n``,
     ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses).
-    ``flat`` (default: where a block may have more than one range) first lists each query
-    block's key tiles (one small kernel) and streams them in one pipelined loop; otherwise
-    each range is its own loop of unmasked full tiles plus one masked tail.
     No host sync: plan values are clamped, not checked (see the module docstring).
     The result has q's shape, dtype and (where q is dense) memory layout.
     """
@@ -718,15 +639,6 @@ def block_sparse_attention(
     if not _tile_offsets_fit(v, bn):
         v = v.contiguous()
     grid = (nqb, B * H)
-    flat = R > 1 if flat is None else bool(flat)
-    if flat:
-        T = Lk // bn + R  # tiles of non-overlapping ranges: sum of ceil(len / bn) <= Lk // bn + R
-        table = torch.empty(B * H, nqb, T, 2, dtype=torch.int32, device=q.device)
-        ntiles = torch.empty(B * H, nqb, dtype=torch.int32, device=q.device)
-        _tile_table_kernel[grid](ranges, range_counts, table, ntiles, H, Lk, R, T, *ranges.stride(),
-                                 *range_counts.stride(), BLOCK_N=bn, CHUNK=64)
-    else:
-        T, table, ntiles = 0, ranges, range_counts  # dummies, never read
     _block_sparse_attention_kernel[grid](
         q,
         k,
@@ -736,14 +648,11 @@ def block_sparse_attention(
         range_counts,
         bias,
         perm,
-        table,
-        ntiles,
         scale * _LOG2E,
         H,
         Lq,
         Lk,
         R,
-        T,
         block_q,
         *q.stride(),
         *k.stride(),
@@ -760,7 +669,6 @@ def block_sparse_attention(
         SCALE_NEG=scale < 0,
         UPCAST=upcast,
         INPUT_PRECISION=precision,
-        FLAT=flat,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
@@ -784,7 +692,6 @@ def block_sparse_attention_auto(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    flat: bool | None = None,
 ) -> Tensor:
     """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
     and the dtype / head dim suit it, else the torch twin (same results)."""
@@ -806,5 +713,4 @@ def block_sparse_attention_auto(
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
-        flat=flat,
     )

@@ -196,12 +196,11 @@ def test_kernel_matches_twin_random(shard):
     for c in range(shard * per, (shard + 1) * per):
         seed = BASE_SEED + c
         q, k, v, ranges, counts, kw, block_n = random_case(seed)
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, **kw)
         ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
-        for flat in (False, True):  # both loop shapes on every case
-            out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, flat=flat, **kw)
-            assert out.dtype == q.dtype and out.shape == q.shape
-            err = rel_err(out, ref)
-            assert err <= TOL[q.dtype], f"seed={seed} (FASTAR_TEST_SEED={BASE_SEED}, case {c}, flat={flat}) err={err}"
+        assert out.dtype == q.dtype and out.shape == q.shape
+        err = rel_err(out, ref)
+        assert err <= TOL[q.dtype], f"seed={seed} (FASTAR_TEST_SEED={BASE_SEED}, case {c}) err={err}"
 
 
 @needs_triton
@@ -554,11 +553,10 @@ def test_full_tiles_and_tails_at_every_boundary(with_bias, scale):
         bias[0, 0, 0:32] = NEG_INF  # two whole full tiles of empty slots
         bias[0, 1, 64:81] = NEG_INF  # a full tile and its tail
     kw = dict(key_bias=bias, block_q=bq, scale=scale)
+    out = block_sparse_attention(q, k, v, ranges, counts, block_n=bn, **kw)
     ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
-    for flat in (False, True):
-        out = block_sparse_attention(q, k, v, ranges, counts, block_n=bn, flat=flat, **kw)
-        assert rel_err(out, ref) <= TOL[torch.bfloat16]
-        assert rel_err(out, oracle(q, k, v, ranges, counts, **kw)) <= TOL[torch.bfloat16]
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert rel_err(out, oracle(q, k, v, ranges, counts, **kw)) <= TOL[torch.bfloat16]
 
 
 @needs_triton
@@ -572,11 +570,10 @@ def test_leading_all_neg_inf_full_tiles_then_finite():
     bias = torch.randn(B, H, Lk, generator=gen)
     bias[0, 0, :48] = NEG_INF  # three full tiles of -inf, then one finite tile
     bias[0, 1] = NEG_INF
+    out = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq, block_n=bn)
+    assert bool(torch.isfinite(out).all()) and bool((out[0, 1] == 0).all())
     ref = oracle(q, k, v, ranges, counts, key_bias=bias, block_q=bq)
-    for flat in (False, True):
-        out = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq, block_n=bn, flat=flat)
-        assert bool(torch.isfinite(out).all()) and bool((out[0, 1] == 0).all())
-        assert rel_err(out, ref) <= TOL[torch.float16]
+    assert rel_err(out, ref) <= TOL[torch.float16]
 
 
 def test_default_launch_fits_shared_memory_and_int32_offsets_guard():
@@ -616,13 +613,13 @@ from comfyui_fastar.kernels import block_sparse_attention as bsa
 jf = bsa._block_sparse_attention_kernel
 names = jf.arg_names
 results = []
-for elem, D, block_q, bias, perm, flat, launch in json.loads(sys.argv[1]):
+for elem, D, block_q, bias, perm, launch in json.loads(sys.argv[1]):
     if launch is None:
         launch = bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
-                bias_ptr="fp32", perm_ptr="i64", table_ptr="i32", ntiles_ptr="i32")
+                bias_ptr="fp32", perm_ptr="i64")
     const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
-                 HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None, FLAT=flat)
+                 HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
                                  "stride_cq", "stride_pl")})
     aligned = {"stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
@@ -670,25 +667,22 @@ def _aot_compile(cases):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _check_native(info, flat=False):
+def _check_native(info):
     assert info["wgmma"]  # Hopper warpgroup MMA path
     assert info["shared"] <= 232448  # H100/H200 max shared memory per block
     assert info["async_copies"] > 0  # K/V tiles pipelined through cp.async
-    # The launch-size model default_launch relies on: within the bias pipeline's room (the
-    # flat loop's table loads take a pipeline stage, so it buffers fewer K/V tiles).
-    assert info["shared"] <= info["estimate"] + 4096
-    assert flat or info["estimate"] <= info["shared"]
+    # The launch-size model default_launch relies on: within the bias pipeline's room.
+    assert info["estimate"] <= info["shared"] <= info["estimate"] + 4096
 
 
 @needs_triton
 @pytest.mark.parametrize(
-    "elem,D,block_q,bias,perm,flat",
-    [("bf16", 128, 128, True, True, False), ("fp16", 64, 64, False, False, False),
-     ("bf16", 128, 64, True, True, True)],
+    "elem,D,block_q,bias,perm",
+    [("bf16", 128, 128, True, True), ("fp16", 64, 64, False, False)],
 )
-def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm, flat):
-    (info,) = _aot_compile([[elem, D, block_q, bias, perm, flat, None]])
-    _check_native(info, flat)
+def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm):
+    (info,) = _aot_compile([[elem, D, block_q, bias, perm, None]])
+    _check_native(info)
 
 
 @needs_triton
@@ -696,8 +690,8 @@ def test_native_benchmark_grid_compiles_for_hopper():
     """Every launch the benchmark sweeps compiles for sm_90 and fits shared memory (with
     the bias, whose pipelined tile is the only extra buffer)."""
     cases = [
-        ["bf16", 128, bq, True, False, flat, {"block_n": bn, "num_warps": w, "num_stages": st}]
-        for bq, bn, w, st in bsa.HOPPER_LAUNCH_GRID for flat in (False, True)
+        ["bf16", 128, bq, True, False, {"block_n": bn, "num_warps": w, "num_stages": st}]
+        for bq, bn, w, st in bsa.HOPPER_LAUNCH_GRID
     ]
-    for case, info in zip(cases, _aot_compile(cases)):
-        _check_native(info, case[5])
+    for info in _aot_compile(cases):
+        _check_native(info)

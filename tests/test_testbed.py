@@ -104,7 +104,7 @@ def test_fidelity_ablation_smoke():
     lines = proc.stdout.strip().splitlines()
     (table,) = [x for x in lines if x.startswith("fidelity after")]
     assert all(f" {name} " in table for name in ("tempcache", "fastar", "fastar_sort_only", "fastar_keep1",
-                                                  "fastar_lsh", "fastar_bq128"))
+                                                  "fastar_lsh"))
     repeats = [x for x in lines if x.startswith("run to run, ")]
     assert [x.split(",")[1].split(":")[0].strip() for x in repeats] == ["dense", "tempcache", "fastar_sort_only"]
 
@@ -114,8 +114,7 @@ def test_pipeline_ab_smoke(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "pipeline_ab.json").read_text())
-    assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.35/per-range", "quant.35/bq128",
-                         "quant.5"}
+    assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5"}
     assert rows["tempcache"]["density"] == 1.0 and all(0 < r["density"] < 1 for k, r in rows.items() if k != "tempcache")
 
 
