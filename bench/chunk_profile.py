@@ -5,6 +5,7 @@ CUDA activity): the chunk's wall time, the sum of its kernels' GPU time (their r
 the host or the GPU sets the pace) and the kernels grouped by what they do. Writes chunk_profile.json.
 
     python bench/chunk_profile.py --out bench/results      # about 1 minute on an H200
+    python bench/chunk_profile.py --settings fastar        # only the named settings of bench/e2e_bench.py
     python bench/chunk_profile.py --smoke --out /tmp       # tiny model on the CPU: checks the script only
 """
 import collections
@@ -78,7 +79,9 @@ def main():
     chunks = 3 if smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
     out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", "chunk": chunks - 1}
     E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
-    for name in ("tempcache", "fastar", "sink+window"):
+    names = sys.argv[sys.argv.index("--settings") + 1].split(",") if "--settings" in sys.argv else \
+        ["tempcache", "fastar", "sink+window"]
+    for name in names:
         r = profile_chunk(model, ctx, hw, name, chunks, dev)
         out[name] = r
         print(f"{name}: wall {r['wall_ms']:.1f} ms (previous chunk {r['wall_previous_ms']:.1f}), "

@@ -62,6 +62,7 @@ import torch
 from ..kernels import triton_runs_on
 from ..kernels.block_sparse_attention import block_sparse_attention_auto
 from ..kernels.quant_scores import quant_block_scores_auto
+from ..kernels.quant_select import quant_select_auto
 from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
@@ -274,10 +275,11 @@ class AnnSA:
         b, m, h, d = k.shape
         nkb = -(-m // KEY_BLOCK)
         pad = nkb * KEY_BLOCK - m
-        w = torch.nn.functional.pad(filled.float(), (0, pad)).view(b, h, nkb, KEY_BLOCK)
-        kb = torch.nn.functional.pad(k.float().transpose(1, 2), (0, 0, 0, pad)).view(b, h, nkb, KEY_BLOCK, d)
-        count = w.sum(-1)
-        mean = (kb * w[..., None]).sum(-2) / count.clamp_min(1)[..., None]
+        count = torch.nn.functional.pad(filled.float(), (0, pad)).view(b, h, nkb, KEY_BLOCK).sum(-1)
+        # filled keys in the cache dtype (one masked copy, zero-padded to whole blocks), summed in fp32
+        kb = k.new_zeros(b, h, nkb * KEY_BLOCK, d)
+        kb[:, :, :m] = k.transpose(1, 2).masked_fill(~filled[..., None], 0)
+        mean = kb.view(b, h, nkb, KEY_BLOCK, d).sum(-2, dtype=torch.float32) / count.clamp_min(1)[..., None]
         log_m = bias.float() if bias is not None else torch.zeros_like(filled, dtype=torch.float32)
         log_m = torch.nn.functional.pad(log_m.masked_fill(~filled, float("-inf")), (0, pad), value=float("-inf"))
         return (*_int8(mean), log_m.view(b, h, nkb, KEY_BLOCK).logsumexp(-1))
@@ -360,7 +362,8 @@ class AnnSA:
         block scores the best int8 dot product of its mean key with any of the block's queries
         (a block mixing two clusters of queries keeps both clusters' keys), as a logit, plus the
         log of its key multiplicity (TempCache's merged keys weigh m times). Picked blocks that
-        touch in the sorted history fuse into one range. Queries are ordered by LSH bucket."""
+        touch in the sorted history fuse into one range (``kernels/quant_select.py``: one program
+        per query block). Queries are ordered by LSH bucket."""
         bq = self.config.block_q
         b, n, h, d = q.shape
         nqb = -(-n // bq)
@@ -373,14 +376,10 @@ class AnnSA:
         inv_scale = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)                 # [B, H]
         logit_scale = k_scale.view(b, h) / (inv_scale * math.sqrt(d))                    # int8 dot -> logit
         score = quant_block_scores_auto(q.transpose(1, 2), q_perm, inv_scale, k8, logit_scale, log_mass, bq)
-        pick = score.topk(top, dim=-1).indices.sort(-1).values                          # [B, H, nqb, top]
-        held = (log_mass > float("-inf")).gather(-1, pick.flatten(2)).view_as(pick)
-        start = rows.start + pick * KEY_BLOCK
-        end = torch.where(held, torch.clamp(start + KEY_BLOCK, max=rows.stop), start)  # empty blocks read nothing
-        joins = (pick[..., 1:] == pick[..., :-1] + 1) & held[..., 1:] & held[..., :-1]  # block i-1 runs into i
-        run_start = ~torch.nn.functional.pad(joins, (1, 0), value=False)
-        run_end = ~torch.nn.functional.pad(joins, (0, 1), value=False)
-        return (q_perm, *_runs_to_ranges(run_start, run_end, start, end, 2 + top, sink, chunk_start, chunk_stop))
+        ranges, counts = quant_select_auto(score, log_mass > float("-inf"), top, key_block=KEY_BLOCK,
+                                           rows_start=rows.start, rows_stop=rows.stop, sink=sink,
+                                           chunk_start=chunk_start, chunk_stop=chunk_stop)
+        return q_perm, ranges, counts, plan_density(ranges, counts, chunk_stop)
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:

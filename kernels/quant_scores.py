@@ -17,11 +17,11 @@ dot product back into a logit, ``block_bias`` is the log of the block's key mult
 (logsumexp of TempCache's log m over its keys; ``-inf`` for a block with no key, which then
 scores ``-inf``). Products of values within +-127 summed over D <= 256 are exact in fp32, so
 the kernel's fp16 tensor-core dot of the (integer-valued) operands gives exactly the twin's
-integers; the final multiply-add may round differently by one ulp (FMA). Under the CPU
-interpreter kernel and twin agree exactly (tests). On the H200 they agreed to 1e-6 on one
-real-video capture and not on another (bench/results/ann_bench*.json, ``scores_equal_twin``);
-not yet diagnosed (a suspect: ``q * inv_scale + 0.5`` contracted into one FMA moves a query
-sitting on a half-step to the next level).
+integers. The kernel is compiled without FMA contraction (``enable_fp_fusion=False``): fused,
+``q * inv_scale + 0.5`` rounds once instead of twice and moves a query sitting on a half-step
+to the next level, and ``best * logit_scale + bias`` differs in the last ulp, so kernel and
+twin would disagree on some real-video inputs (seen on the H200 before this). Unfused, both
+round every operation the same way: the results are equal, not close.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def quant_block_scores(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: 
             h, lq, nkb, block_q, *q.stride(), *q_perm.stride(),
             D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
             # fp16 tensor cores on the GPU; fp32 under the CPU interpreter (exact either way)
-            DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4)
+            DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return scores
 
 
