@@ -31,12 +31,13 @@ from testbed import CHUNK, capture, testbed  # noqa: E402
 from timing import op_ms  # noqa: E402
 
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
+from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_auto  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
 
 
-def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
+def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=()):
     heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
     tpf = kv_dense.tokens_per_frame
     kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
@@ -80,6 +81,12 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
     t_plan = op_ms(lambda: annsa.plan(0, q), device)
     t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
     t_dense = op_ms(lambda: attend(q, keys, values), device)
+    # the sparse kernel on this plan at other launch configurations (block_n, num_warps, num_stages)
+    row["launch_ms"] = {}
+    for bn, warps, stages in launches:
+        row["launch_ms"][f"{bn}/{warps}/{stages}"] = op_ms(lambda: block_sparse_attention_auto(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), plan[1], plan[2], key_bias=bias,
+            q_perm=plan[0], block_q=cfg.block_q, block_n=bn, num_warps=warps, num_stages=stages), device)
     return {**row, "plan_ms": t_plan, "sparse_ms": t_sparse, "dense_cudnn_ms": t_dense,
             "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
 
@@ -137,6 +144,8 @@ def main():
     ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
     ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
     ap.add_argument("--quant-keep-bq128", default="", help="quant keep fractions to run at block_q 128 too")
+    ap.add_argument("--launch-sweep", default="", help="sparse-kernel launches to time on every plan too, as "
+                                                         "block_n:num_warps:num_stages,...")
     ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
     ap.add_argument("--prompt", default="wan", choices=("wan", "random"),
                     help="wan: the real clip's prompt (bench/testbed.prompt_context); random: a Gaussian one")
@@ -165,17 +174,22 @@ def main():
                  for f in args.quant_keep_bq128.split(",") if f]
     rows = []
     for cfg in settings:
-        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames) for layer in layers]
+        launches = [tuple(int(x) for x in c.split(":")) for c in args.launch_sweep.split(",") if c]
+        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames, launches)
+                     for layer in layers]
         row = {"method": cfg.method, "bits": cfg.bits, "probes": cfg.probes, "block_q": cfg.block_q,
                "keep_fraction": cfg.keep_fraction if cfg.method == "quant" else None,
-               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0] if not isinstance(per_layer[0][k], bool)},
+               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0]
+                  if not isinstance(per_layer[0][k], (bool, dict))},
+               "launch_ms": {c: statistics.mean(r["launch_ms"][c] for r in per_layer) for c in per_layer[0]["launch_ms"]},
                "per_layer": per_layer}
         rows.append(row)
         print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {row['keep_fraction']}: "
               f"recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density {row['density']:.3f} "
               f"err {row['rel_error']:.3f} ranges {row['ranges_per_block']:.0f} plan {row['plan_ms']:.2f} ms "
               f"(eager {row['plan_eager_ms']:.2f}) sparse {row['sparse_ms']:.2f} ms "
-              f"dense {row['dense_cudnn_ms']:.2f} ms speedup {row['speedup_incl_plan']:.2f}x", flush=True)
+              f"dense {row['dense_cudnn_ms']:.2f} ms speedup {row['speedup_incl_plan']:.2f}x"
+              + "".join(f"\n      launch {c}: {ms:.2f} ms" for c, ms in row["launch_ms"].items()), flush=True)
     annca = []
     for bits in (int(b) for b in args.annca_bits.split(",") if b):
         cfg = AnnConfig(bits=bits, probes=min(AnnConfig.probes, bits))

@@ -311,9 +311,9 @@ class AnnSA:
     def _replay(self, key, fn, inputs):
         """``fn(*inputs)``; on CUDA captured once per signature as a CUDA graph and replayed.
 
-        Why: a plan is ~40 small kernels; launched one by one they took 1.0-1.9 ms a call on the
-        H200 in isolation, a replay (one launch plus copies of the inputs into the graph's
-        buffers) 0.26-0.78 ms. Inside a rollout the GPU is the bottleneck and the host runs
+        Why: a plan is ~20-40 small kernels; launched one by one they took 0.7-1.1 ms a call on
+        the H200 in isolation, a replay (one launch plus copies of the inputs into the graph's
+        buffers) 0.2-0.5 ms. Inside a rollout the GPU is the bottleneck and the host runs
         ahead, so there it gains little (bench/NOTES.md). The signature is every shape and
         Python integer the plan bakes in, so a cache at its budget (TempCache) replays one graph
         all rollout long; only the latest graph is kept (an unbounded cache captures one per
