@@ -30,6 +30,7 @@ from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
 from timing import op_ms  # noqa: E402
 
+from comfyui_fastar.fastar import ann as ann_mod  # noqa: E402
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_auto  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
@@ -144,6 +145,7 @@ def main():
     ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
     ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
     ap.add_argument("--quant-keep-bq128", default="", help="quant keep fractions to run at block_q 128 too")
+    ap.add_argument("--key-block", type=int, default=KEY_BLOCK, help="quant: history keys per scored block")
     ap.add_argument("--launch-sweep", default="", help="sparse-kernel launches to time on every plan too, as "
                                                          "block_n:num_warps:num_stages,...")
     ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
@@ -159,6 +161,7 @@ def main():
         args.tag += "_smoke"
     else:
         device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
+    ann_mod.KEY_BLOCK = args.key_block
     model, context = testbed(sensitive=not args.plain, size=size, device=str(device), prompt=args.prompt)
     layers = [int(x) for x in args.layers.split(",")]
     kv_dense, clean_q, query_q, cross = capture(model, context, args.history_frames, layers, height=hw[0], width=hw[1])
@@ -206,7 +209,7 @@ def main():
               "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights"
                         + ("" if args.plain else ", sensitized: bench/testbed.py") + ", bf16), "
                         "next chunk's queries at sigma 0.625; prompt: " + args.prompt,
-              "key_block": KEY_BLOCK, "settings": rows, "annca": annca}
+              "key_block": ann_mod.KEY_BLOCK, "settings": rows, "annca": annca}
     with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, args.tag + ".png"))

@@ -1,10 +1,13 @@
 """AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
-0.5; 14 chunks each at the TempCache budget (reached after 8), median latency of the last 5 chunks and AnnSA's
-mean density there. Writes pipeline_ab.json.
+0.5 (``--only`` picks among these and quant.35/kb128, quant over blocks of 128 keys); 14 chunks each at the
+TempCache budget (reached after 8), median latency of the last 5 chunks and AnnSA's mean density there. Writes
+pipeline_ab.json.
 
     python bench/pipeline_ab.py --out bench/results     # about 1.5 minutes on an H200
+    python bench/pipeline_ab.py --only quant.35,quant.35/kb128
     python bench/pipeline_ab.py --smoke --out /tmp      # tiny model on the CPU: checks the script only
 """
+import contextlib
 import json
 import os
 import statistics
@@ -25,12 +28,31 @@ E.SETTINGS.update({
     "quant.35": (T(), A(method="quant", keep_fraction=0.35)),
     "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
 })
+ann_mod = E.fastar.ann
+
+
+@contextlib.contextmanager
+def key_block(n):
+    """quant scoring blocks of n history keys instead of ann.KEY_BLOCK."""
+    old, ann_mod.KEY_BLOCK = ann_mod.KEY_BLOCK, n
+    try:
+        yield
+    finally:
+        ann_mod.KEY_BLOCK = old
+
+
+RUNS = {"tempcache": ("tempcache", 0), "lsh8/2": ("lsh8/2", 0), "quant.25": ("quant.25", 0),
+        "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb128": ("quant.35", 128)}
+names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else \
+    ["tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"]
 chunks = 4 if smoke else 14
 E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN plans
 E.real_rollout(model, ctx, 2, hw, "quant.35")
 out = {}
-for name in ("tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"):
-    rows = E.real_rollout(model, ctx, chunks, hw, name, log_every=100)
+for name in names:
+    setting, kb = RUNS[name]
+    with key_block(kb) if kb else contextlib.nullcontext():
+        rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100)
     last = rows[-5:]
     out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),
                  "density": statistics.mean(r.get("annsa_density", 1.0) for r in last),
