@@ -4,7 +4,8 @@ bench/e2e_bench.py's fidelity table (PSNR / SSIM of generated latents against de
 Gaussian prompt) over ablations of the combined setting: AnnSA's history sort with no sparse step
 (dense_steps_fraction 1.0), AnnSA reading every key block (keep 1.0), and lsh instead of quant. Then each of
 dense, TempCache and the sort-only setting runs twice more: the PSNR between two runs of one setting is its
-run-to-run variability on this device, the scale below which a gap between settings means nothing.
+run-to-run variability on this device, the scale below which a gap between settings means nothing. Last, all of
+FAST-AR with quant scoring blocks of 64 and of 128 keys.
 
     python bench/fidelity_ablation.py            # about 2 minutes on an H200; prints the table
     python bench/fidelity_ablation.py --smoke    # tiny model on the CPU: checks the script only
@@ -45,3 +46,10 @@ for name in ("dense", "tempcache", "fastar_sort_only"):
     a, b = generate(name), generate(name)
     print(f"run to run, {name}: {psnr(a, b):.1f} dB" if not torch.equal(a, b) else f"run to run, {name}: identical",
           flush=True)
+
+ann = E.fastar.ann
+ref = generate("dense")
+for kb in (64, 128):  # quant scoring blocks of kb history keys (ann.KEY_BLOCK)
+    default, ann.KEY_BLOCK = ann.KEY_BLOCK, kb
+    print(f"key blocks of {kb}, fastar: {psnr(generate('fastar'), ref):.2f} dB", flush=True)
+    ann.KEY_BLOCK = default

@@ -107,6 +107,8 @@ def test_fidelity_ablation_smoke():
                                                   "fastar_lsh"))
     repeats = [x for x in lines if x.startswith("run to run, ")]
     assert [x.split(",")[1].split(":")[0].strip() for x in repeats] == ["dense", "tempcache", "fastar_sort_only"]
+    assert [x.split(",")[0] for x in lines if x.startswith("key blocks of")] == ["key blocks of 64",
+                                                                                "key blocks of 128"]
 
 
 def test_pipeline_ab_smoke(tmp_path):
