@@ -48,7 +48,8 @@ def _brute(score, held, top, key_block, rows_start, rows_stop, sink, chunk_start
                     else:
                         runs.append([j, j])
                 slots = [(0, sink), (chunk_start, chunk_stop)] + [
-                    (rows_start + f * key_block, min(rows_start + (last + 1) * key_block, rows_stop)) for f, last in runs]
+                    (rows_start + f * key_block, min(rows_start + (last + 1) * key_block, rows_stop))
+                    for f, last in runs]
                 ranges[bi, hi, i, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
                 counts[bi, hi, i] = len(slots)
     return ranges, counts

@@ -7,6 +7,9 @@ import sys
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+# Script checks run the torch twins: Triton's interpreter would only make them slow (the kernels have
+# their own tests; the ann_bench smoke run keeps the interpreter to compare its kernels on real plans).
+TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 sys.path.insert(0, BENCH)
 import testbed  # noqa: E402
 from testbed import fastar  # noqa: E402
@@ -63,7 +66,7 @@ def test_psnr_and_ssim():
 
 def test_e2e_runner_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "e2e_bench.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+                          env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "e2e_bench_smoke.json").read_text())
     assert set(result["rollouts"]) == {"fastar", "tempcache", "annsa", "annca", "sink+window", "dense"}
@@ -99,7 +102,7 @@ def test_ann_bench_smoke(tmp_path):
 
 def test_fidelity_ablation_smoke():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "fidelity_ablation.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=300)
+                          env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     (table,) = [x for x in lines if x.startswith("fidelity after")]
@@ -113,7 +116,7 @@ def test_fidelity_ablation_smoke():
 
 def test_pipeline_ab_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "pipeline_ab.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+                          env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "pipeline_ab.json").read_text())
     assert set(rows) == {"tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5"}
@@ -140,7 +143,7 @@ def test_real_prompt_context():
 
 def test_probe_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "testbed_probe.py"), "--smoke", "--out", str(tmp_path),
-                           "--settings", "plain,1.5:0.5:5:1"], capture_output=True, text=True, timeout=300)
+                           "--settings", "plain,1.5:0.5:5:1"], env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "testbed_probe_smoke.json").read_text())["settings"]
     assert set(rows) == {"plain", "1.5:0.5:5:1"}
