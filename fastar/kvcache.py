@@ -290,6 +290,7 @@ class KVCache:
                                                        .expand_as(perm))  # old slot -> new slot
             last = tc.last_slots[layer]
             last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
+            tc.aligned[layer] = False  # heads are sorted apart: the shared match aligns them by token
 
     # -- telemetry -------------------------------------------------------------------------
     def stats(self) -> CacheStats:

@@ -84,6 +84,8 @@ class TempCache:
         self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
         # history slot each token of the last write went to (-1: dropped), per layer and head
         self.last_slots = torch.full((num_layers, batch, num_heads, new_tokens), -1, dtype=torch.long, device=device)
+        # whether slot i holds the same token in every head (until AnnSA sorts each head's slots)
+        self.aligned = [True] * num_layers
 
     def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor,
               identity: torch.Tensor | None = None):
@@ -92,16 +94,20 @@ class TempCache:
         filled [H, M] bool. Returns (index [H, N], cosine [H, N]).
 
         Shared grouping compares whole tokens (all heads concatenated), but each head may order
-        its slots differently (AnnSA sorts them per head): ``identity`` [H, M] (a slot's newest
-        frame and write position as one int64, unique per held token) aligns the heads first."""
+        its slots differently (AnnSA sorts them per head): then ``identity`` [H, M] (a slot's
+        newest frame and write position as one int64, unique per held token) aligns the heads
+        first; None where slot i holds the same token in every head."""
         n, h, d = new_k.shape
         if self.config.grouping == "shared":
-            # heads aligned by token (a gather of the history keys), then one correspondence over
-            # the concatenated heads: a plain GEMM (cuBLAS) in query blocks, scores in the cache
-            # dtype, then the exact fp32 cosine of the chosen pair
-            canon = torch.argsort(identity, dim=1)                                    # [H, M]
-            keys = hist_k.gather(0, canon.t()[..., None].expand_as(hist_k)).reshape(-1, h * d)
-            held = filled[0].gather(0, canon[0])
+            # heads aligned by token where needed (a sort and a gather of the history keys), then
+            # one correspondence over the concatenated heads: a plain GEMM (cuBLAS) in query
+            # blocks, scores in the cache dtype, then the exact fp32 cosine of the chosen pair
+            if identity is None:
+                canon, keys, held = None, hist_k.reshape(-1, h * d), filled[0]
+            else:
+                canon = torch.argsort(identity, dim=1)                                # [H, M]
+                keys = hist_k.gather(0, canon.t()[..., None].expand_as(hist_k)).reshape(-1, h * d)
+                held = filled[0].gather(0, canon[0])
             norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
             scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
             if self.config.matching == "query":
@@ -110,7 +116,7 @@ class TempCache:
             x = x.reshape(n, h * d)
             idx = torch.cat([(x[i:i + 1024] @ keys.T).mul_(scale).argmax(dim=-1) for i in range(0, n, 1024)])
             cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), keys[idx].float(), dim=-1)
-            return canon[:, idx], cos.expand(h, n)
+            return (idx.expand(h, n) if canon is None else canon[:, idx]), cos.expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
         scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)
         if self.config.matching == "query":
@@ -147,7 +153,8 @@ class TempCache:
             filled = count > 0
             if cfg.enabled:
                 x = new_k if cfg.matching == "key" else q[b, -n:]
-                idx, cos = self.match(x, new_k, kb[hist], filled, self._identity(newest, written))
+                identity = None if self.aligned[layer] else self._identity(newest, written)
+                idx, cos = self.match(x, new_k, kb[hist], filled, identity)
                 merge = (cos >= cfg.merge_threshold) & filled.gather(1, idx.clamp_min(0)) & (idx >= 0)
             else:
                 idx = torch.zeros(h, n, dtype=torch.long, device=k.device)
