@@ -27,11 +27,11 @@ ignored by ``range_counts``) that ``block_sparse_attention_auto`` reads. Nothing
 host: every shape comes from Python integers the schedule knows.
 
 ``method='quant'`` (the default) keeps the same sorted layout but selects differently: at
-write time each block of 64 sorted history keys gets its mean key, int8-quantized; per step a
-query block reads the ``keep_fraction`` key blocks whose quantized mean scores highest against
-any of its (int8) queries, as a logit plus the log of the block's key multiplicity (TempCache's
-log m: a merged key stands for m frames) (``kernels/quant_scores.py``); touching blocks fuse
-into one range.
+write time each block of ``KEY_BLOCK`` (128) sorted history keys gets its mean key,
+int8-quantized; per step a query block reads the ``keep_fraction`` key blocks whose quantized
+mean scores highest against any of its (int8) queries, as a logit plus the log of the block's
+key multiplicity (TempCache's log m: a merged key stands for m frames)
+(``kernels/quant_scores.py``); touching blocks fuse into one range (``kernels/quant_select.py``).
 Its density is fixed by ``keep_fraction``, so its cost is too; the bucket method's is
 data-driven. Why it is the default: on real-video queries it keeps more of the attention mass
 at a given density than buckets do (bench/results/ann_bench*.json).
@@ -67,7 +67,11 @@ from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
 MAX_BITS = 12
-KEY_BLOCK = 64  # 'quant': history keys per scored block (the kernel's key tile)
+# 'quant': history keys per scored block. 128 rather than the kernel's 64-key tile: a pick is then
+# two tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), and the sparse
+# call, planning included, took 3.8 instead of 4.4 ms at 81 frames for recall 0.939 instead of
+# 0.943 (bench/results/ann_bench_random_kb128.json, bench/NOTES.md).
+KEY_BLOCK = 128
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -81,9 +85,9 @@ class AnnConfig:
     ``bits=1, probes=1`` selects every bucket: exactly dense attention.
     ``calibration_recall`` > 0: the first sparse forward over history measures each layer's
     AnnSA recall (dense attention mass inside its plan) and makes layers below it dense.
-    ``method='quant'`` (default)
-    selects for AnnSA, instead of bucket hits, the ``keep_fraction`` best blocks of 64 sorted
-    history keys by int8-quantized similarity to their mean keys (AnnCA always uses buckets).
+    ``method='quant'`` (default) selects for AnnSA, instead of bucket hits, the ``keep_fraction``
+    best blocks of 128 sorted history keys by int8-quantized similarity to their mean keys
+    (AnnCA always uses buckets).
     ``annca`` is off by default: over Wan's 512 prompt tokens dense cross-attention costs ~0.1 ms
     a call on an H200, less than selecting tokens does (bench/results/ann_bench.json)."""
     method: str = "quant"

@@ -1,6 +1,6 @@
 """AnnSA 'quant' planning: int8 scores of key blocks against query blocks, as one Triton kernel.
 
-Why: the selection step scores every block of 64 sorted history keys (its int8 mean key)
+Why: the selection step scores every block of sorted history keys (its int8 mean key)
 against every query of a query block and keeps the best blocks. In eager PyTorch that is a
 per-head loop of fp32 GEMMs over a ``[Lq, n_key_blocks]`` score matrix, ~3 ms per layer call;
 here each program scores one query block against all key blocks and writes only the block max.
