@@ -157,3 +157,17 @@ def test_dense_curve_interpolates_between_points_and_clamps_outside():
     at = e2e_bench.dense_curve([{"frames": 30, "latency_ms": 300.0}, {"frames": 10, "latency_ms": 100.0},
                                 {"frames": 20, "latency_ms": 150.0}])
     assert [at(f) for f in (5, 10, 15, 20, 25, 30, 40)] == [100.0, 100.0, 125.0, 150.0, 225.0, 300.0, 300.0]
+
+
+def test_ann_bound_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ann_bound.py"), "--smoke", "--out", str(tmp_path)],
+                          env=TWINS, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "ann_bound_smoke.json").read_text())["rows"]
+    assert [(r["cached_frames"], r["target_density"]) for r in rows] == [
+        (f, d) for f in (6, 12) for d in (0.5, 0.25, 0.125)]
+    for r in rows:  # a density below the own chunk's share (3 of frames + 3) is not reachable
+        assert r["reachable"] == (r["target_density"] > 3 / (r["cached_frames"] + 3))
+        if r["reachable"]:
+            assert r["density"] >= r["target_density"] - 1e-6 and r["within_bound"] == (
+                r["plan_ms"] + r["sparse_ms"] <= r["bound_ms"])

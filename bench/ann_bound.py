@@ -1,0 +1,75 @@
+"""The sparse-kernel bound of the AnnSA issue, planning included, at every cached length it names.
+
+For 21 / 81 / 240 cached real frames (the Wan clip through the sensitized 1.3B-shaped testbed,
+Gaussian prompt, layer 9) and key densities d of 0.5 / 0.25 / 0.125, the default AnnSA (quant) runs with
+the keep fraction that reads d of the keys (own chunk included):
+
+    time = plan + sparse kernel   against   bound = 1.4 * d * T_cudnn + 0.05 * T_cudnn
+
+with T_cudnn the dense cuDNN call over the same keys, all timed side by side (bench/ann_bench.measure).
+A density below the own chunk's share (3 of 24 frames at 21) is not reachable and is listed as such.
+Writes ann_bound.json.
+
+    python bench/ann_bound.py --out bench/results        # about 2 minutes on an H200
+    python bench/ann_bound.py --smoke --out /tmp         # tiny model on the CPU: checks the script only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ann_bench import AnnConfig, measure  # noqa: E402
+from testbed import CHUNK, capture, testbed  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--frames", default="21,81,240", help="cached frames")
+    ap.add_argument("--densities", default="0.5,0.25,0.125")
+    ap.add_argument("--layer", type=int, default=9)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
+    args = ap.parse_args()
+    if args.smoke:
+        device, size, hw, args.frames, args.layer = "cpu", "tiny", (64, 96), "6,12", 1
+    else:
+        device, size, hw = "cuda", "1.3B", (480, 832)
+    model, context = testbed(size=size, device=device, prompt="random")
+    rows = []
+    for frames in (int(f) for f in args.frames.split(",")):
+        kv, clean_q, query_q, _ = capture(model, context, frames, [args.layer], height=hw[0], width=hw[1])
+        for d in (float(x) for x in args.densities.split(",")):
+            keep = (d * (frames + CHUNK) - CHUNK) / frames  # share of the history that makes density d
+            row = {"cached_frames": frames, "target_density": d, "keep_fraction": keep}
+            if keep <= 0:
+                row["reachable"] = False
+                print(f"{frames:3d} frames d={d}: below the own chunk's share {CHUNK / (frames + CHUNK):.3f}")
+            else:
+                r = measure(AnnConfig(keep_fraction=min(keep, 1.0)), kv, args.layer, clean_q, query_q, frames)
+                t, t_dense = r["plan_ms"] + r["sparse_ms"], r["dense_cudnn_ms"]
+                bound = 1.4 * r["density"] * t_dense + 0.05 * t_dense
+                row.update(reachable=True, density=r["density"], recall=r["recall"], plan_ms=r["plan_ms"],
+                           sparse_ms=r["sparse_ms"], dense_cudnn_ms=t_dense, bound_ms=bound, within_bound=t <= bound)
+                print(f"{frames:3d} frames d={d} (keep {keep:.3f}): density {r['density']:.3f} recall "
+                      f"{r['recall']:.3f}  plan {r['plan_ms']:.2f} + sparse {r['sparse_ms']:.2f} = {t:.2f} ms "
+                      f"against bound {bound:.2f} ms (dense {t_dense:.2f}): "
+                      f"{'within' if t <= bound else 'OVER'}", flush=True)
+            rows.append(row)
+        del kv, clean_q, query_q
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+              "date": datetime.date.today().isoformat(), "layer": args.layer, "prompt": "random", "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ann_bound" + ("_smoke" if args.smoke else "") + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
