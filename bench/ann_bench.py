@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -34,6 +35,7 @@ from comfyui_fastar.fastar import ann as ann_mod  # noqa: E402
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_auto  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
+from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
 
@@ -79,6 +81,14 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=())
         args = (q.transpose(1, 2), plan[0], inv, k8, k_scale.view_as(inv) / inv, log_mass, cfg.block_q)
         got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
         row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
+        rows = kv.sorted_rows(clean_pass=False)
+        top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])  # as the plan picks
+        chunk = kv.chunk_rows()
+        sel = dict(key_block=ann_mod.KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.sink_rows,
+                   chunk_start=chunk.start, chunk_stop=chunk.stop)
+        held = log_mass > float("-inf")
+        picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
+        row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
     t_plan = op_ms(lambda: annsa.plan(0, q), device)
     t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
     t_dense = op_ms(lambda: attend(q, keys, values), device)

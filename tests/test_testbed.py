@@ -91,8 +91,8 @@ def test_ann_bench_smoke(tmp_path):
     every = rows[("quant", 1.0)]
     assert every["density"] == 1.0 and every["recall"] > 0.999  # every key block kept: dense
     assert every["ranges_per_block"] == 3  # sink, chunk, and all history blocks fused into one range
-    assert all(layer["scores_equal_twin"] for r in result["settings"] if r["method"] == "quant"
-               for layer in r["per_layer"])
+    assert all(layer["scores_equal_twin"] and layer["select_equals_twin"] for r in result["settings"]
+               if r["method"] == "quant" for layer in r["per_layer"])
     assert all(layer["graph_plan_equals_eager"] for r in result["settings"] for layer in r["per_layer"])
     assert all(r["recall"] >= r["history_recall"] - 1e-6 for r in result["settings"])  # own chunk is always read
     (ca,) = result["annca"]
