@@ -15,7 +15,9 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
             forwards with attention removed.
   fidelity  continuing the real clip (bench/realvideo.py) after --horizons cached frames: PSNR / SSIM of
             the generated latents of each setting against dense bf16, beside the bf16 noise floor (dense
-            fp32 vs dense bf16) and the control that drops the cached history (own chunk only).
+            fp32 vs dense bf16) and the control that drops the cached history (own chunk only); per
+            setting also the share of the dense cache it holds and, where AnnSA runs, its recall and
+            density on layers 9 / 19 over the generated chunks.
 
     python bench/e2e_bench.py --out bench/results        # ~9 minutes on an H200
     python bench/e2e_bench.py --smoke                    # tiny model on the CPU: checks the script only
@@ -34,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
-from testbed import (CHUNK, SENSITIVE, NoAttention, OwnChunkOnly, continue_real_video, prefill, psnr,  # noqa: E402
-                     ssim, testbed)
+from testbed import (CHUNK, SENSITIVE, AnnProbe, NoAttention, OwnChunkOnly, continue_real_video, prefill,  # noqa: E402
+                     psnr, ssim, testbed)
 from timing import wall_ms  # noqa: E402
 
 AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
@@ -50,6 +52,7 @@ SETTINGS = {  # name: (cache, ann)
     "fastar": (TempCacheConfig(), AnnConfig()),  # every component at its default (AnnCA is opt-in)
 }
 FORWARDS = 5  # 4 denoising steps + the clean pass
+PROBE_LAYERS = (9, 19)  # layers whose AnnSA recall the fidelity runs measure (as bench/ann_bench.py)
 VIDEO_PER_LATENT = 4  # Wan 2.1's VAE: 4 video frames per latent frame
 
 
@@ -144,30 +147,47 @@ def linear_floor_ms(model, tokens, text_tokens, device, reps):
 
 
 def fidelity(model, model32, context, horizons, hw, gen_frames):
-    """Generated latents after each horizon of real cached frames, against dense bf16."""
+    """Generated latents after each horizon of real cached frames, against dense bf16; beside each
+    setting's PSNR / SSIM, the share of the dense cache it holds and, where AnnSA runs, the recall and
+    density of its sparse calls on the generated chunks (``AnnProbe``)."""
     rows = []
+    probe_layers = [i for i in PROBE_LAYERS if i < model.num_layers] or [model.num_layers - 1]
     for history in horizons:
         frames = history + gen_frames
 
         def gen(name, m=model, ctx=context, attention=None):
             run = make_run(m, ctx, frames, hw, name, attention)
+            arm = getattr(run.attention, "arm", None)
             with torch.inference_mode():
-                return continue_real_video(run, history)
-        ref = gen("dense")
+                out = continue_real_video(run, history, on_chunk=lambda c: arm and (c + 1) * CHUNK == history
+                                          and arm())
+            stats = run.cache.stats()
+            return out, stats.tokens_held / max(stats.dense_tokens, 1), run.attention
+        ref, _, _ = gen("dense")
         torch.backends.cuda.matmul.allow_tf32 = False
-        ref32 = gen("dense", model32, context.float())
+        ref32, _, _ = gen("dense", model32, context.float())
         torch.backends.cuda.matmul.allow_tf32 = True
         row = {"history_frames": history, "generated_frames": gen_frames,
                "noise_floor": {"psnr": psnr(ref, ref32), "ssim": ssim(ref, ref32)}}
-        own = gen("dense", attention=OwnChunkOnly)
+        own, _, _ = gen("dense", attention=OwnChunkOnly)
         row["own_chunk_only"] = {"psnr": psnr(own, ref), "ssim": ssim(own, ref)}
         for name in SETTINGS:
-            if name != "dense":
-                out = gen(name)
-                row[name] = {"psnr": psnr(out, ref), "ssim": ssim(out, ref)}
+            if name == "dense":
+                continue
+            ann = SETTINGS[name][1]
+            probe = (lambda cache, ann=ann: AnnProbe(cache, ann, probe_layers)) if ann and ann.annsa else None
+            out, held, attn = gen(name, attention=probe)
+            row[name] = {"psnr": psnr(out, ref), "ssim": ssim(out, ref), "kv_held": held}
+            if probe is not None and attn.recalls:  # (a schedule may keep every call dense)
+                row[name].update(annsa_recall=statistics.mean(attn.recalls),
+                                 annsa_density=statistics.mean(attn.densities), annsa_layers=probe_layers)
         rows.append(row)
         print(f"fidelity after {history} frames: " + "  ".join(
             f"{k} {v['psnr']:.1f} dB/{v['ssim']:.4f}" for k, v in row.items() if isinstance(v, dict)), flush=True)
+        print("  cache held / dense, AnnSA recall @ density: " + "  ".join(
+            f"{k} {v['kv_held']:.2f}" + (f" {v['annsa_recall']:.3f} @ {v['annsa_density']:.3f}"
+                                         if "annsa_recall" in v else "")
+            for k, v in row.items() if isinstance(v, dict) and "kv_held" in v), flush=True)
     return rows
 
 

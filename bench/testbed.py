@@ -172,6 +172,26 @@ class OwnChunkOnly(FastARAttention):
         return fastar.attend(q, keys[:, -n:], values[:, -n:])
 
 
+class AnnProbe(FastARAttention):
+    """AnnSA / AnnCA as ``ann`` configures them; once armed, every sparse self-attention call of
+    ``layers`` also records its plan's recall of the dense attention mass and its key density."""
+
+    def __init__(self, cache, ann, layers):
+        super().__init__(cache, ann=ann)
+        self.layers, self.armed, self.recalls, self.densities = set(layers), False, [], []
+
+    def arm(self):
+        self.armed = True
+
+    def self_attention(self, layer, q, k, v):
+        if self.armed and layer in self.layers and self._sparse(layer):
+            keys, _, bias = self.cache.extend(layer, k, v)
+            plan = self.annsa.plan(layer, q)
+            self.recalls.append(self.annsa.recall(q, keys, bias, plan).item())
+            self.densities.append(fastar.ann.plan_density(plan[1], plan[2], keys.shape[1]).item())
+        return super().self_attention(layer, q, k, v)
+
+
 def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = None, on_chunk=None):
     """Teacher-force a rollout on ``prefix_frames`` real latent frames (their clean passes fill the
     cache), then let it generate the rest; returns the generated latents [B, C, F - prefix, h, w]."""

@@ -76,6 +76,10 @@ def test_e2e_runner_smoke(tmp_path):
     assert [p["source"] for p in result["dense_points"]][-1] == "composed"
     for row in result["fidelity"]:
         assert {"noise_floor", "own_chunk_only", "tempcache", "annsa", "annca", "fastar"} <= set(row)
+        assert row["annsa"]["kv_held"] == 1.0 and row["tempcache"]["kv_held"] <= 1.0  # unbounded holds it all
+        for name in ("annsa", "fastar"):  # where AnnSA runs: its recall and density on the generated chunks
+            assert 0 < row[name]["annsa_recall"] <= 1 + 1e-6 and 0 < row[name]["annsa_density"] <= 1
+        assert "annsa_recall" not in row["tempcache"] and "annsa_recall" not in row["annca"]
     assert result["summary"]["speedup_auc"] > 0
     assert (tmp_path / "e2e_bench_smoke.png").stat().st_size > 0
 
