@@ -1,8 +1,9 @@
 """AnnSA 'quant' planning: from key-block scores to each query block's key ranges, as one Triton kernel.
 
 Why: in PyTorch this step is a top-k, a sort of the picked indices, a gather and a dozen small
-ops that turn picks into runs and runs into range slots; on the H200 those kernels cost about as
-much as the scoring itself. One program per query block does it all in registers.
+ops that turn picks into runs and runs into range slots; on the H200 those kernels cost more
+than the scoring itself (bench/results/chunk_profile.json). One program per query block does it
+all in registers.
 
 Semantics (the twin defines them). For each row ``score[b, h, i, :]`` (one query block's score of
 every key block; ``held[b, h, j]`` says whether key block ``j`` holds any key):
