@@ -62,7 +62,7 @@ import torch
 from ..kernels import triton_runs_on
 from ..kernels.block_sparse_attention import block_sparse_attention_auto
 from ..kernels.quant_scores import quant_block_scores_auto
-from ..kernels.quant_select import quant_select_auto
+from ..kernels.quant_select import quant_select_auto, runs_to_ranges
 from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
@@ -207,22 +207,6 @@ def _hit_buckets(cands: torch.Tensor, group: torch.Tensor, groups: int, buckets:
     return hit.view(b, h, groups, buckets)
 
 
-def _runs_to_ranges(run_start, run_end, starts, ends, r: int, sink: int, chunk_start: int, chunk_stop: int):
-    """A plan's (ranges [B, H, nqb, r, 2], counts [B, H, nqb], density) from runs over candidate
-    segments [B, H, nqb, n] (``starts`` / ``ends`` rows; flags mark a run's first and last
-    segment): slot 0 is the sink ``[0, sink)``, slot 1 the open chunk, then one range per run;
-    density is the mean fraction of the ``chunk_stop`` keys a query block reads."""
-    b, h, nqb, _ = run_start.shape
-    ranges = torch.zeros(b, h, nqb, r + 1, 2, dtype=torch.int32, device=starts.device)  # slot r: dump
-    for col, flags, edge in ((0, run_start, starts), (1, run_end, ends)):
-        slot = torch.where(flags, 1 + torch.cumsum(flags, -1), r)
-        ranges[..., col].scatter_(-1, slot, edge.to(torch.int32))
-    ranges[..., 0, 1] = sink
-    ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
-    ranges, counts = ranges[..., :r, :], (2 + run_start.sum(-1)).to(torch.int32)
-    return ranges, counts, plan_density(ranges, counts, chunk_stop)
-
-
 def _warn_twin(q: torch.Tensor) -> None:
     global _warned
     if not _warned and not triton_runs_on(q):
@@ -308,7 +292,11 @@ class AnnSA:
             fn = lambda q, planes, *reps: self._quant_plan(q, planes, *reps, rows=rows, top=top,  # noqa: E731
                                                            sink=sink, chunk_start=chunk.start, chunk_stop=chunk.stop)
             key = ("quant", rows.start, rows.stop, top, *fixed)
-        q_perm, ranges, counts, density = self._replay(key, fn, inputs)
+
+        def planned(*args):  # with its density (telemetry), in the same graph
+            q_perm, ranges, counts = fn(*args)
+            return q_perm, ranges, counts, plan_density(ranges, counts, chunk.stop)
+        q_perm, ranges, counts, density = self._replay(key, planned, inputs)
         self.density[layer] = density
         return q_perm, ranges, counts
 
@@ -356,10 +344,8 @@ class AnnSA:
         hit = _hit_buckets(cands, block, nqb, nb)                   # [B, H, nqb, nb]
         starts, ends = offsets[..., None, :-1], offsets[..., None, 1:]
         sel = hit | (starts == ends)                                # empty buckets bridge runs
-        prev = torch.nn.functional.pad(sel[..., :-1], (1, 0), value=False)
-        nxt = torch.nn.functional.pad(sel[..., 1:], (0, 1), value=False)
-        return (q_perm, *_runs_to_ranges(sel & ~prev, sel & ~nxt, starts.expand_as(sel), ends.expand_as(sel),
-                                         self.max_ranges, sink, chunk_start, chunk_stop))
+        return (q_perm, *runs_to_ranges(sel, starts.expand_as(sel), ends.expand_as(sel), self.max_ranges, sink=sink,
+                                        chunk_start=chunk_start, chunk_stop=chunk_stop))
 
     def _quant_plan(self, q, planes, *reps, rows: slice, top: int, sink: int, chunk_start: int, chunk_stop: int):
         """The 'quant' plan: each query block reads its ``keep_fraction`` best key blocks; a key
@@ -372,18 +358,17 @@ class AnnSA:
         b, n, h, d = q.shape
         nqb = -(-n // bq)
         q_perm = torch.argsort(self.lsh.hash(planes, q).to(torch.int16), dim=-1, stable=True)
-        if not top:
-            empty = [torch.zeros(b, h, nqb, 0, dtype=dt, device=q.device)
-                     for dt in (torch.bool, torch.bool, torch.int32, torch.int32)]
-            return (q_perm, *_runs_to_ranges(*empty, 2, sink, chunk_start, chunk_stop))
+        if not top:  # no history written yet: the sink and the chunk
+            none = torch.zeros(b, h, nqb, 0, dtype=torch.int32, device=q.device)
+            return (q_perm, *runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start,
+                                            chunk_stop=chunk_stop))
         k8, k_scale, log_mass = reps
         inv_scale = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)                 # [B, H]
         logit_scale = k_scale.view(b, h) / (inv_scale * math.sqrt(d))                    # int8 dot -> logit
         score = quant_block_scores_auto(q.transpose(1, 2), q_perm, inv_scale, k8, logit_scale, log_mass, bq)
-        ranges, counts = quant_select_auto(score, log_mass > float("-inf"), top, key_block=KEY_BLOCK,
+        return (q_perm, *quant_select_auto(score, log_mass > float("-inf"), top, key_block=KEY_BLOCK,
                                            rows_start=rows.start, rows_stop=rows.stop, sink=sink,
-                                           chunk_start=chunk_start, chunk_stop=chunk_stop)
-        return q_perm, ranges, counts, plan_density(ranges, counts, chunk_stop)
+                                           chunk_start=chunk_start, chunk_stop=chunk_stop))
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:

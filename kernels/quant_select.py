@@ -30,7 +30,26 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_select", "quant_select_auto", "quant_select_torch"]
+__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "runs_to_ranges"]
+
+
+def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sink: int, chunk_start: int,
+                   chunk_stop: int) -> tuple[Tensor, Tensor]:
+    """The plan format from selected segments: ``sel`` [B, H, nqb, n] marks each query block's
+    segments (``starts`` / ``ends``, same shape, their key bounds, in key order); consecutive
+    selected segments form one run, read as ``[starts[first], ends[last])``. Slot 0 is the sink
+    ``[0, sink)``, slot 1 the open chunk, then one slot per run; returns (ranges [B, H, nqb,
+    slots, 2], counts [B, H, nqb]), int32, slots past a block's count zero."""
+    b, h, nqb, _ = sel.shape
+    first = sel & ~torch.nn.functional.pad(sel, (1, 0))[..., :-1]
+    last = sel & ~torch.nn.functional.pad(sel, (0, 1))[..., 1:]
+    ranges = torch.zeros(b, h, nqb, slots + 1, 2, dtype=torch.int32, device=sel.device)  # last slot: dump
+    for col, flags, edge in ((0, first, starts), (1, last, ends)):
+        slot = torch.where(flags, 1 + torch.cumsum(flags, -1), slots)
+        ranges[..., col].scatter_(-1, slot, edge.to(torch.int32))
+    ranges[..., 0, 1] = sink
+    ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
+    return ranges[..., :slots, :], (2 + first.sum(-1)).to(torch.int32)
 
 
 def _check(score, held, top, key_block):
@@ -53,18 +72,10 @@ def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int,
     b, h, nqb, nkb = _check(score, held, top, key_block)
     order = torch.sort(score + 0.0, dim=-1, descending=True, stable=True).indices[..., :top]  # + 0.0: -0.0 == 0.0
     run = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order, True) & held[:, :, None]
-    prev = torch.nn.functional.pad(run[..., :-1], (1, 0), value=False)
-    nxt = torch.nn.functional.pad(run[..., 1:], (0, 1), value=False)
-    first, last = run & ~prev, run & ~nxt
     start = rows_start + torch.arange(nkb, device=score.device, dtype=torch.int32) * key_block
     end = torch.clamp(start + key_block, max=rows_stop)
-    ranges = torch.zeros(b, h, nqb, 2 + top + 1, 2, dtype=torch.int32, device=score.device)  # last slot: dump
-    for col, flags, edge in ((0, first, start), (1, last, end)):
-        slot = torch.where(flags, 1 + torch.cumsum(flags, -1), 2 + top)
-        ranges[..., col].scatter_(-1, slot, edge.expand_as(slot))
-    ranges[..., 0, 1] = sink
-    ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
-    return ranges[..., :2 + top, :].contiguous(), (2 + first.sum(-1)).to(torch.int32)
+    return runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + top, sink=sink,
+                          chunk_start=chunk_start, chunk_stop=chunk_stop)
 
 
 if HAS_TRITON:
