@@ -25,6 +25,7 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -64,6 +65,17 @@ def reset_peak(device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextlib.contextmanager
+def key_block(n):
+    """AnnSA quant scoring blocks of n history keys instead of ``fastar.ann.KEY_BLOCK``."""
+    ann, old = fastar.ann, fastar.ann.KEY_BLOCK
+    ann.KEY_BLOCK = n
+    try:
+        yield
+    finally:
+        ann.KEY_BLOCK = old
 
 
 def make_run(model, context, frames, hw, name, attention=None):

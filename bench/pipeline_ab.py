@@ -28,19 +28,6 @@ E.SETTINGS.update({
     "quant.35": (T(), A(method="quant", keep_fraction=0.35)),
     "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
 })
-ann_mod = E.fastar.ann
-
-
-@contextlib.contextmanager
-def key_block(n):
-    """quant scoring blocks of n history keys instead of ann.KEY_BLOCK."""
-    old, ann_mod.KEY_BLOCK = ann_mod.KEY_BLOCK, n
-    try:
-        yield
-    finally:
-        ann_mod.KEY_BLOCK = old
-
-
 RUNS = {"tempcache": ("tempcache", 0), "lsh8/2": ("lsh8/2", 0), "quant.25": ("quant.25", 0),
         "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb128": ("quant.35", 128)}
 names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else \
@@ -51,7 +38,7 @@ E.real_rollout(model, ctx, 2, hw, "quant.35")
 out = {}
 for name in names:
     setting, kb = RUNS[name]
-    with key_block(kb) if kb else contextlib.nullcontext():
+    with E.key_block(kb) if kb else contextlib.nullcontext():
         rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100)
     last = rows[-5:]
     out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),
