@@ -89,7 +89,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["H", "NQB", "NKB", "TOP", "key_block", "rows_start", "rows_stop", "sink",
                                    "chunk_start", "chunk_stop"])
     def _quant_select_kernel(s_ptr, held_ptr, r_ptr, c_ptr, H, NQB, NKB, TOP, key_block, rows_start, rows_stop, sink,
-                             chunk_start, chunk_stop, CHUNK: tl.constexpr):
+                             chunk_start, chunk_stop, CHUNK: tl.constexpr, WHOLE_ROW: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         row = pid_bh.to(tl.int64) * NQB + pid_m
         s_row = s_ptr + row * NKB
@@ -97,14 +97,21 @@ if HAS_TRITON:
         offs = tl.arange(0, CHUNK)
         # 1. the TOP-th largest key: bit by bit, the largest t with count(key >= t) >= TOP
         t = tl.zeros([], dtype=tl.int64)
-        for i in range(32):
-            cand = t + (tl.full([], 1, tl.int64) << (31 - i))
-            n = tl.zeros([], dtype=tl.int32)
-            for j0 in range(0, NKB, CHUNK):
-                j = j0 + offs
-                key = _order_key(tl.load(s_row + j, mask=j < NKB, other=float("-inf")))
-                n += tl.sum(((key >= cand) & (j < NKB)).to(tl.int32), 0)
-            t = tl.where(n >= TOP, cand, t)
+        if WHOLE_ROW:  # the row fits one chunk: loaded once, the 32 rounds count in registers
+            ok = offs < NKB
+            row_key = _order_key(tl.load(s_row + offs, mask=ok, other=float("-inf")))
+            for i in range(32):
+                cand = t + (tl.full([], 1, tl.int64) << (31 - i))
+                t = tl.where(tl.sum(((row_key >= cand) & ok).to(tl.int32), 0) >= TOP, cand, t)
+        else:
+            for i in range(32):
+                cand = t + (tl.full([], 1, tl.int64) << (31 - i))
+                n = tl.zeros([], dtype=tl.int32)
+                for j0 in range(0, NKB, CHUNK):
+                    j = j0 + offs
+                    key = _order_key(tl.load(s_row + j, mask=j < NKB, other=float("-inf")))
+                    n += tl.sum(((key >= cand) & (j < NKB)).to(tl.int32), 0)
+                t = tl.where(n >= TOP, cand, t)
         # 2. ties at t: the first `need` by block index; picked blocks that hold keys form runs
         n_above = tl.zeros([], dtype=tl.int32)
         for j0 in range(0, NKB, CHUNK):
@@ -150,9 +157,11 @@ if HAS_TRITON:
 
 
 def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int, sink: int,
-                 chunk_start: int, chunk_stop: int, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+                 chunk_start: int, chunk_stop: int, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """Triton kernel with the twin's contract; one program per query block. ``chunk``: key blocks
-    held in registers at a time (a power of two; any row length works)."""
+    held in registers at a time (a power of two; any row length works). By default a row of up
+    to 4096 key blocks (240 cached frames of 128-key blocks) is held whole, so the selection's
+    32 counting rounds never reload it; longer rows stream in chunks of 1024."""
     if not HAS_TRITON:
         raise RuntimeError("quant_select needs triton, which is not importable")
     b, h, nqb, nkb = _check(score, held, top, key_block)
@@ -160,10 +169,12 @@ def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_
         raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {score.device}")
     ranges = torch.zeros(b, h, nqb, 2 + top, 2, dtype=torch.int32, device=score.device)
     counts = torch.empty(b, h, nqb, dtype=torch.int32, device=score.device)
+    if chunk is None:
+        chunk = max(16, triton.next_power_of_2(nkb)) if nkb <= 4096 else 1024
     if counts.numel():
-        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().to(torch.int8), ranges, counts, h, nqb,
+        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().view(torch.int8), ranges, counts, h, nqb,
                                            nkb, top, key_block, rows_start, rows_stop, sink, chunk_start, chunk_stop,
-                                           CHUNK=chunk, num_warps=4)
+                                           CHUNK=chunk, WHOLE_ROW=nkb <= chunk, num_warps=4)
     return ranges, counts
 
 

@@ -75,17 +75,19 @@ def test_twin_matches_brute_force(ties):
 @needs_triton
 @pytest.mark.parametrize("ties", [True, False])
 def test_kernel_equals_twin_on_random_rows(ties):
-    """Rows longer than the kernel's chunk (runs and ties crossing chunk edges), every top."""
+    """Rows streamed in chunks shorter than the row (runs and ties crossing chunk edges) and rows
+    held whole (the default chunk), every top."""
     gen = torch.Generator().manual_seed(10 + ties)
     for case in range(8):
         nkb = int(torch.randint(1, 70, (1,), generator=gen))
         top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
         score, held = _case(gen, 2, 2, 3, nkb, ties)
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
-        got = quant_select(score, held, top, chunk=16, **kw)
         want = quant_select_torch(score, held, top, **kw)
-        assert torch.equal(got[1], want[1]), (case, nkb, top)
-        assert torch.equal(got[0], want[0]), (case, nkb, top)
+        for chunk in (16, None):
+            got = quant_select(score, held, top, chunk=chunk, **kw)
+            assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
+            assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
 
 
 @needs_triton
