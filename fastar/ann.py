@@ -24,7 +24,9 @@ GEMM with ``bits`` columns and one sort, small next to the attention it saves).
 Per step only the chunk's queries are hashed and sorted (``q_perm``); a query block's buckets
 become a fixed-size range list on the device (``R = 2 + ceil(2**bits / 2)`` slots, unused ones
 ignored by ``range_counts``) that ``block_sparse_attention_auto`` reads. Nothing syncs with the
-host: every shape comes from Python integers the schedule knows.
+host: every shape comes from Python integers the schedule knows. On CUDA a bucket plan is one
+CUDA graph replay (``AnnSA._replay``): its ~40 small kernels cost more to launch than to run
+wherever the host, not the GPU, sets the pace.
 
 ``method='quant'`` (the default) keeps the same sorted layout but selects differently: at
 write time each block of ``KEY_BLOCK`` (128) sorted history keys gets its mean key,
@@ -34,10 +36,11 @@ key multiplicity (TempCache's log m: a merged key stands for m frames)
 (``kernels/quant_scores.py``); touching blocks fuse into one range (``kernels/quant_select.py``).
 Its density is fixed by ``keep_fraction``, so its cost is too; the bucket method's is
 data-driven. Why it is the default: on real-video queries it keeps more of the attention mass
-at a given density than buckets do (bench/results/ann_bench*.json).
-
-On CUDA a whole plan is one CUDA graph replay (``AnnSA._replay``): its ~40 small kernels cost
-more to launch than to run wherever the host, not the GPU, sets the pace.
+at a given density than buckets do (bench/results/ann_bench*.json). Its query blocks are runs of
+consecutive tokens (neighbouring patches of a frame), not LSH buckets: on real-video queries
+that kept as much of the mass or more (recall 0.942 / 0.922 / 0.916 against 0.934 / 0.919 /
+0.914 with bucket-sorted queries at 21 / 81 / 240 cached frames, keep 0.35, bench/NOTES.md), and
+the plan is then two kernels, with no query hashing, sorting or CUDA graph.
 
 **AnnCA** (cross-attention). Per current frame, prompt tokens sharing a bucket (with probes)
 with at least one of the frame's queries are kept; if fewer than ``min_tokens`` survive, the
@@ -218,7 +221,8 @@ def _warn_twin(q: torch.Tensor) -> None:
 class AnnSA:
     """Bucket-sorted history of a KV cache and the per-step block plans over it."""
 
-    graphs = True  # CUDA graphs for plans (``_replay``); False runs them eagerly (to compare)
+    graphs = True  # CUDA graphs for bucket plans (``_replay``); False runs them eagerly (to compare)
+    record_density = False  # telemetry: keep each layer's plan density in ``density`` (a few small kernels a call)
 
     def __init__(self, config: AnnConfig, cache, lsh: LSH):
         if not cache.ann_sortable:
@@ -231,7 +235,8 @@ class AnnSA:
         # history row where each bucket starts, and its end: [L, B, H, nb + 1] (empty before any write)
         self.offsets = torch.full((cache.num_layers, cache.batch, cache.num_heads, nb + 1), start,
                                   dtype=torch.int32, device=cache.device)
-        self.density = torch.ones(cache.num_layers, device=cache.device)  # keys read / keys, last sparse call
+        # keys read / keys of each layer's last plan, while ``record_density`` is on
+        self.density = torch.ones(cache.num_layers, device=cache.device)
         self.reps: list = [None] * cache.num_layers  # 'quant': (int8 block means, their scale, block log mass)
         self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
 
@@ -257,9 +262,11 @@ class AnnSA:
     @staticmethod
     def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
         """Per block of KEY_BLOCK history keys k [B, M, H, D] (filled [B, H, M]; ``bias`` the
-        keys' TempCache log m [B, H, M] or None): the int8 mean of its filled keys with their
-        fp32 scale [B, H, 1, 1], and the log of its key multiplicity (logsumexp of log m over
-        its filled keys, log(count) without TempCache, -inf when empty) [B, H, nkb]."""
+        keys' TempCache log m [B, H, M] or None), everything a plan reads, made once per write:
+        the int8 mean of its filled keys [B, H, nkb, D], the logit of one int8 level [B, H]
+        (their fp32 scale over sqrt(D)), the log of its key multiplicity (logsumexp of log m over
+        its filled keys, log(count) without TempCache, -inf when empty) [B, H, nkb], and
+        whether it holds a key [B, H, nkb]."""
         b, m, h, d = k.shape
         nkb = -(-m // KEY_BLOCK)
         pad = nkb * KEY_BLOCK - m
@@ -270,35 +277,26 @@ class AnnSA:
         mean = kb.view(b, h, nkb, KEY_BLOCK, d).sum(-2, dtype=torch.float32) / count.clamp_min(1)[..., None]
         log_m = bias.float() if bias is not None else torch.zeros_like(filled, dtype=torch.float32)
         log_m = torch.nn.functional.pad(log_m.masked_fill(~filled, float("-inf")), (0, pad), value=float("-inf"))
-        return (*_int8(mean), log_m.view(b, h, nkb, KEY_BLOCK).logsumexp(-1))
+        k8, scale = _int8(mean)
+        log_mass = log_m.view(b, h, nkb, KEY_BLOCK).logsumexp(-1)
+        return k8, scale.view(b, h) / math.sqrt(d), log_mass, log_mass > float("-inf")
 
     def plan(self, layer: int, q: torch.Tensor):
         """Ranges of each query block of q [B, n, H, D] (the open chunk's queries) over the keys
-        ``extend`` returned: (q_perm [B, H, n], ranges [B, H, nqb, R, 2], range_counts [B, H, nqb]).
-        On CUDA the plan is one CUDA graph replay (see ``_replay``): the returned tensors are the
-        graph's outputs, valid until the next ``plan`` call."""
+        ``extend`` returned: (q_perm [B, H, n] or None for the natural order, ranges [B, H, nqb,
+        R, 2], range_counts [B, H, nqb]). On CUDA a bucket plan is one CUDA graph replay (see
+        ``_replay``): its tensors are the graph's outputs, valid until the next ``plan`` call."""
         cfg, cache = self.config, self.cache
         sink, chunk = cache.sink_rows, cache.chunk_rows()
-        fixed = (sink, chunk.start, chunk.stop)
+        fixed = dict(sink=sink, chunk_start=chunk.start, chunk_stop=chunk.stop)
         if cfg.method == "lsh":
-            inputs = (q, self.lsh.planes[layer], self.offsets[layer])
-            fn = lambda q, planes, offsets: self._lsh_plan(q, planes, offsets, *fixed)  # noqa: E731
-            key = ("lsh", *fixed)
+            plan = self._replay(("lsh", *fixed.values()), lambda *a: self._lsh_plan(*a, **fixed),
+                                (q, self.lsh.planes[layer], self.offsets[layer]))
         else:
-            rows = cache.sorted_rows(clean_pass=False)
-            nkb = -(-(rows.stop - rows.start) // KEY_BLOCK)
-            top = math.ceil(cfg.keep_fraction * nkb) if self.reps[layer] is not None else 0  # None: no write yet
-            inputs = (q, self.lsh.planes[layer], *(self.reps[layer] if top else ()))
-            fn = lambda q, planes, *reps: self._quant_plan(q, planes, *reps, rows=rows, top=top,  # noqa: E731
-                                                           sink=sink, chunk_start=chunk.start, chunk_stop=chunk.stop)
-            key = ("quant", rows.start, rows.stop, top, *fixed)
-
-        def planned(*args):  # with its density (telemetry), in the same graph
-            q_perm, ranges, counts = fn(*args)
-            return q_perm, ranges, counts, plan_density(ranges, counts, chunk.stop)
-        q_perm, ranges, counts, density = self._replay(key, planned, inputs)
-        self.density[layer] = density
-        return q_perm, ranges, counts
+            plan = self._quant_plan(q, self.reps[layer], rows=cache.sorted_rows(clean_pass=False), **fixed)
+        if self.record_density:
+            self.density[layer] = plan_density(plan[1], plan[2], chunk.stop)
+        return plan
 
     def _replay(self, key, fn, inputs):
         """``fn(*inputs)``; on CUDA captured once per signature as a CUDA graph and replayed.
@@ -331,7 +329,7 @@ class AnnSA:
         graph.replay()
         return out
 
-    def _lsh_plan(self, q, planes, offsets, sink: int, chunk_start: int, chunk_stop: int):
+    def _lsh_plan(self, q, planes, offsets, *, sink: int, chunk_start: int, chunk_stop: int):
         """The bucket plan: a query block reads the history runs of every bucket its queries
         probe (``offsets`` [B, H, nb + 1]: the layer's sorted bucket bounds)."""
         cfg, nb = self.config, self.config.buckets
@@ -347,28 +345,26 @@ class AnnSA:
         return (q_perm, *runs_to_ranges(sel, starts.expand_as(sel), ends.expand_as(sel), self.max_ranges, sink=sink,
                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
 
-    def _quant_plan(self, q, planes, *reps, rows: slice, top: int, sink: int, chunk_start: int, chunk_stop: int):
-        """The 'quant' plan: each query block reads its ``keep_fraction`` best key blocks; a key
-        block scores the best int8 dot product of its mean key with any of the block's queries
-        (a block mixing two clusters of queries keeps both clusters' keys), as a logit, plus the
-        log of its key multiplicity (TempCache's merged keys weigh m times). Picked blocks that
-        touch in the sorted history fuse into one range (``kernels/quant_select.py``: one program
-        per query block). Queries are ordered by LSH bucket."""
+    def _quant_plan(self, q, reps, *, rows: slice, sink: int, chunk_start: int, chunk_stop: int):
+        """The 'quant' plan: each block of ``block_q`` consecutive queries reads its
+        ``keep_fraction`` best key blocks; a key block scores the best int8 dot product of its
+        mean key with any of the block's queries (a block mixing two clusters of queries keeps
+        both clusters' keys), as a logit, plus the log of its key multiplicity (TempCache's
+        merged keys weigh m times) (``kernels/quant_scores.py``). Picked blocks that touch in the
+        sorted history fuse into one range (``kernels/quant_select.py``). ``reps``: the layer's
+        ``_block_means`` (None before its first write: the plan is the sink and the chunk)."""
         bq = self.config.block_q
         b, n, h, d = q.shape
-        nqb = -(-n // bq)
-        q_perm = torch.argsort(self.lsh.hash(planes, q).to(torch.int16), dim=-1, stable=True)
-        if not top:  # no history written yet: the sink and the chunk
-            none = torch.zeros(b, h, nqb, 0, dtype=torch.int32, device=q.device)
-            return (q_perm, *runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start,
-                                            chunk_stop=chunk_stop))
-        k8, k_scale, log_mass = reps
-        inv_scale = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)                 # [B, H]
-        logit_scale = k_scale.view(b, h) / (inv_scale * math.sqrt(d))                    # int8 dot -> logit
-        score = quant_block_scores_auto(q.transpose(1, 2), q_perm, inv_scale, k8, logit_scale, log_mass, bq)
-        return (q_perm, *quant_select_auto(score, log_mass > float("-inf"), top, key_block=KEY_BLOCK,
-                                           rows_start=rows.start, rows_stop=rows.stop, sink=sink,
-                                           chunk_start=chunk_start, chunk_stop=chunk_stop))
+        if reps is None:
+            none = torch.zeros(b, h, -(-n // bq), 0, dtype=torch.int32, device=q.device)
+            return (None, *runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start,
+                                          chunk_stop=chunk_stop))
+        k8, logit_scale, log_mass, held = reps
+        top = math.ceil(self.config.keep_fraction * log_mass.shape[-1])
+        score = quant_block_scores_auto(q.transpose(1, 2), k8, logit_scale, log_mass, bq)
+        return (None, *quant_select_auto(score, held, top, key_block=KEY_BLOCK,
+                                         rows_start=rows.start, rows_stop=rows.stop, sink=sink,
+                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:
@@ -386,6 +382,8 @@ class AnnSA:
         chunk = self.cache.chunk_rows()
         cached = ((key < chunk.start) | (key >= chunk.stop)) if history_only else torch.ones_like(key, dtype=torch.bool)
         mass = []
+        if q_perm is None:
+            q_perm = torch.arange(n, device=q.device).expand(b, h, n)
         for blk in picks:
             rows = q_perm[:, :, blk * bq:(blk + 1) * bq]                                  # [B, H, r]
             r = ranges[:, :, blk]

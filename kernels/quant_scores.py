@@ -1,27 +1,30 @@
-"""AnnSA 'quant' planning: int8 scores of key blocks against query blocks, as one Triton kernel.
+"""AnnSA 'quant' planning scores: int8 scores of key blocks against query blocks, as one Triton kernel.
 
 Why: the selection step scores every block of sorted history keys (its int8 mean key)
 against every query of a query block and keeps the best blocks. In eager PyTorch that is a
 per-head loop of fp32 GEMMs over a ``[Lq, n_key_blocks]`` score matrix, ~3 ms per layer call;
 here each program scores one query block against all key blocks and writes only the block max.
 
-Semantics (the twin defines them): queries ``q [B, H, Lq, D]`` are taken in ``q_perm`` order
-and cut into blocks of ``block_q``; each query is quantized as ``clamp(floor(q * inv_scale
-+ 0.5), -127, 127)`` (``inv_scale [B, H]``, i.e. 127 / max |q| of the head). The score of key
-block ``j`` for query block ``i`` is
+Semantics (the twin defines them): queries ``q [B, H, Lq, D]`` are cut, in their own order, into
+blocks of ``block_q`` (the last may be shorter). Each block is quantized on its own scale:
+``inv = 127 / max(max |q| over the block, 1e-12)``, a query's levels ``clamp(floor(q * inv +
+0.5), -127, 127)``. The score of key block ``j`` for query block ``i`` is
 
-    max over the block's queries of (int8 q . key_means[b, h, j]) * logit_scale[b, h] + block_bias[b, h, j]
+    max over the block's queries of (levels . key_means[b, h, j]) * (logit_scale[b, h] / inv) + block_bias[b, h, j]
 
-an estimate of the log attention mass the block would get: ``logit_scale`` turns the integer
-dot product back into a logit, ``block_bias`` is the log of the block's key multiplicity
-(logsumexp of TempCache's log m over its keys; ``-inf`` for a block with no key, which then
-scores ``-inf``). Products of values within +-127 summed over D <= 256 are exact in fp32, so
-the kernel's fp16 tensor-core dot of the (integer-valued) operands gives exactly the twin's
-integers. The kernel is compiled without FMA contraction (``enable_fp_fusion=False``): fused,
-``q * inv_scale + 0.5`` rounds once instead of twice and moves a query sitting on a half-step
-to the next level, and ``best * logit_scale + bias`` differs in the last ulp, so kernel and
-twin would disagree on some real-video inputs (seen on the H200 before this). Unfused, both
-round every operation the same way: the results are equal, not close.
+an estimate of the log attention mass the block would get: ``logit_scale`` (the key means'
+scale over sqrt(D)) and ``1 / inv`` turn the integer dot product back into a logit,
+``block_bias`` is the log of the block's key multiplicity (logsumexp of TempCache's log m over
+its keys; ``-inf`` for a block with no key, which then scores ``-inf``). A scale per query block,
+not per head, is computed where the block is loaded (no pass over the queries before the
+kernel) and resolves each block's queries more finely.
+
+Products of values within +-127 summed over D <= 256 are exact in fp32, so the kernel's fp16
+tensor-core dot of the (integer-valued) operands gives exactly the twin's integers. Divisions
+round to nearest (``div_rn``) and the kernel is compiled without FMA contraction
+(``enable_fp_fusion=False``): fused, ``q * inv + 0.5`` rounds once instead of twice and moves a
+query sitting on a half-step to the next level, and ``best * scale + bias`` differs in the last
+ulp. Rounding every operation as the twin does, the results are equal, not close.
 """
 from __future__ import annotations
 
@@ -34,22 +37,25 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_block_scores", "quant_block_scores_auto", "quant_block_scores_torch", "quantize_queries"]
+__all__ = ["quant_block_scores", "quant_block_scores_auto", "quant_block_scores_torch", "quantize_blocks"]
 
 
-def quantize_queries(q: Tensor, inv_scale: Tensor) -> Tensor:
-    """q [B, H, L, D] -> its int8 levels as fp32 (round half up, clamped to +-127)."""
-    return torch.floor(q.float() * inv_scale[..., None, None] + 0.5).clamp_(-127, 127)
+def quantize_blocks(q: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
+    """q [B, H, L, D] -> (int8 levels as fp32 [B, H, nqb * block_q, D], zero-padded to whole
+    blocks; ``inv`` [B, H, nqb], each block's 127 / max |q|)."""
+    b, h, lq, d = q.shape
+    nqb = -(-lq // block_q)
+    x = torch.nn.functional.pad(q.float(), (0, 0, 0, nqb * block_q - lq))
+    amax = x.view(b, h, nqb, block_q * d).abs().amax(-1).clamp_min(1e-12)
+    inv = amax.new_full((), 127.0) / amax  # a true division (``127 / t`` multiplies by a reciprocal)
+    levels = torch.floor(x.view(b, h, nqb, block_q, d) * inv[..., None, None] + 0.5).clamp_(-127, 127)
+    return levels.view(b, h, nqb * block_q, d), inv
 
 
-def _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q):
+def _check(q, key_means, logit_scale, block_bias, block_q):
     if q.ndim != 4:
         raise ValueError(f"q must be [B, H, Lq, D], got {tuple(q.shape)}")
     b, h, lq, d = q.shape
-    if tuple(q_perm.shape) != (b, h, lq) or q_perm.dtype != torch.int64:
-        raise ValueError(f"q_perm must be int64 [B, H, Lq] = [{b}, {h}, {lq}], got {q_perm.dtype} {tuple(q_perm.shape)}")
-    if tuple(inv_scale.shape) != (b, h) or inv_scale.dtype != torch.float32:
-        raise ValueError(f"inv_scale must be float32 [B, H] = [{b}, {h}], got {inv_scale.dtype} {tuple(inv_scale.shape)}")
     if key_means.ndim != 4 or key_means.shape[:2] != (b, h) or key_means.shape[3] != d or key_means.dtype != torch.int8:
         raise ValueError(f"key_means must be int8 [B, H, n_key_blocks, D={d}], got {key_means.dtype} {tuple(key_means.shape)}")
     if tuple(logit_scale.shape) != (b, h) or logit_scale.dtype != torch.float32:
@@ -63,37 +69,35 @@ def _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q):
     return b, h, lq, d, -(-lq // block_q), key_means.shape[2]
 
 
-def quant_block_scores_torch(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: Tensor, logit_scale: Tensor,
-                             block_bias: Tensor, block_q: int) -> Tensor:
+def quant_block_scores_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor,
+                             block_q: int) -> Tensor:
     """Reference twin: scores [B, H, n_query_blocks, n_key_blocks] (fp32)."""
-    b, h, lq, d, nqb, nkb = _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)
-    q8 = quantize_queries(q.gather(2, q_perm[..., None].expand(b, h, lq, d)), inv_scale)
-    q8 = torch.nn.functional.pad(q8, (0, 0, 0, nqb * block_q - lq))
+    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    levels, inv = quantize_blocks(q, block_q)
     pad_rows = (torch.arange(nqb * block_q, device=q.device) >= lq)[:, None]
     dots = torch.stack([  # one head at a time: [B, Lq, nkb] stays small
-        (q8[:, i] @ key_means[:, i].float().transpose(-1, -2)).masked_fill_(pad_rows, float("-inf"))
+        (levels[:, i] @ key_means[:, i].float().transpose(-1, -2)).masked_fill_(pad_rows, float("-inf"))
         .view(b, nqb, block_q, nkb).amax(2) for i in range(h)], dim=1)
-    return dots * logit_scale[..., None, None] + block_bias[:, :, None]
+    return dots * (logit_scale[..., None] / inv)[..., None] + block_bias[:, :, None]
 
 
 if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["H", "Lq", "NKB", "block_q"])
-    def _quant_scores_kernel(q_ptr, perm_ptr, inv_ptr, k_ptr, scale_ptr, bias_ptr, s_ptr, H, Lq, NKB, block_q,
-                             stride_qb, stride_qh, stride_ql, stride_qd, stride_pb, stride_ph, stride_pl,
+    def _quant_scores_kernel(q_ptr, k_ptr, scale_ptr, bias_ptr, s_ptr, H, Lq, NKB, block_q,
+                             stride_qb, stride_qh, stride_ql, stride_qd,
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                              DOT_DTYPE: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
         offs_i, offs_d, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, D), tl.arange(0, BLOCK_K)
-        slot = pid_m * block_q + offs_i
-        row_ok = (offs_i < block_q) & (slot < Lq)
-        rows = tl.load(perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl, mask=row_ok, other=0)
-        rows = tl.minimum(tl.maximum(rows, 0), Lq - 1)
-        qt = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_ql + offs_d[None, :] * stride_qd,
-                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qt = tl.minimum(tl.maximum(tl.floor(qt * tl.load(inv_ptr + pid_bh) + 0.5), -127.0), 127.0).to(DOT_DTYPE)
-        logit_scale = tl.load(scale_ptr + pid_bh)
+        rows = pid_m * block_q + offs_i
+        row_ok = (offs_i < block_q) & (rows < Lq)
+        qt = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_ql
+                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        inv = tl.math.div_rn(127.0, tl.maximum(tl.max(tl.max(tl.abs(qt), 1), 0), 1e-12))
+        qt = tl.minimum(tl.maximum(tl.floor(qt * inv + 0.5), -127.0), 127.0).to(DOT_DTYPE)
+        logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
         s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
         for j0 in range(0, NKB, BLOCK_K):
@@ -107,12 +111,11 @@ if HAS_TRITON:
             tl.store(s_base + cols, best * logit_scale + bias, mask=col_ok)
 
 
-def quant_block_scores(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: Tensor, logit_scale: Tensor,
-                       block_bias: Tensor, block_q: int) -> Tensor:
+def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor, block_q: int) -> Tensor:
     """Triton kernel with the twin's contract (D a power of two in [16, 256], block_q <= 256)."""
     if not HAS_TRITON:
         raise RuntimeError("quant_block_scores needs triton, which is not importable")
-    b, h, lq, d, nqb, nkb = _check(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)
+    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
     if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
         raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
     if not triton_runs_on(q):
@@ -120,18 +123,17 @@ def quant_block_scores(q: Tensor, q_perm: Tensor, inv_scale: Tensor, key_means: 
     scores = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     if scores.numel():
         _quant_scores_kernel[(nqb, b * h)](
-            q, q_perm, inv_scale.contiguous(), key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(),
-            scores,
-            h, lq, nkb, block_q, *q.stride(), *q_perm.stride(),
+            q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), scores,
+            h, lq, nkb, block_q, *q.stride(),
             D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
             # fp16 tensor cores on the GPU; fp32 under the CPU interpreter (exact either way)
             DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return scores
 
 
-def quant_block_scores_auto(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q: int) -> Tensor:
+def quant_block_scores_auto(q, key_means, logit_scale, block_bias, block_q: int) -> Tensor:
     """The kernel where Triton runs and the shapes suit it, else the twin."""
     d = q.shape[-1]
     fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
     fn = quant_block_scores if triton_runs_on(q) and fits else quant_block_scores_torch
-    return fn(q, q_perm, inv_scale, key_means, logit_scale, block_bias, block_q)
+    return fn(q, key_means, logit_scale, block_bias, block_q)

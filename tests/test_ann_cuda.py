@@ -1,4 +1,5 @@
-"""On a GPU: AnnSA's plans replayed from a CUDA graph equal eager plans.
+"""On a GPU: AnnSA's bucket plans replayed from a CUDA graph equal eager plans; the quant plan's
+kernels equal their twins.
 
 CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
 kernel tests switch Triton to its interpreter at import, so run this file on its own
@@ -18,14 +19,13 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
                                  reason="Triton is in interpreter mode in this process: run this file on its own")]
 
 
-@pytest.mark.parametrize("method", ["lsh", "quant"])
 @pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=6, sink_frames=2)],
                          ids=["unbounded", "tempcache"])
-def test_cuda_graph_plan_equals_eager_plan(method, cache_cfg):
+def test_cuda_graph_plan_equals_eager_plan(cache_cfg):
     """Replayed plans equal eager ones for every layer and chunk (the graph is fed each layer's inputs)."""
     cache = KVCache(cache_cfg, num_layers=2, batch=B, num_heads=H, head_dim=D, tokens_per_frame=TPF, chunk_frames=CF,
                     max_frames=12, device="cuda", dtype=torch.bfloat16)
-    attn = FastARAttention(cache, ann=AnnConfig(method=method, bits=4, probes=1, keep_fraction=0.5,
+    attn = FastARAttention(cache, ann=AnnConfig(method="lsh", bits=4, probes=1, keep_fraction=0.5,
                                                 dense_steps_fraction=0.0))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -49,3 +49,24 @@ def test_cuda_graph_plan_equals_eager_plan(method, cache_cfg):
             for layer in range(2):
                 attn.self_attention(layer, qs[layer], rnd(), rnd())
         cache.commit()
+
+
+def test_quant_plan_kernels_equal_their_twins_on_the_gpu():
+    """fp16 tensor-core dots of int8 levels, round-to-nearest divisions, no FMA: equal, not close."""
+    from comfyui_fastar.kernels.quant_scores import quant_block_scores, quant_block_scores_torch
+    from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for lq, nkb, top in [(4680, 987, 346), (1000, 37, 5), (65, 1, 1)]:
+        q = torch.randn(1, lq, 12, 128, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+        means = torch.randint(-127, 128, (1, 12, nkb, 128), device="cuda", generator=gen, dtype=torch.int8)
+        scale = torch.rand(1, 12, device="cuda", generator=gen) * 1e-3
+        bias = torch.randn(1, 12, nkb, device="cuda", generator=gen)
+        bias[..., ::7] = float("-inf")
+        score = quant_block_scores(q, means, scale, bias, 64)
+        assert torch.equal(score, quant_block_scores_torch(q, means, scale, bias, 64))
+        kw = dict(key_block=128, rows_start=0, rows_stop=nkb * 128 - 5, sink=0, chunk_start=nkb * 128,
+                  chunk_stop=nkb * 128 + lq)
+        held = bias > float("-inf")
+        assert all(torch.equal(a, b) for a, b in zip(quant_select(score, held, top, **kw),
+                                                      quant_select_torch(score, held, top, **kw)))
