@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
-from timing import op_ms  # noqa: E402
+from timing import graph_ms, op_ms  # noqa: E402
 
 from comfyui_fastar.fastar import ann as ann_mod  # noqa: E402
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
@@ -40,7 +40,9 @@ from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
 
 
-def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=()):
+def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(), sort_queries=False):
+    """``sort_queries``: each head's queries reordered by their LSH bucket before planning, so quant
+    blocks group queries by bucket instead of by position (attention per query is unchanged)."""
     heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
     tpf = kv_dense.tokens_per_frame
     kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
@@ -58,6 +60,9 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=())
     kv.begin_chunk(history_frames, CHUNK)
     keys, values, bias = kv.extend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
     q = query_q[layer]
+    if sort_queries:
+        order = torch.argsort(annsa.lsh.hash(annsa.lsh.planes[0], q), dim=-1, stable=True)  # [B, H, n]
+        q = q.gather(1, order.transpose(1, 2)[..., None].expand_as(q))
     plan = annsa.plan(0, q)
     every = 10**6  # sample every query block
     recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
@@ -66,19 +71,18 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=())
     out = annsa.attention(0, q, keys, values, bias, plan)
     dense = attend(q, keys, values)
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
-    graphed = [t.clone() for t in plan]
-    annsa.graphs = False
-    eager = annsa.plan(0, q)
-    t_plan_eager = op_ms(lambda: annsa.plan(0, q), device)
-    annsa.graphs = True
     row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
-           "ranges_per_block": plan[2].float().mean().item(),
-           "graph_plan_equals_eager": all(torch.equal(a, b) for a, b in zip(graphed, eager)),
-           "plan_eager_ms": t_plan_eager}
-    if cfg.method == "quant":  # the planning kernel against its twin, on this device's data
-        k8, k_scale, log_mass = annsa.reps[0]
-        inv = 127 / q.abs().amax((1, 3)).float().clamp_min(1e-12)
-        args = (q.transpose(1, 2), plan[0], inv, k8, k_scale.view_as(inv) / inv, log_mass, cfg.block_q)
+           "ranges_per_block": plan[2].float().mean().item()}
+    if cfg.method == "lsh":  # bucket plans replay a CUDA graph: against the same plan launched eagerly
+        graphed = [t.clone() for t in plan]
+        annsa.graphs = False
+        eager = annsa.plan(0, q)
+        row["plan_eager_ms"] = op_ms(lambda: annsa.plan(0, q), device)
+        annsa.graphs = True
+        row["graph_plan_equals_eager"] = all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    else:  # the planning kernels against their twins, on this device's data
+        k8, logit_scale, log_mass, held = annsa.reps[0]
+        args = (q.transpose(1, 2), k8, logit_scale, log_mass, cfg.block_q)
         got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
         row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
         rows = kv.sorted_rows(clean_pass=False)
@@ -86,12 +90,15 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=())
         chunk = kv.chunk_rows()
         sel = dict(key_block=ann_mod.KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.sink_rows,
                    chunk_start=chunk.start, chunk_stop=chunk.stop)
-        held = log_mass > float("-inf")
         picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
         row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
     t_plan = op_ms(lambda: annsa.plan(0, q), device)
     t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
     t_dense = op_ms(lambda: attend(q, keys, values), device)
+    # GPU time alone, as in a rollout where the host runs ahead: the whole call (plan included) and
+    # dense cuDNN, each replayed from a CUDA graph
+    row["call_graph_ms"] = graph_ms(lambda: annsa.attention(0, q, keys, values, bias), device)
+    row["dense_graph_ms"] = graph_ms(lambda: attend(q, keys, values), device)
     # the sparse kernel on this plan at other launch configurations (block_n, num_warps, num_stages)
     row["launch_ms"] = {}
     for bn, warps, stages in launches:
@@ -133,6 +140,7 @@ def plot(result, path):
         for r in rows:
             name = f"{r['bits']}b/{r['probes']}p" if method == "lsh" else f"keep {r['keep_fraction']:g}"
             name += "/bq128" if r["block_q"] == 128 else ""
+            name += "/q sorted" if method == "quant" and r.get("query_order") == "lsh bucket" else ""
             ax.annotate(name, (r["density"], r["recall"]), fontsize=7)
     ax.axhline(0.93, color="gray", ls="--", lw=0.8, label="recall target 0.93")
     ax.set(xlabel="key density (keys read / keys)", ylabel="recall of dense attention mass",
@@ -155,6 +163,8 @@ def main():
     ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
     ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
     ap.add_argument("--quant-keep-bq128", default="", help="quant keep fractions to run at block_q 128 too")
+    ap.add_argument("--quant-keep-sorted", default="", help="quant keep fractions to run with the queries in LSH "
+                                                             "bucket order too (the plan takes them in position order)")
     ap.add_argument("--key-block", type=int, default=KEY_BLOCK, help="quant: history keys per scored block")
     ap.add_argument("--launch-sweep", default="", help="sparse-kernel launches to time on every plan too, as "
                                                          "block_n:num_warps:num_stages,...")
@@ -185,22 +195,25 @@ def main():
     settings += [AnnConfig(method="quant", keep_fraction=float(f)) for f in args.quant_keep.split(",") if f]
     settings += [AnnConfig(method="quant", keep_fraction=float(f), block_q=128)
                  for f in args.quant_keep_bq128.split(",") if f]
+    settings = [(cfg, False) for cfg in settings]
+    settings += [(AnnConfig(method="quant", keep_fraction=float(f)), True) for f in args.quant_keep_sorted.split(",") if f]
     rows = []
-    for cfg in settings:
+    for cfg, sort_queries in settings:
         launches = [tuple(int(x) for x in c.split(":")) for c in args.launch_sweep.split(",") if c]
-        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames, launches)
+        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames, launches, sort_queries)
                      for layer in layers]
         row = {"method": cfg.method, "bits": cfg.bits, "probes": cfg.probes, "block_q": cfg.block_q,
+               "query_order": "lsh bucket" if cfg.method == "lsh" or sort_queries else "position",
                "keep_fraction": cfg.keep_fraction if cfg.method == "quant" else None,
                **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0]
                   if not isinstance(per_layer[0][k], (bool, dict))},
                "launch_ms": {c: statistics.mean(r["launch_ms"][c] for r in per_layer) for c in per_layer[0]["launch_ms"]},
                "per_layer": per_layer}
         rows.append(row)
-        print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {row['keep_fraction']}: "
-              f"recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density {row['density']:.3f} "
+        print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {row['keep_fraction']} "
+              f"({row['query_order']} order): recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density {row['density']:.3f} "
               f"err {row['rel_error']:.3f} ranges {row['ranges_per_block']:.0f} plan {row['plan_ms']:.2f} ms "
-              f"(eager {row['plan_eager_ms']:.2f}) sparse {row['sparse_ms']:.2f} ms "
+              + (f"(eager {row['plan_eager_ms']:.2f}) " if "plan_eager_ms" in row else "") + f"sparse {row['sparse_ms']:.2f} ms "
               f"dense {row['dense_cudnn_ms']:.2f} ms speedup {row['speedup_incl_plan']:.2f}x"
               + "".join(f"\n      launch {c}: {ms:.2f} ms" for c, ms in row["launch_ms"].items()), flush=True)
     annca = []

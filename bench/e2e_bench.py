@@ -98,8 +98,10 @@ def real_rollout(model, context, chunks, hw, name, log_every=40):
     def on_chunk(r):
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
                      "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
-        if annsa is not None:  # keys read / keys of each layer's last sparse call (the clean pass's)
+        if annsa is not None and annsa.record_density:  # keys read / keys of each layer's clean-pass plan
             rows[-1]["annsa_density"] = annsa.density.mean().item()
+        if annsa is not None:  # the telemetry's few kernels a call run in the last chunk only
+            annsa.record_density = r.chunk + 2 == r.num_chunks
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if r.chunk % log_every == 0 or r.chunk + 1 == r.num_chunks:

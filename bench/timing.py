@@ -41,3 +41,17 @@ def op_ms(fn, device) -> float:
     calls on a CPU (the benchmarks' --smoke runs)."""
     device = torch.device(device)
     return cuda_ms(fn) if device.type == "cuda" else statistics.median(wall_ms(fn, 3, device))
+
+
+def graph_ms(fn, device) -> float:
+    """Median milliseconds of ``fn`` captured once as a CUDA graph and replayed: its GPU time
+    without the host's launch gaps, which is what a call costs inside a rollout whose host runs
+    ahead of the GPU. On a CPU, ``op_ms`` (the benchmarks' --smoke runs)."""
+    if torch.device(device).type != "cuda":
+        return op_ms(fn, device)
+    fn()  # warm-up outside the capture: compiles, cuDNN / cuBLAS plans
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay)
