@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
-from timing import graph_ms, op_ms  # noqa: E402
+from timing import op_ms, side_by_side_ms  # noqa: E402
 
 from comfyui_fastar.fastar import ann as ann_mod  # noqa: E402
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
@@ -96,9 +96,11 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(),
     t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
     t_dense = op_ms(lambda: attend(q, keys, values), device)
     # GPU time alone, as in a rollout where the host runs ahead: the whole call (plan included) and
-    # dense cuDNN, each replayed from a CUDA graph
-    row["call_graph_ms"] = graph_ms(lambda: annsa.attention(0, q, keys, values, bias), device)
-    row["dense_graph_ms"] = graph_ms(lambda: attend(q, keys, values), device)
+    # dense cuDNN, each replayed from a CUDA graph, taking turns; the ratio is the median over rounds
+    gpu = side_by_side_ms({"call": lambda: annsa.attention(0, q, keys, values, bias),
+                           "dense": lambda: attend(q, keys, values)}, device)
+    row["call_graph_ms"], row["dense_graph_ms"] = statistics.median(gpu["call"]), statistics.median(gpu["dense"])
+    row["call_over_dense_graph"] = statistics.median(c / d for c, d in zip(gpu["call"], gpu["dense"]))
     # the sparse kernel on this plan at other launch configurations (block_n, num_warps, num_stages)
     row["launch_ms"] = {}
     for bn, warps, stages in launches:

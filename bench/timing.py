@@ -43,15 +43,26 @@ def op_ms(fn, device) -> float:
     return cuda_ms(fn) if device.type == "cuda" else statistics.median(wall_ms(fn, 3, device))
 
 
-def graph_ms(fn, device) -> float:
-    """Median milliseconds of ``fn`` captured once as a CUDA graph and replayed: its GPU time
-    without the host's launch gaps, which is what a call costs inside a rollout whose host runs
-    ahead of the GPU. On a CPU, ``op_ms`` (the benchmarks' --smoke runs)."""
+def graphed(fn, device):
+    """``fn`` captured once as a CUDA graph: returns its replay (on a CPU, ``fn`` itself)."""
     if torch.device(device).type != "cuda":
-        return op_ms(fn, device)
+        return fn
     fn()  # warm-up outside the capture: compiles, cuDNN / cuBLAS plans
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return cuda_ms(graph.replay)
+    return graph.replay
+
+
+def side_by_side_ms(fns: dict, device, rounds: int = 5) -> dict:
+    """GPU milliseconds of each of ``fns`` (name -> call), each replayed from a CUDA graph: its GPU
+    time without the host's launch gaps, which is what a call costs inside a rollout whose host
+    runs ahead of the GPU. The calls take turns for ``rounds`` rounds (``op_ms`` each), so a drift
+    of the clock between them cancels in their ratios; returns name -> list of per-round ms."""
+    replays = {name: graphed(fn, device) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            times[name].append(op_ms(replay, device))
+    return times
