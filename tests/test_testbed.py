@@ -71,7 +71,7 @@ def test_e2e_runner_smoke(tmp_path):
     result = json.loads((tmp_path / "e2e_bench_smoke.json").read_text())
     assert set(result["rollouts"]) == {"fastar", "tempcache", "annsa", "annca", "sink+window", "dense"}
     assert len(result["rollouts"]["fastar"]) == result["summary"]["chunks"]
-    assert all(0 < r["annsa_density"] <= 1 for r in result["rollouts"]["fastar"])  # logged where AnnSA runs
+    assert 0 < result["rollouts"]["fastar"][-1]["annsa_density"] <= 1  # logged where AnnSA runs, in the last chunk
     assert "annsa_density" not in result["rollouts"]["tempcache"][0]
     assert [p["source"] for p in result["dense_points"]][-1] == "composed"
     for row in result["fidelity"]:
@@ -97,7 +97,8 @@ def test_ann_bench_smoke(tmp_path):
     assert every["ranges_per_block"] == 3  # sink, chunk, and all history blocks fused into one range
     assert all(layer["scores_equal_twin"] and layer["select_equals_twin"] for r in result["settings"]
                if r["method"] == "quant" for layer in r["per_layer"])
-    assert all(layer["graph_plan_equals_eager"] for r in result["settings"] for layer in r["per_layer"])
+    assert all(layer["graph_plan_equals_eager"] for r in result["settings"] if r["method"] == "lsh"
+               for layer in r["per_layer"])
     assert all(r["recall"] >= r["history_recall"] - 1e-6 for r in result["settings"])  # own chunk is always read
     (ca,) = result["annca"]
     assert 0 < ca["density"] <= 1 and 0 < ca["recall"] <= 1
@@ -173,5 +174,6 @@ def test_ann_bound_smoke(tmp_path):
     for r in rows:  # a density below the own chunk's share (3 of frames + 3) is not reachable
         assert r["reachable"] == (r["target_density"] > 3 / (r["cached_frames"] + 3))
         if r["reachable"]:
-            assert r["density"] >= r["target_density"] - 1e-6 and r["within_bound"] == (
-                r["plan_ms"] + r["sparse_ms"] <= r["bound_ms"])
+            assert r["density"] >= r["target_density"] - 1e-6
+            assert r["within_bound"] == (r["call_over_dense"] <= r["bound_over_dense"])
+            assert r["within_bound_eager"] == (r["plan_ms"] + r["sparse_ms"] <= r["bound_eager_ms"])
