@@ -78,20 +78,21 @@ def key_block(n):
         ann.KEY_BLOCK = old
 
 
-def make_run(model, context, frames, hw, name, attention=None):
+def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True):
     cache, ann = SETTINGS[name]
-    run = Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache, ann=ann)
+    run = Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache, ann=ann,
+                  cuda_graphs=cuda_graphs)
     if attention is not None:
         run.attention = attention(run.cache)
     return run
 
 
-def real_rollout(model, context, chunks, hw, name, log_every=40):
+def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=True):
     """Per-chunk latency and peak memory of a real rollout (peak reset before every chunk)."""
     device = context.device
     reset_peak(device)
     rows = []
-    run = make_run(model, context, chunks * CHUNK, hw, name)
+    run = make_run(model, context, chunks * CHUNK, hw, name, cuda_graphs=cuda_graphs)
 
     annsa = run.attention.annsa
 
@@ -307,6 +308,8 @@ def main():
                          "forwards_per_chunk": FORWARDS, "model": size, "dtype": "bfloat16"},
               "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)",
                           "prompt": args.prompt},
+              "cuda_graphs": "chunks whose Python-level work repeats the previous chunk's replay a CUDA graph "
+                             "(fastar.rollout)",
               "settings": {k: [repr(c), repr(a)] for k, (c, a) in SETTINGS.items()}}
     tic = time.time()
 

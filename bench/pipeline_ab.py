@@ -1,6 +1,7 @@
 """AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
-0.5 (``--only`` picks among these and quant.35/kb128, quant over blocks of 128 keys); 14 chunks each at the
-TempCache budget (reached after 8), median latency of the last 5 chunks and AnnSA's mean density there. Writes
+0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, and NAME/eager, a setting with
+its repeating chunks launched op by op instead of replayed from a CUDA graph); 14 chunks each at the TempCache
+budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
     python bench/pipeline_ab.py --out bench/results     # about 1.5 minutes on an H200
@@ -29,7 +30,7 @@ E.SETTINGS.update({
     "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
 })
 RUNS = {"tempcache": ("tempcache", 0), "lsh8/2": ("lsh8/2", 0), "quant.25": ("quant.25", 0),
-        "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb128": ("quant.35", 128)}
+        "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb64": ("quant.35", 64)}
 names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else \
     ["tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"]
 chunks = 4 if smoke else 14
@@ -37,9 +38,9 @@ E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN p
 E.real_rollout(model, ctx, 2, hw, "quant.35")
 out = {}
 for name in names:
-    setting, kb = RUNS[name]
+    setting, kb = RUNS[name.removesuffix("/eager")]
     with E.key_block(kb) if kb else contextlib.nullcontext():
-        rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100)
+        rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100, cuda_graphs=not name.endswith("/eager"))
     last = rows[-5:]
     out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),
                  "density": rows[-1].get("annsa_density", 1.0),  # AnnSA records it in the last chunk

@@ -95,6 +95,8 @@ class Recorder(FastARAttention):
     """Dense cached attention that keeps the self-attention queries and the cross-attention
     (q, k, v) of selected layers."""
 
+    graph_safe = False
+
     def __init__(self, cache, layers):
         super().__init__(cache)
         self.layers, self.q, self.cross = layers, {}, {}
@@ -175,6 +177,8 @@ class OwnChunkOnly(FastARAttention):
 class AnnProbe(FastARAttention):
     """AnnSA / AnnCA as ``ann`` configures them; once armed, every sparse self-attention call of
     ``layers`` also records its plan's recall of the dense attention mass and its key density."""
+
+    graph_safe = False  # reads recall and density on the host
 
     def __init__(self, cache, ann, layers):
         super().__init__(cache, ann=ann)

@@ -257,7 +257,12 @@ class AnnSA:
         self.offsets[layer] = (rows.start + torch.searchsorted(ordered, edges)).to(torch.int32)
         if self.config.method == "quant":
             bias = cache.log_count_bias[layer, :, :, rows] if cache.has_bias else None
-            self.reps[layer] = self._block_means(cache.k[layer, :, rows], ordered < nb, bias)
+            reps = self._block_means(cache.k[layer, :, rows], ordered < nb, bias)
+            if self.reps[layer] is not None and all(a.shape == b.shape for a, b in zip(self.reps[layer], reps)):
+                for old, new in zip(self.reps[layer], reps):  # in place: a replayed CUDA graph reads them
+                    old.copy_(new)
+            else:
+                self.reps[layer] = reps
 
     @staticmethod
     def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):

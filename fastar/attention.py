@@ -70,6 +70,11 @@ class FastARAttention:
     schedule says so; the engine sets ``step`` / ``num_steps`` before each forward for it.
     """
 
+    # Its calls sync nothing with the host and keep no per-call tensors: a rollout may replay a
+    # chunk of them from a CUDA graph (see ``graph_key``). Subclasses that read results on the
+    # host (probes, recorders) set False.
+    graph_safe = True
+
     def __init__(self, cache=None, mask: torch.Tensor | None = None, ann=None):
         if cache is not None and mask is not None:
             raise FastARError("FastARAttention takes a KV cache or a full-sequence mask, not both")
@@ -86,6 +91,16 @@ class FastARAttention:
             self.annsa, self.annca = build_ann(ann, cache)
             self.dense_layers = set(ann.dense_layers)  # grows by calibration
             self.recall: dict[int, float] = {}         # calibration: AnnSA recall per layer
+
+    def graph_key(self):
+        """The cache's ``graph_key`` plus the Python-level state that routes this state's calls
+        (dense layers, calibrated layers, AnnSA's written layers): equal keys, equal kernels."""
+        ann = None
+        if self.ann is not None:
+            reps = tuple(r is None for r in self.annsa.reps) if self.annsa is not None else None
+            ann = (tuple(sorted(self.dense_layers)), tuple(sorted(self.recall)), reps,
+                   self.annsa is not None and self.annsa.record_density)
+        return self.cache.graph_key(), ann
 
     def _sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and self.ann.sparse_at(layer, self.step, self.num_steps)

@@ -116,6 +116,9 @@ class KVCache:
             self.tempcache = TempCache(config, num_layers=num_layers, batch=batch, num_heads=num_heads,
                                        history_tokens=config.history_frames * tokens_per_frame,
                                        new_tokens=chunk_frames * tokens_per_frame, device=self.device)
+            # frame of each token the open chunk's clean pass merges (a fixed buffer: a chunk's
+            # forwards may be replayed from a CUDA graph, which reads it)
+            self._new_frames_buf = torch.empty(chunk_frames * tokens_per_frame, dtype=torch.long, device=self.device)
             self.log_count_bias[..., :config.max_cache_frames * tokens_per_frame] = float("-inf")  # empty
 
     # -- buffers ---------------------------------------------------------------------------
@@ -172,6 +175,12 @@ class KVCache:
                 self.reallocations += 1
         self._scratch = (first, frames)
         self._writing = False
+        if self.tempcache is not None:
+            first_new = frame_start + self._sink_frames_in_chunk()
+            n = (frame_start + frames - first_new) * self.tokens_per_frame
+            self._new_frames = self._new_frames_buf[:n]
+            self._new_frames.copy_(torch.arange(first_new, frame_start + frames, device=self.device)
+                                   .repeat_interleave(self.tokens_per_frame, output_size=n))
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write the open chunk's k/v [B, n, H, D]; return (keys, values, key_bias or None)."""
@@ -192,10 +201,6 @@ class KVCache:
         if self._scratch is None:
             raise FastARError("KVCache.begin_clean_pass called outside a chunk")
         self._writing = True
-        if self.tempcache is not None:
-            first_new = self.frames_cached + self._sink_frames_in_chunk()
-            frames = torch.arange(first_new, self.frames_cached + self._scratch[1], device=self.device)
-            self._new_frames = frames.repeat_interleave(self.tokens_per_frame)
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
         """In the clean pass, TempCache merges the layer's chunk into history (q [B, n, H, D])."""
@@ -238,6 +243,15 @@ class KVCache:
         else:
             self.frames_held = self.frames_cached
         self._scratch, self._writing = None, False
+
+    def graph_key(self):
+        """Everything at Python level that the open chunk's device work depends on (which rows
+        its forwards read and write, TempCache's head alignment). Two chunks with equal keys
+        launch the same kernels on the same buffers, so the second may replay a CUDA graph of
+        the first: from the budget on with TempCache, once the window is full with a window
+        cache, never with an unbounded one (its history grows)."""
+        aligned = None if self.tempcache is None else tuple(self.tempcache.aligned)
+        return (self._scratch, self._sink_frames_in_chunk(), self.frames_held, self.capacity_frames, aligned)
 
     # -- AnnSA's view: which rows are dense, which are bucket-sorted --------------------
     @property

@@ -4,6 +4,12 @@ For each chunk: start from noise, run the few-step flow-matching sampler (predic
 take x0 = x - sigma*v, re-noise x0 to the next step with fresh noise), then run the clean
 pass on x0 at ``context_noise`` so its K/V enter the cache. This is the Self-Forcing
 inference loop; it drives any model that follows ``ChunkModel``.
+
+On CUDA, once two chunks in a row would launch the same kernels on the same buffers (the
+attention state's ``graph_key``: from TempCache's budget on, or a full window), the chunk's
+forwards are captured as one CUDA graph and replayed for every later chunk with that key: a
+chunk is ~150 layer forwards whose Python launches otherwise set the pace, not the GPU
+(bench/NOTES.md). The noise and the chunk's first frame go in through fixed buffers.
 """
 from __future__ import annotations
 
@@ -36,6 +42,10 @@ class ChunkModel(Protocol):
     def __call__(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
                  frame_offset: int, attention: FastARAttention) -> torch.Tensor: ...
 
+    # Optional: True where a forward syncs nothing with the host and accepts ``frame_offset``
+    # as a 0-d tensor, so the engine may replay chunks from a CUDA graph.
+    # graph_safe: bool
+
 
 @dataclass
 class ChunkReport:
@@ -48,11 +58,11 @@ class ChunkReport:
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
 
 
-def chunk_noise(seed: int, chunk: int, step: int, shape, device) -> torch.Tensor:
+def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Noise for (chunk, step), independent of how many chunks the rollout has. Drawn on the
     device itself: a host-to-device copy would stall the host on every step."""
     g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + chunk * 7919 + step) % 2**63)
-    return torch.randn(shape, generator=g, device=device)
+    return torch.randn(shape, generator=g, device=device, out=out)
 
 
 def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, int]:
@@ -91,7 +101,8 @@ class Rollout:
     def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
                  chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
-                 negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None):
+                 negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
+                 cuda_graphs: bool = True):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
         self.guided = cfg != 1.0
         if self.guided:
@@ -111,12 +122,16 @@ class Rollout:
                              num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                              chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
         self.attention = FastARAttention(self.cache, ann=ann)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
+        self.graph_replays = 0
+        self._last_key = None  # the previous chunk's graph key
+        self._graph = None     # (key, CUDA graph, noise buffers, frame-offset buffer, x0 buffer)
 
     @property
     def num_chunks(self) -> int:
         return self.frames // self.chunk_frames
 
-    def predict(self, x: torch.Tensor, timestep: float, frame_offset: int) -> torch.Tensor:
+    def predict(self, x: torch.Tensor, timestep: float, frame_offset: int | torch.Tensor) -> torch.Tensor:
         """Flow prediction for the open chunk (guided when cfg != 1)."""
         x_in = torch.cat([x, x]) if self.guided else x
         t = torch.full((x_in.shape[0],), float(timestep), device=self.device)
@@ -127,19 +142,46 @@ class Rollout:
         return v
 
     def sample_chunk(self, c: int) -> torch.Tensor:
-        """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0."""
+        """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0.
+        Replayed from a CUDA graph where the chunk's key equals the previous chunk's."""
         start = c * self.chunk_frames
-        x = chunk_noise(self.seed, c, 0, self.chunk_shape, self.device)
         self.attention.num_steps = len(self.sigmas)
+        key = self.attention.graph_key() if self.cuda_graphs and self.attention.graph_safe else None
+        repeat, self._last_key = key is not None and key == self._last_key, key
+        if not repeat:
+            noise = [chunk_noise(self.seed, c, s, self.chunk_shape, self.device) for s in range(len(self.sigmas))]
+            return self._denoise(noise, start)
+        if self._graph is None or self._graph[0] != key:
+            self._graph = None  # free the old graph's memory before capturing
+            noise = [torch.empty(self.chunk_shape, device=self.device) for _ in self.sigmas]
+            offset = torch.zeros((), dtype=torch.float64, device=self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records; the replay below computes
+                x0 = self._denoise(noise, offset)
+            self._graph = (key, graph, noise, offset, x0)
+        else:  # the Python-level transitions a chunk's forwards make; the device work is the graph's
+            self.cache.begin_clean_pass()
+            self.attention.step = len(self.sigmas)
+        _, graph, noise, offset, x0 = self._graph
+        for s, buf in enumerate(noise):
+            chunk_noise(self.seed, c, s, self.chunk_shape, self.device, out=buf)
+        offset.fill_(start)
+        graph.replay()
+        self.graph_replays += 1
+        return x0.clone()
+
+    def _denoise(self, noise: list[torch.Tensor], frame_offset: int | torch.Tensor) -> torch.Tensor:
+        """The chunk's denoising steps and clean pass, given each step's noise."""
+        x = noise[0]
         for step, sigma in enumerate(self.sigmas):
             self.attention.step = step
-            x0 = x - sigma * self.predict(x, 1000.0 * sigma, start)
+            x0 = x - sigma * self.predict(x, 1000.0 * sigma, frame_offset)
             if step + 1 < len(self.sigmas):
                 nxt = self.sigmas[step + 1]
-                x = (1 - nxt) * x0 + nxt * chunk_noise(self.seed, c, step + 1, self.chunk_shape, self.device)
+                x = (1 - nxt) * x0 + nxt * noise[step + 1]
         self.cache.begin_clean_pass()
         self.attention.step = len(self.sigmas)  # the clean pass: the step after the last
-        self.predict(x0, self.context_noise, start)
+        self.predict(x0, self.context_noise, frame_offset)
         return x0
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
@@ -165,7 +207,8 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
 
     Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
-    context_noise (0), negative_context, cfg (1: off) and ann (an ``AnnConfig``; None: dense).
+    context_noise (0), negative_context, cfg (1: off), ann (an ``AnnConfig``; None: dense) and
+    cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it).
     ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
     """

@@ -100,13 +100,15 @@ if HAS_TRITON:
         logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
         s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
+        qt = tl.trans(qt)  # [D, BLOCK_M]: scores come out as [key block, query], so the max over a
+        #                    block's queries runs along each accumulator row (a few lane shuffles,
+        #                    not a reduction across warps through shared memory)
         for j0 in range(0, NKB, BLOCK_K):
             cols = j0 + offs_k
             col_ok = cols < NKB
             kt = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0).to(DOT_DTYPE)
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if DOT_DTYPE == tl.float32 else None,
-                       out_dtype=tl.float32)
-            best = tl.max(tl.where(row_ok[:, None], s, float("-inf")), 0)
+            s = tl.dot(kt, qt, input_precision="ieee" if DOT_DTYPE == tl.float32 else None, out_dtype=tl.float32)
+            best = tl.max(tl.where(row_ok[None, :], s, float("-inf")), 1)
             bias = tl.load(bias_ptr + pid_bh.to(tl.int64) * NKB + cols, mask=col_ok, other=0.0)
             tl.store(s_base + cols, best * logit_scale + bias, mask=col_ok)
 

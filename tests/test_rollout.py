@@ -193,3 +193,49 @@ def test_bad_rollout_inputs_name_the_problem(model, kwargs, message):
 def test_bad_settings_name_the_field(make, message):
     with pytest.raises(FastARError, match=message):
         make()
+
+
+def test_frame_offset_as_a_tensor_gives_the_same_forward(model):
+    """A CUDA graph of a forward reads the chunk's first frame from a tensor: same RoPE, same output."""
+    x = torch.randn(1, 16, 2, 8, 12, generator=torch.Generator().manual_seed(5))
+    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(6))
+    t = torch.full((1,), 500.0)
+    as_int = model(x, t, ctx, frame_offset=7)
+    as_tensor = model(x, t, ctx, frame_offset=torch.tensor(7.0, dtype=torch.float64))
+    assert torch.equal(as_int, as_tensor)
+    assert not torch.equal(as_int, model(x, t, ctx, frame_offset=8))
+
+
+def _chunk_keys(model, chunks, **settings):
+    """The attention state's graph key at the start of each chunk of a rollout."""
+    from comfyui_fastar.fastar import Rollout
+
+    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(8))
+    run = Rollout(model, ctx, frames=chunks, height=H, width=W, chunk_frames=1,
+                  schedule=FlowMatchSchedule((1000.0, 500.0)), **settings)
+    keys, reps = [], []
+    for c in range(chunks):
+        run.cache.begin_chunk(c, 1)
+        keys.append(run.attention.graph_key())
+        run.sample_chunk(c)
+        run.cache.commit()
+        if run.attention.annsa is not None:
+            reps.append([t.data_ptr() for t in run.attention.annsa.reps[0]])
+    return keys, reps
+
+
+def test_graph_keys_repeat_once_the_cache_is_steady(model):
+    """Chunks may replay a CUDA graph only where the previous chunk launched the same work:
+    TempCache from its budget on (AnnSA's block means then updated in place), a window cache once
+    full, an unbounded cache never."""
+    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
+
+    keys, reps = _chunk_keys(model, 7, cache=TempCacheConfig(max_cache_frames=3, sink_frames=1),
+                             ann=AnnConfig(method="quant", keep_fraction=0.5, dense_steps_fraction=0.5))
+    assert keys[0] != keys[1]                # the sink frame's chunk writes no history
+    assert len(set(keys[1:])) == 1
+    assert all(r == reps[0] for r in reps)     # the same buffers, rewritten every chunk
+    keys, _ = _chunk_keys(model, 6, cache=CacheConfig("window", 1, 2))
+    assert len(set(keys)) == 4 and len(set(keys[3:])) == 1
+    keys, _ = _chunk_keys(model, 5, cache=CacheConfig("unbounded"))
+    assert len(set(keys)) == 5

@@ -72,15 +72,16 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
     return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
 
 
-def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: int,
+def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: int | torch.Tensor,
                      device=None, theta: float = 10000.0) -> torch.Tensor:
     """cos/sin tables [L, head_dim/2, 2] for tokens in (frame, row, col) order.
 
     The temporal index of the chunk's first frame is ``frame_offset``: cached keys keep
-    the RoPE of the frame they were written at, as in the causal Wan models.
+    the RoPE of the frame they were written at, as in the causal Wan models. A 0-d tensor
+    offset is read on the device, so a CUDA graph of a forward serves every chunk.
     """
     f, h, w = grid
-    positions = (torch.arange(frame_offset, frame_offset + f, device=device, dtype=torch.float64),
+    positions = (torch.arange(f, device=device, dtype=torch.float64) + frame_offset,
                  torch.arange(h, device=device, dtype=torch.float64),
                  torch.arange(w, device=device, dtype=torch.float64))
     angles = []
@@ -181,6 +182,10 @@ class Head(nn.Module):
 
 class WanModel(nn.Module):
     """Wan 2.1 T2V DiT, forwarded one chunk of latent frames at a time."""
+
+    # A forward syncs nothing with the host and takes ``frame_offset`` as a tensor too: the
+    # rollout engine may capture a chunk of forwards as one CUDA graph and replay it.
+    graph_safe = True
 
     def __init__(self, cfg: WanConfig):
         super().__init__()

@@ -1,0 +1,35 @@
+"""On a GPU: chunks replayed from a CUDA graph compute what eager chunks compute.
+
+CUDA-only; run on its own like tests/test_ann_cuda.py (the CPU suite puts Triton in interpreter mode).
+"""
+import os
+
+import pytest
+import torch
+
+from comfyui_fastar.fastar import AnnConfig, CacheConfig, Rollout, TempCacheConfig
+from comfyui_fastar.fastar.models import build_model
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+
+
+@pytest.mark.parametrize("cache,ann", [
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.5)),
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(method="lsh", bits=4, probes=1, annca=True)),
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), None),
+    (CacheConfig("window", 3, 3), None),
+], ids=["tempcache+quant", "tempcache+lsh+annca", "tempcache", "window"])
+def test_graphed_chunks_equal_eager_chunks(cache, ann):
+    model = build_model("tiny", device="cuda", seed=0)
+    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    settings = dict(frames=27, height=64, width=96, chunk_frames=3, cache=cache, ann=ann, cfg=3.0,
+                    negative_context=torch.zeros_like(ctx), context_noise=10.0)
+    eager = Rollout(model, ctx, cuda_graphs=False, **settings)
+    graphed = Rollout(model, ctx, **settings)
+    want, got = eager.run(), graphed.run()
+    assert eager.graph_replays == 0 and graphed.graph_replays >= 5  # captured by chunk 4 of 9 at the latest
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the history the graphs wrote
