@@ -31,5 +31,6 @@ def test_graphed_chunks_equal_eager_chunks(cache, ann):
     want, got = eager.run(), graphed.run()
     assert eager.graph_replays == 0 and graphed.graph_replays >= 5  # captured by chunk 4 of 9 at the latest
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    held = slice(0, graphed.cache.capacity_frames * graphed.cache.tokens_per_frame)  # not TempCache's dump row
     for a, b in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the history the graphs wrote
+        torch.testing.assert_close(a[:, :, held], b[:, :, held], rtol=1e-5, atol=1e-5)  # the history the graphs wrote
