@@ -21,9 +21,10 @@ would scatter: AnnSA refuses it (AnnCA works with any cache). The re-sort copies
 history K/V once per chunk (the unbounded cache re-hashes and re-sorts its whole history: a
 GEMM with ``bits`` columns and one sort, small next to the attention it saves).
 
-Per step only the chunk's queries are hashed and sorted (``q_perm``); a query block's buckets
-become a fixed-size range list on the device (``R = 2 + ceil(2**bits / 2)`` slots, unused ones
-ignored by ``range_counts``) that ``block_sparse_attention_auto`` reads. Nothing syncs with the
+With ``method='lsh'``, per step only the chunk's queries are hashed and sorted by bucket
+(``q_perm``, so a query block shares buckets); a query block's buckets become a fixed-size
+range list on the device (``R = 2 + ceil(2**bits / 2)`` slots, unused ones ignored by
+``range_counts``) that ``block_sparse_attention_auto`` reads. Nothing syncs with the
 host: every shape comes from Python integers the schedule knows. On CUDA a bucket plan is one
 CUDA graph replay (``AnnSA._replay``): its ~40 small kernels cost more to launch than to run
 wherever the host, not the GPU, sets the pace.
