@@ -39,9 +39,9 @@ Its density is fixed by ``keep_fraction``, so its cost is too; the bucket method
 data-driven. Why it is the default: on real-video queries it keeps more of the attention mass
 at a given density than buckets do (bench/results/ann_bench*.json). Its query blocks are runs of
 consecutive tokens (neighbouring patches of a frame), not LSH buckets: on real-video queries
-that kept as much of the mass or more (recall 0.942 / 0.922 / 0.916 against 0.934 / 0.919 /
-0.914 with bucket-sorted queries at 21 / 81 / 240 cached frames, keep 0.35, bench/NOTES.md), and
-the plan is then two kernels, with no query hashing, sorting or CUDA graph.
+that kept more of the mass (keep 0.35, 81 cached frames: recall 0.942 against 0.939 with
+bucket-sorted queries, bench/results/ann_bench_random.json; likewise at 21 and 240 frames,
+bench/NOTES.md), and the plan is then two kernels, with no query hashing, sorting or CUDA graph.
 
 **AnnCA** (cross-attention). Per current frame, prompt tokens sharing a bucket (with probes)
 with at least one of the frame's queries are kept; if fewer than ``min_tokens`` survive, the
@@ -238,7 +238,7 @@ class AnnSA:
                                   dtype=torch.int32, device=cache.device)
         # keys read / keys of each layer's last plan, while ``record_density`` is on
         self.density = torch.ones(cache.num_layers, device=cache.device)
-        self.reps: list = [None] * cache.num_layers  # 'quant': (int8 block means, their scale, block log mass)
+        self.reps: list = [None] * cache.num_layers  # 'quant': each layer's ``_block_means``
         self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
 
     @torch.no_grad()
