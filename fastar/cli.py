@@ -56,6 +56,8 @@ def parse_args(argv):
     p.add_argument("--context-noise", type=float, default=0.0, help="timestep of the clean cache pass (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--eager", action="store_true", help="CUDA: launch every chunk op by op instead of replaying "
+                                                         "repeating chunks from a CUDA graph")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--plot", default="fastar_rollout.png", help="PNG plot path (default fastar_rollout.png)")
     p.add_argument("--json", help="also write the per-chunk table as JSON here")
@@ -111,13 +113,15 @@ def run(args) -> list[dict]:
 
     ann = None if args.ann == "none" else AnnConfig(method=args.ann)
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
-                     schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann)
+                     schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
+                     cuda_graphs=not args.eager)
     print(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
           + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
              if args.cache == "tempcache" else "")
-          + (f", {args.ann} sparse attention" if ann is not None else ""))
+          + (f", {args.ann} sparse attention" if ann is not None else "")
+          + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else ""))
     rows = []
     bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
 

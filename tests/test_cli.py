@@ -66,3 +66,21 @@ def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
     assert "lsh sparse attention" in capsys.readouterr().out
     assert main(args + ["--ann", "lsh", "--cache", "window"]) == 2
     assert "window cache" in capsys.readouterr().err
+
+
+def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
+    """--eager turns off CUDA graph replay (on a CPU the engine runs eagerly either way)."""
+    from comfyui_fastar.fastar import cli
+
+    seen = []
+
+    class Spy(cli.Rollout):
+        def __init__(self, *a, **kw):
+            seen.append(kw["cuda_graphs"])
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(cli, "Rollout", Spy)
+    args = ["--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    assert main(args) == 0 and main(args + ["--eager"]) == 0
+    assert seen == [True, False]
+    assert "CUDA graph" not in capsys.readouterr().out  # no CUDA here: nothing is replayed
