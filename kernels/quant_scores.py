@@ -100,9 +100,9 @@ if HAS_TRITON:
         logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
         s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
-        qt = tl.trans(qt)  # [D, BLOCK_M]: scores come out as [key block, query], so the max over a
-        #                    block's queries runs along each accumulator row (a few lane shuffles,
-        #                    not a reduction across warps through shared memory)
+        # [D, BLOCK_M]: scores come out as [key block, query], so the max over a block's queries
+        # runs along each accumulator row (a few lane shuffles, not a reduction across warps)
+        qt = tl.trans(qt)
         for j0 in range(0, NKB, BLOCK_K):
             cols = j0 + offs_k
             col_ok = cols < NKB
