@@ -156,7 +156,7 @@ class Rollout:
             noise = [torch.empty(self.chunk_shape, device=self.device) for _ in self.sigmas]
             offset = torch.zeros((), dtype=torch.float64, device=self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records; the replay below computes
+            with torch.no_grad(), torch.cuda.graph(graph):  # records; the replay below computes
                 x0 = self._denoise(noise, offset)
             self._graph = (key, graph, noise, offset, x0)
         else:  # the Python-level transitions a chunk's forwards make; the device work is the graph's
