@@ -350,22 +350,32 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
                 # The pip-installable ComfyUI wants a newer frontend package than the one installed for
                 # the classic checkout; the page then fails before any extension loads (pack or not).
                 pytest.skip(f"the installed ComfyUI frontend does not start against this server: {errors[:1]}")
+            # the pack's extension registers after the app object exists: a graph loaded before it
+            # would get no widget
+            page.wait_for_function("() => (window.app.extensions || []).some((e) => e.name === 'FastAR.CacheWidget')",
+                                   timeout=60000)
             page.keyboard.press("Escape")  # a first-run templates dialog may cover the canvas
             page.evaluate("(g) => window.app.loadApiJson(g, 'fastar_widget_test')", graph)
             page.wait_for_selector(".fastar-cache", state="attached", timeout=20000)
             assert page.evaluate("() => document.querySelectorAll('.fastar-cache').length") == 1
             assert page.text_content(".fastar-cache [data-field=status]").strip() == "FAST-AR cache: idle"
+            # every state the widget shows, recorded in the page as it changes (polling from here can
+            # miss states when the chunks come faster than the round trips)
+            page.evaluate("""() => {
+                const root = document.querySelector('.fastar-cache');
+                const field = (k) => root.querySelector('[data-field=' + k + ']').textContent;
+                window.__fastarSeen = [];
+                const record = () => {
+                    const now = [field('frames'), field('status')], seen = window.__fastarSeen;
+                    const last = seen[seen.length - 1];
+                    if (!last || last[0] !== now[0] || last[1] !== now[1]) seen.push(now);
+                };
+                new MutationObserver(record).observe(root, {subtree: true, childList: true, characterData: true});
+                record(); }""")
             page.evaluate("() => window.app.queuePrompt(0)")
-            seen = []
-            deadline = time.time() + 240
-            while time.time() < deadline:
-                frames = page.text_content(".fastar-cache [data-field=frames]")
-                status = page.text_content(".fastar-cache [data-field=status]")
-                if not seen or seen[-1] != (frames, status):
-                    seen.append((frames, status))
-                if status.endswith("done"):
-                    break
-                time.sleep(0.05)
+            page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
+                                   ".textContent.endsWith('done')", timeout=240000)
+            seen = [tuple(x) for x in page.evaluate("() => window.__fastarSeen")]
             page.keyboard.press("Escape")
             page.evaluate("""() => { document.querySelectorAll('.p-dialog-close-button, .p-dialog [aria-label=Close]')
                                         .forEach((b) => b.click());
