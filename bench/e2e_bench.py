@@ -3,9 +3,11 @@
 Wan 2.1 1.3B shapes (480x832, 3-frame chunks, 4 steps + clean pass, bf16), the sensitized random-weight
 testbed of bench/testbed.py. Every number comes from this run on this device:
 
-  speed     per-chunk latency and peak memory against generated frames for dense unbounded, dense
-            sink + window, TempCache only, AnnSA only, AnnCA only and all of FAST-AR (defaults). FAST-AR
-            runs --chunks chunks for real (240 = 720 latent = 2880 video frames); the components run
+  speed     per-chunk latency and peak memory (tensors allocated, and memory held: the allocator's
+            reserve, which alone counts a CUDA graph's working memory) against generated frames for
+            dense unbounded, dense sink + window, TempCache only, AnnSA only, AnnCA only and all of
+            FAST-AR (defaults). FAST-AR runs --chunks chunks for real (240 = 720 latent = 2880 video
+            frames); the components run
             --component-chunks; dense unbounded runs --dense-chunks for real, then single chunks on caches
             prefilled to --dense-points frames, and the last point (which no card holds) is composed:
             the measured chunk at the largest prefilled point + 150 x the measured change in one layer's
@@ -58,7 +60,15 @@ VIDEO_PER_LATENT = 4  # Wan 2.1's VAE: 4 video frames per latent frame
 
 
 def peak_gb(device):
+    """Peak GB of tensors the allocator handed out. A chunk replayed from a CUDA graph allocates
+    nothing: its working memory sits in the graph's pool, which only ``held_gb`` counts."""
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+
+
+def held_gb(device):
+    """Peak GB the process held on the device: the caching allocator's reserve, CUDA graph pools
+    included, and also blocks it keeps cached for reuse (an upper bound of what was in use)."""
+    return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else float("nan")
 
 
 def reset_peak(device):
@@ -98,6 +108,7 @@ def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=Tru
 
     def on_chunk(r):
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
+                     "held_gb": held_gb(device),
                      "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
         if annsa is not None and annsa.record_density:  # keys read / keys of each layer's clean-pass plan
             rows[-1]["annsa_density"] = annsa.density.mean().item()
@@ -126,7 +137,8 @@ def dense_point(model, context, cached, hw, reps):
         run.cache.begin_chunk(cached, CHUNK)
         run.sample_chunk(cached // CHUNK)  # warm-up
         ms = statistics.median(wall_ms(lambda: run.sample_chunk(cached // CHUNK), reps, device))
-    return {"frames": cached + CHUNK, "latency_ms": ms, "peak_gb": peak_gb(device), "source": "prefilled"}
+    return {"frames": cached + CHUNK, "latency_ms": ms, "peak_gb": peak_gb(device), "held_gb": held_gb(device),
+            "source": "prefilled"}
 
 
 def self_attention_ms(model, q_tokens, k_tokens, device, reps):
@@ -238,9 +250,12 @@ def summarize(result, chunks):
          "fastar_ms_last5": statistics.median(last),
          "flatness_last_over_240": statistics.median(last) / statistics.median(near_240) if near_240 else float("nan"),
          "peak_gb_near_240": peak_240, "peak_gb_last": max(r["peak_gb"] for r in fa[-5:]),
+         "held_gb_near_240": max(r["held_gb"] for r in rows_240) if rows_240 else float("nan"),
+         "held_gb_last": max(r["held_gb"] for r in fa[-5:]),
          "fastar_steady_ms": steady, "linear_floor_ms": result["floor"]["linear_ms"],
          "steady_over_linear_floor": steady / result["floor"]["linear_ms"]}
     s["peak_last_over_240"] = s["peak_gb_last"] / s["peak_gb_near_240"]
+    s["held_last_over_240"] = s["held_gb_last"] / s["held_gb_near_240"]
     return s
 
 
@@ -255,7 +270,7 @@ def plot(result, path):
         x = [VIDEO_PER_LATENT * r["frames"] for r in rows]
         fps = [VIDEO_PER_LATENT * CHUNK / (r["latency_ms"] / 1e3) for r in rows]
         ax_f.plot(x, fps, "-", lw=1, label=f"{name} (rollout)")
-        ax_m.plot(x, [r["peak_gb"] for r in rows], "-", lw=1, label=f"{name} (rollout)")
+        ax_m.plot(x, [r["held_gb"] for r in rows], "-", lw=1, label=f"{name} (rollout)")
     pts = result["dense_points"]
     for src, marker in (("prefilled", "o"), ("composed", "s")):
         sel = [p for p in pts if p["source"] == src]
@@ -263,9 +278,10 @@ def plot(result, path):
             x = [VIDEO_PER_LATENT * p["frames"] for p in sel]
             ax_f.plot(x, [VIDEO_PER_LATENT * CHUNK / (p["latency_ms"] / 1e3) for p in sel], marker, color="k",
                       label=f"dense ({src} cache)")
-            ax_m.plot(x, [p["peak_gb"] for p in sel], marker, color="k", label=f"dense ({src} cache)")
+            ax_m.plot(x, [p["held_gb"] for p in sel], marker, color="k", label=f"dense ({src} cache)")
     ax_f.set(xlabel="video frames generated", ylabel="video frames per second", title="throughput", yscale="log")
-    ax_m.set(xlabel="video frames generated", ylabel="peak GB during the chunk", title="peak memory")
+    ax_m.set(xlabel="video frames generated", ylabel="peak GB held during the chunk (CUDA graph pools included)",
+             title="peak memory")
     for ax in (ax_f, ax_m):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -353,6 +369,7 @@ def main():
     points.append({"frames": args.compose_frames + CHUNK, "source": "composed",
                    "latency_ms": last["latency_ms"] + FORWARDS * model.num_layers * (a_comp - a_last),
                    "peak_gb": last["peak_gb"] + kv_gb_per_frame * (args.compose_frames + CHUNK - last["frames"]),
+                   "held_gb": last["held_gb"] + kv_gb_per_frame * (args.compose_frames + CHUNK - last["frames"]),
                    "self_attention_ms": {"at_last_point": a_last, "at_composed": a_comp}})
     result["dense_points"] = points
     print(f"  dense composed at {args.compose_frames} frames: {points[-1]['latency_ms']:.1f} ms, "
