@@ -235,6 +235,11 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
     assert keys[0] != keys[1]                # the sink frame's chunk writes no history
     assert len(set(keys[1:])) == 1
     assert all(r == reps[0] for r in reps)     # the same buffers, rewritten every chunk
+    # calibration reads each layer's recall on the host in its first sparse chunk: that chunk and
+    # the one before never share a key with what follows
+    keys, _ = _chunk_keys(model, 6, cache=TempCacheConfig(max_cache_frames=3, sink_frames=0),
+                          ann=AnnConfig(keep_fraction=0.5, dense_steps_fraction=0.5, calibration_recall=0.5))
+    assert keys[1] != keys[2] and len(set(keys[2:])) == 1 and keys[1] not in keys[2:]
     keys, _ = _chunk_keys(model, 6, cache=CacheConfig("window", 1, 2))
     assert len(set(keys)) == 4 and len(set(keys[3:])) == 1
     keys, _ = _chunk_keys(model, 5, cache=CacheConfig("unbounded"))
