@@ -3,8 +3,8 @@ equivalent block-causal (or sink + window) mask computes."""
 import pytest
 import torch
 
-from comfyui_fastar.fastar import (CacheConfig, FastARAttention, FastARError, FlowMatchSchedule,
-                                   block_causal_mask, rollout)
+from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
+                                   TempCacheConfig, block_causal_mask, rollout)
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
@@ -208,8 +208,6 @@ def test_frame_offset_as_a_tensor_gives_the_same_forward(model):
 
 def _chunk_keys(model, chunks, **settings):
     """The attention state's graph key at the start of each chunk of a rollout."""
-    from comfyui_fastar.fastar import Rollout
-
     ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(8))
     run = Rollout(model, ctx, frames=chunks, height=H, width=W, chunk_frames=1,
                   schedule=FlowMatchSchedule((1000.0, 500.0)), **settings)
@@ -228,8 +226,6 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
     """Chunks may replay a CUDA graph only where the previous chunk launched the same work:
     TempCache from its budget on (AnnSA's block means then updated in place), a window cache once
     full, an unbounded cache never."""
-    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
-
     keys, reps = _chunk_keys(model, 7, cache=TempCacheConfig(max_cache_frames=3, sink_frames=1),
                              ann=AnnConfig(method="quant", keep_fraction=0.5, dense_steps_fraction=0.5))
     assert keys[0] != keys[1]                # the sink frame's chunk writes no history
