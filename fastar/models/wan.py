@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.adaln import adaln_auto
 from ...kernels.qk_norm_rope import qk_norm_rope_auto
 from ..errors import FastARError
 
@@ -138,11 +139,6 @@ class WanAttention(nn.Module):
         return self.o(attention.cross_attention(layer, q, k, v).flatten(2))
 
 
-def modulate(x, shift, scale):
-    """x [B, F, S, C] with per-frame shift/scale [B, T, C], T in {1, F}."""
-    return torch.addcmul(shift.unsqueeze(2), x, 1 + scale.unsqueeze(2))
-
-
 class WanAttentionBlock(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -156,16 +152,29 @@ class WanAttentionBlock(nn.Module):
         self.modulation = nn.Parameter(torch.zeros(1, 6, cfg.dim))
 
     def forward(self, x, e, freqs, context, attention, layer):
-        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation."""
+        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation.
+
+        Each residual update and the norm after it are one pass (``adaln_auto``)."""
         e = (self.modulation.to(x.dtype).unsqueeze(0) + e).unbind(2)
         flat = (x.shape[0], -1, x.shape[-1])
-        y = self.self_attn.self_attention(modulate(self.norm1(x), e[0], e[1]).reshape(flat),
-                                          freqs, attention, layer)
-        x = torch.addcmul(x, y.view_as(x), e[2].unsqueeze(2))
-        x = x + self.cross_attn.cross_attention(self.norm3(x).reshape(flat), context,
-                                                attention, layer).view_as(x)
-        y = self.ffn(modulate(self.norm2(x), e[3], e[4]))
-        return torch.addcmul(x, y, e[5].unsqueeze(2))
+        _, h = adaln_auto(x, e[1], e[0], eps=self.norm1.eps)
+        y = self.self_attn.self_attention(h.reshape(flat), freqs, attention, layer).view_as(x)
+        if isinstance(self.norm3, nn.LayerNorm):
+            x, h = adaln_auto(x, self.norm3.weight, self.norm3.bias, y=y, gate=e[2], one_plus=False,
+                              eps=self.norm3.eps)
+        else:
+            x = h = torch.addcmul(x, y, e[2].unsqueeze(2))
+        y = self.cross_attn.cross_attention(h.reshape(flat), context, attention, layer).view_as(x)
+        x, h = adaln_auto(x, e[4], e[3], y=y, eps=self.norm2.eps)
+        return torch.addcmul(x, self.feed_forward(h), e[5].unsqueeze(2))
+
+    def feed_forward(self, h):
+        """The FFN; on CUDA its tanh GELU runs in the first GEMM's epilogue (cuBLASLt)."""
+        up, act, down = self.ffn
+        if not h.is_cuda:
+            return down(act(up(h)))
+        hidden = torch._addmm_activation(up.bias, h.reshape(-1, h.shape[-1]), up.weight.t(), use_gelu=True)
+        return down(hidden.view(*h.shape[:-1], -1))
 
 
 class Head(nn.Module):
@@ -177,7 +186,7 @@ class Head(nn.Module):
 
     def forward(self, x, e):
         e = (self.modulation.to(x.dtype).unsqueeze(0) + e.unsqueeze(2)).unbind(2)
-        return self.head(modulate(self.norm(x), e[0], e[1]))
+        return self.head(adaln_auto(x, e[1], e[0], eps=self.norm.eps)[1])
 
 
 class WanModel(nn.Module):
