@@ -9,8 +9,9 @@ is RMS-normalised over all C channels and scaled by ``weight`` (``weight`` None:
 then each head's adjacent channel pairs ``(2j, 2j+1)`` are rotated by ``freqs[l, j] =
 (cos, sin)``. The result ``[B, L, H, D]`` is rounded once, to x's dtype.
 
-Kernel layout: grid ``(B * L,)``, one program per token row, holding its even and odd
-channels as two ``[H, D/2]`` fp32 tiles (heads padded to a power of two).
+Kernel layout: grid ``(ceil(B * L / ROWS),)``, ROWS token rows per program, each read and
+written as one contiguous ``[ROWS, C]`` tile (C padded to a power of two) and split into its
+even and odd channels in registers.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ if HAS_TRITON:
 __all__ = ["qk_norm_rope", "qk_norm_rope_auto", "qk_norm_rope_torch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROWS = 4
 
 
 def _check(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int) -> int:
@@ -58,56 +60,54 @@ def qk_norm_rope_torch(x: Tensor, weight: Tensor | None, freqs: Tensor, num_head
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["L"])
-    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, L, stride_xb, stride_xl, stride_xc, eps,
-                             H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        b, l = row // L, row % L
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_j = tl.arange(0, HALF)
-        ch = offs_h[:, None] * (2 * HALF) + 2 * offs_j[None, :]  # even channel of each pair
-        ok = (offs_h < H)[:, None]
-        x_row = x_ptr + b * stride_xb + l * stride_xl
-        xe = tl.load(x_row + ch * stride_xc, mask=ok, other=0.0).to(tl.float32)
-        xo = tl.load(x_row + (ch + 1) * stride_xc, mask=ok, other=0.0).to(tl.float32)
+    @triton.jit(do_not_specialize=["n_rows", "L"])
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, n_rows, L, stride_xb, stride_xl, eps,
+                             C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                             HAS_NORM: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        b, l = rows // L, rows % L
+        cols = tl.arange(0, BLOCK_C)
+        ok = (rows < n_rows)[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + (b * stride_xb + l * stride_xl)[:, None] + cols[None, :], mask=ok, other=0.0)
+        xe, xo = tl.split(tl.reshape(x.to(tl.float32), (ROWS, BLOCK_C // 2, 2)))  # channel pairs
         if HAS_NORM:
-            ms = (tl.sum(tl.sum(xe * xe, 1), 0) + tl.sum(tl.sum(xo * xo, 1), 0)) / (H * 2 * HALF)
-            r = 1.0 / tl.sqrt(ms + eps)
-            xe = xe * r * tl.load(w_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-            xo = xo * r * tl.load(w_ptr + ch + 1, mask=ok, other=0.0).to(tl.float32)
-        cos = tl.load(f_ptr + l * (2 * HALF) + 2 * offs_j)[None, :]
-        sin = tl.load(f_ptr + l * (2 * HALF) + 2 * offs_j + 1)[None, :]
-        o_row = o_ptr + row * (H * 2 * HALF)
-        dtype = o_ptr.dtype.element_ty
-        tl.store(o_row + ch, (xe * cos - xo * sin).to(dtype), mask=ok)
-        tl.store(o_row + ch + 1, (xe * sin + xo * cos).to(dtype), mask=ok)
+            r = 1.0 / tl.sqrt((tl.sum(xe * xe, 1) + tl.sum(xo * xo, 1)) / C + eps)
+            we, wo = tl.split(tl.reshape(tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32),
+                                         (BLOCK_C // 2, 2)))
+            xe = xe * r[:, None] * we[None, :]
+            xo = xo * r[:, None] * wo[None, :]
+        pair = tl.arange(0, BLOCK_C // 2)
+        ok_pair = (rows < n_rows)[:, None] & (pair < C // 2)[None, :]
+        f_row = f_ptr + (l * (2 * HALF))[:, None] + 2 * (pair % HALF)[None, :]
+        cos = tl.load(f_row, mask=ok_pair, other=0.0)
+        sin = tl.load(f_row + 1, mask=ok_pair, other=0.0)
+        out = tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (ROWS, BLOCK_C))
+        tl.store(o_ptr + rows[:, None] * C + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
 
 
 def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6) -> Tensor:
-    """Triton kernel with the twin's contract (x in bf16 / fp16 / fp32, D/2 a power of two)."""
+    """Triton kernel with the twin's contract (x in bf16 / fp16 / fp32)."""
     if not HAS_TRITON:
         raise RuntimeError("qk_norm_rope needs triton, which is not importable")
     d = _check(x, weight, freqs, num_heads)
     if x.dtype not in _DTYPES:
         raise ValueError(f"dtype {x.dtype} unsupported by the kernel (bf16/fp16/fp32)")
-    if (d // 2) & (d // 2 - 1):
-        raise ValueError(f"kernel needs head dim / 2 a power of two, got D={d}")
     if not triton_runs_on(x):
         raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {x.device}")
     b, length, c = x.shape
     out = torch.empty(b, length, num_heads, d, dtype=x.dtype, device=x.device)
     if out.numel():
-        _qk_norm_rope_kernel[(b * length,)](
-            x, weight if weight is not None else x, freqs.contiguous(), out, length, *x.stride(), float(eps),
-            H=num_heads, HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads), HAS_NORM=weight is not None,
-            num_warps=4)
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        _qk_norm_rope_kernel[(triton.cdiv(b * length, ROWS),)](
+            x, weight if weight is not None else x, freqs.contiguous(), out, b * length, length, x.stride(0),
+            x.stride(1), float(eps), C=c, HALF=d // 2, BLOCK_C=triton.next_power_of_2(c), ROWS=ROWS,
+            HAS_NORM=weight is not None, num_warps=8 if c >= 1024 else 4)
     return out
 
 
 def qk_norm_rope_auto(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6) -> Tensor:
-    """The kernel on CUDA where the shapes suit it, else the twin. Not under the CPU interpreter:
-    one program per token makes whole-model forwards there crawl (the tests call the kernel)."""
-    d = x.shape[-1] // num_heads if num_heads else 0
-    fits = x.dtype in _DTYPES and d >= 2 and not (d // 2) & (d // 2 - 1)
-    fn = qk_norm_rope if HAS_TRITON and x.is_cuda and fits else qk_norm_rope_torch
+    """The kernel on CUDA, else the twin. Not under the CPU interpreter: whole-model forwards
+    there would crawl (the tests call the kernel)."""
+    fn = qk_norm_rope if HAS_TRITON and x.is_cuda and x.dtype in _DTYPES else qk_norm_rope_torch
     return fn(x, weight, freqs, num_heads, eps)

@@ -75,10 +75,18 @@ def test_kernel_reads_strided_rows():
     torch.testing.assert_close(qk_norm_rope(x, weight, freqs, 4), qk_norm_rope_torch(x, weight, freqs, 4))
 
 
-def test_auto_falls_back_to_twin_for_odd_half_heads():
+@needs_triton
+def test_kernel_takes_any_even_head_dim():
     gen = torch.Generator().manual_seed(4)
-    x, weight, freqs = _case(gen, 1, 3, 2, 12, torch.float32)  # D/2 = 6: not a power of two
-    torch.testing.assert_close(qk_norm_rope_auto(x, weight, freqs, 2), qk_norm_rope_torch(x, weight, freqs, 2))
+    x, weight, freqs = _case(gen, 1, 9, 3, 12, torch.float32)  # D/2 = 6, C = 36: neither a power of two
+    torch.testing.assert_close(qk_norm_rope(x, weight, freqs, 3), qk_norm_rope_torch(x, weight, freqs, 3))
+
+
+def test_auto_runs_the_twin_on_cpu():
+    gen = torch.Generator().manual_seed(5)
+    x, weight, freqs = _case(gen, 1, 3, 2, 12, torch.float32)
+    torch.testing.assert_close(qk_norm_rope_auto(x, weight, freqs, 2), qk_norm_rope_torch(x, weight, freqs, 2),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad, match", [
