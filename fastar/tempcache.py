@@ -101,7 +101,8 @@ class TempCache:
         if self.config.grouping == "shared":
             # heads aligned by token where needed (a sort and a gather of the history keys), then
             # one correspondence over the concatenated heads: a plain GEMM (cuBLAS) in query
-            # blocks, scores in the cache dtype, then the exact fp32 cosine of the chosen pair
+            # blocks against the keys scaled to unit norm once (empty slots to zero), scores in
+            # the cache dtype, then the exact fp32 cosine of the chosen pair
             if identity is None:
                 canon, keys, held = None, hist_k.reshape(-1, h * d), filled[0]
             else:
@@ -112,9 +113,9 @@ class TempCache:
             scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
             if self.config.matching == "query":
                 scale = held.float()  # plain q.k argmax over filled slots
-            scale = scale.to(keys.dtype)
+            unit = keys * scale.to(keys.dtype)[:, None]
             x = x.reshape(n, h * d)
-            idx = torch.cat([(x[i:i + 1024] @ keys.T).mul_(scale).argmax(dim=-1) for i in range(0, n, 1024)])
+            idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
             cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), keys[idx].float(), dim=-1)
             return (idx.expand(h, n) if canon is None else canon[:, idx]), cos.expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
