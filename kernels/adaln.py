@@ -1,8 +1,8 @@
 """Residual update + LayerNorm + modulation (the Wan block's adaLN), as one Triton kernel.
 
 Why: in eager PyTorch each of a Wan block's norms is a gated residual (addcmul or add), a
-LayerNorm and a modulation (addcmul): three passes over the chunk's [L, C] rows and three
-launches, ~450 kernels per forward where one pass and 90 launches carry the same work.
+LayerNorm and a modulation (``1 + scale``, addcmul): nine kernels and passes over the chunk's
+[L, C] rows per block (~270 a forward) where three carry the same work.
 
 Semantics (the twin defines them): x ``[B, F, S, C]`` (tokens grouped by frame); the
 residual ``r = x + y * gate`` (``x + y`` without gate, ``x`` itself without y) is computed
