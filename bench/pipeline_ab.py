@@ -1,6 +1,7 @@
 """AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
-0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, and NAME/eager, a setting with
-its repeating chunks launched op by op instead of replayed from a CUDA graph); 14 chunks each at the TempCache
+0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, NAME/eager, a setting with
+its repeating chunks launched op by op instead of replayed from a CUDA graph, and NAME/fullbias, AnnSA's kernel
+reading the log m bias on every range, the sink's and the open chunk's too); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -36,10 +37,25 @@ names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.arg
 chunks = 4 if smoke else 14
 E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN plans
 E.real_rollout(model, ctx, 2, hw, "quant.35")
+
+
+@contextlib.contextmanager
+def full_bias():
+    """The bias window spanning every key: AnnSA's kernel reads the bias on every range."""
+    cls = E.fastar.KVCache
+    old = cls.bias_window
+    cls.bias_window = lambda self: (0, 1 << 62)
+    try:
+        yield
+    finally:
+        cls.bias_window = old
+
+
 out = {}
 for name in names:
-    setting, kb = RUNS[name.removesuffix("/eager")]
-    with E.key_block(kb) if kb else contextlib.nullcontext():
+    setting, kb = RUNS[name.removesuffix("/eager").removesuffix("/fullbias")]
+    with E.key_block(kb) if kb else contextlib.nullcontext(), \
+            full_bias() if name.endswith("/fullbias") else contextlib.nullcontext():
         rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100, cuda_graphs=not name.endswith("/eager"))
     last = rows[-5:]
     out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),

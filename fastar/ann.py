@@ -409,7 +409,8 @@ class AnnSA:
         _warn_twin(q)
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, q_perm=q_perm,
-                                          block_q=self.config.block_q)
+                                          block_q=self.config.block_q,
+                                          bias_window=self.cache.bias_window() if bias is not None else None)
         return out.transpose(1, 2)
 
 

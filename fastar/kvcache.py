@@ -273,6 +273,13 @@ class KVCache:
         """Rows of the open chunk's own K/V (the scratch), attended dense."""
         return self._tokens(*self._scratch)
 
+    def bias_window(self) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` outside which every key's bias is 0: TempCache's history, and the
+        sink until it is committed (its empty slots are -inf). The committed sink and the open
+        chunk hold unmerged keys, so attention may skip the bias there."""
+        lo = self.sink_rows if self.frames_held >= self.sink_frames else 0
+        return lo, self.chunk_rows().start
+
     def sorted_rows(self, clean_pass: bool) -> slice:
         """History rows AnnSA keeps bucket-sorted: TempCache's history slots; in the unbounded
         cache every committed row, plus, in the clean pass, the chunk about to commit."""

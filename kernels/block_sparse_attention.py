@@ -24,6 +24,9 @@ query's *original* position, so ``q_perm`` never shows in the result's order.
   ignored and may hold anything.
 - A query block with no keys, and a query whose every key has bias ``-inf`` (empty
   TempCache slots), outputs zeros, never NaN.
+- ``bias_window=(lo, hi)``: the bias applies to keys ``[lo, hi)`` only, every other key's
+  is 0 (TempCache's history window; the sink and the open chunk hold unmerged keys). A
+  range wholly outside the window then runs without the bias's extra work per score.
 
 Validation of tensor *values* (range bounds, counts <= R, ``q_perm`` being a
 permutation, bias free of NaN/+inf) needs a host sync, which the kernel path must not
@@ -172,6 +175,19 @@ def _check_block_q(block_q) -> int:
     return block_q
 
 
+def _check_bias_window(bias_window, Lk: int) -> tuple[int, int]:
+    """``bias_window`` as ints ``(lo, hi)`` with ``0 <= lo <= hi``, clipped to Lk; None: all keys."""
+    if bias_window is None:
+        return 0, Lk
+    try:
+        lo, hi = (operator.index(x) for x in bias_window)
+    except (TypeError, ValueError):
+        raise ValueError(f"bias_window must be a pair of ints (lo, hi) or None, got {bias_window!r}") from None
+    if not 0 <= lo <= hi:
+        raise ValueError(f"bias_window must satisfy 0 <= lo <= hi, got ({lo}, {hi})")
+    return min(lo, Lk), min(hi, Lk)
+
+
 def _check_inputs(q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale):
     """Shape / dtype / device checks (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q, scale)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
@@ -293,6 +309,7 @@ def block_sparse_attention_torch(
     q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
+    bias_window: tuple[int, int] | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -308,6 +325,10 @@ def block_sparse_attention_torch(
         q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
     )
     validate_plan(ranges, range_counts, Lk, q_perm, key_bias)
+    lo, hi = _check_bias_window(bias_window, Lk)
+    if key_bias is not None and (lo, hi) != (0, Lk):
+        key_bias = torch.zeros_like(key_bias).index_copy_(-1, torch.arange(lo, hi, device=q.device),
+                                                          key_bias[..., lo:hi])
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, Lq, D, dtype=acc_dtype, device=q.device)
     if out.numel() and Lk:
@@ -422,10 +443,32 @@ if HAS_TRITON:
         acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
         return acc, l_i, m_new
 
+    @triton.jit
+    def _attend_range(acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step, v_step,
+                      qk_scale, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_NEG: tl.constexpr,
+                      UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """One range of keys: its full tiles unmasked, then at most one masked tail tile."""
+        n_full = n_keys // BLOCK_N
+        for _ in range(0, n_full):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
+                qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
+            )
+            k_tile += k_step
+            v_tile += v_step
+            b_tile += BLOCK_N
+        n_tail = n_keys - n_full * BLOCK_N
+        if n_tail > 0:
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
+                qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+            )
+        return acc, l_i, m_i
+
     # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
     # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
     # alignment the kernel could use: tiles start at unaligned range starts anyway.
-    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q"])
+    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
@@ -441,6 +484,8 @@ if HAS_TRITON:
         Lk,
         R,
         block_q,
+        bias_lo,  # keys outside [bias_lo, bias_hi) have bias 0: ranges there skip it
+        bias_hi,
         stride_qb,
         stride_qh,
         stride_ql,
@@ -524,23 +569,24 @@ if HAS_TRITON:
             start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
             end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
             n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
-            n_full = n_keys // BLOCK_N
             k_tile = k_base + start.to(tl.int64) * stride_kl
             v_tile = v_base + start.to(tl.int64) * stride_vl
             b_tile = bias_base + start
-            for _ in range(0, n_full):  # full tiles: no masks
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
-                    qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
-                )
-                k_tile += k_step
-                v_tile += v_step
-                b_tile += BLOCK_N
-            n_tail = n_keys - n_full * BLOCK_N
-            if n_tail > 0:  # at most one masked tile per range
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
-                    qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+            if HAS_BIAS:
+                if (end > bias_lo) & (start < bias_hi):
+                    acc, l_i, m_i = _attend_range(
+                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                        v_step, qk_scale, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                    )
+                else:  # all its keys' bias 0 (the sink, the open chunk): the cheaper softmax
+                    acc, l_i, m_i = _attend_range(
+                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                        v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                    )
+            else:
+                acc, l_i, m_i = _attend_range(
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                    v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
@@ -574,6 +620,7 @@ def block_sparse_attention(
     q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
+    bias_window: tuple[int, int] | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -629,7 +676,14 @@ def block_sparse_attention(
     # next to attention), so the kernel reads one contiguous vector per key tile and
     # adds it with no multiply (the score becomes one FMA: s * qk_scale + bias). -inf
     # stays -inf; the fp32 product is the same one the kernel used to form per tile.
-    bias = (key_bias * _LOG2E).contiguous() if key_bias is not None else q  # else dummy, never read
+    # Outside ``bias_window`` the bias is 0 (zeroed here too, so a range that straddles the
+    # window's edge reads the twin's values); ranges wholly outside skip it.
+    lo, hi = _check_bias_window(bias_window, Lk)
+    bias = q  # dummy pointer, never read
+    if key_bias is not None:
+        bias = (key_bias * _LOG2E).contiguous()
+        bias[..., :lo] = 0.0
+        bias[..., hi:] = 0.0
     perm = q_perm if q_perm is not None else q  # dummy pointer, never read
     perm_strides = q_perm.stride() if q_perm is not None else (0, 0, 0)
     # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
@@ -654,6 +708,8 @@ def block_sparse_attention(
         Lk,
         R,
         block_q,
+        lo,
+        hi,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -689,6 +745,7 @@ def block_sparse_attention_auto(
     q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
+    bias_window: tuple[int, int] | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -710,6 +767,7 @@ def block_sparse_attention_auto(
         q_perm=q_perm,
         block_q=block_q,
         scale=scale,
+        bias_window=bias_window,
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,

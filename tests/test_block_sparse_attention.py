@@ -54,11 +54,11 @@ def rel_err(out, ref):
     return float((out - ref).norm() / den) if den > 0 else float(out.norm())
 
 
-def oracle(q, k, v, ranges, counts, key_bias=None, q_perm=None, block_q=64, scale=None):
+def oracle(q, k, v, ranges, counts, key_bias=None, q_perm=None, block_q=64, scale=None, bias_window=None):
     """Dense float64 attention with a boolean visibility mask built from the plan.
 
     Independent of the twin: no gathering, no block loop over keys. Assumes ranges do
-    not overlap (the documented contract).
+    not overlap (the documented contract). Keys outside ``bias_window`` get no bias.
     """
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -73,7 +73,12 @@ def oracle(q, k, v, ranges, counts, key_bias=None, q_perm=None, block_q=64, scal
                     mask[b, h, rows, s:e] = True
     logits = q.double() @ k.double().transpose(-1, -2) * scale
     if key_bias is not None:
-        logits = logits + key_bias.double()[:, :, None, :]
+        bias = key_bias.double()
+        if bias_window is not None:
+            inside = torch.zeros(Lk, dtype=torch.bool)
+            inside[bias_window[0]:bias_window[1]] = True
+            bias = torch.where(inside, bias, 0.0)
+        logits = logits + bias[:, :, None, :]
     logits = logits.masked_fill(~mask, NEG_INF)
     mx = logits.amax(-1, keepdim=True)
     mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
@@ -148,6 +153,9 @@ def random_case(seed):
     perm = random_perm(gen, B, H, Lq) if rng.random() < 0.5 else None
     scale = None if rng.random() < 0.8 else rng.uniform(0.05, 0.3)
     kw = dict(key_bias=bias, q_perm=perm, block_q=block_q, scale=scale)
+    if rng.random() < 0.4:  # bias on a window of keys only (may be empty, or reach past Lk)
+        lo = rng.randint(0, Lk)
+        kw["bias_window"] = (lo, rng.randint(lo, Lk + 8))
     return q, k, v, ranges, counts, kw, block_n
 
 

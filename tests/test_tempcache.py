@@ -181,3 +181,32 @@ def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
         kv.commit()
     monkeypatch.undo()
     assert kv.stats().merged > 0
+
+
+@pytest.mark.parametrize("sink_frames,chunk_frames", [(1, 1), (3, 2), (0, 2)])
+def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
+    """What AnnSA's kernel relies on when it skips the bias: at every forward of every chunk,
+    the keys outside ``bias_window()`` (a committed sink, the open chunk) have bias exactly 0,
+    and a sink still empty lies inside the window (its slots are -inf)."""
+    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=sink_frames + 4, sink_frames=sink_frames),
+               chunk_frames=chunk_frames)
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(1, chunk_frames * TPF, H, D, generator=gen)  # a static scene: keys merge
+    merged = 0
+    for _ in range(8):
+        kv.begin_chunk(kv.frames_cached, chunk_frames)
+        for clean in (False, True):
+            if clean:
+                kv.begin_clean_pass()
+            k = base + 0.2 * torch.randn(base.shape, generator=gen)
+            _, _, bias = kv.extend(0, k, torch.randn_like(k))
+            lo, hi = kv.bias_window()
+            assert bool((bias[..., :lo] == 0).all()) and bool((bias[..., hi:] == 0).all())
+            assert hi == kv.chunk_rows().start
+            if kv.frames_cached < sink_frames:
+                assert lo == 0 and bool(torch.isneginf(bias[..., kv.frames_cached * TPF:sink_frames * TPF]).all())
+            if clean:
+                kv.after_attention(0, k)
+                merged += int(kv.tempcache.merged.sum())
+        kv.commit()
+    assert merged > 0  # the window held log m > 0 too

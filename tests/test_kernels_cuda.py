@@ -1,0 +1,87 @@
+"""On a GPU: the compiled kernels equal their twins (adaLN and q/k norm + RoPE at the Wan 1.3B chunk
+shape and at odd ones; the block-sparse attention with a bias window), and the FFN's GELU epilogue
+equals GEMM + tanh GELU.
+
+CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
+kernel tests switch Triton to its interpreter at import, so run this file on its own; it skips
+otherwise.
+"""
+import os
+
+import pytest
+import torch
+
+from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
+from comfyui_fastar.kernels.adaln import adaln, adaln_torch
+from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
+from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_torch
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+
+SHAPES = [(1, 3, 1560, 1536, 3), (2, 2, 37, 96, 1), (1, 1, 5, 40, 1)]  # B, F, S, C, T
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["wan1.3B", "odd", "tiny"])
+def test_adaln_kernel_equals_twin(shape):
+    b, f, s, c, t = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, y = (torch.randn(b, f, s, c, device="cuda", generator=g).bfloat16() for _ in range(2))
+    gate, scale, shift = (0.3 * torch.randn(b, t, c, device="cuda", generator=g) for _ in range(3))
+    gate, scale, shift = gate.bfloat16(), scale.bfloat16(), shift.bfloat16()
+    for kw in ({}, {"y": y}, {"y": y, "gate": gate}):
+        for one_plus in (True, False):
+            got = adaln(x, scale, shift, one_plus=one_plus, **kw)
+            want = adaln_torch(x, scale, shift, one_plus=one_plus, **kw)
+            for gt, wt in zip(got, want):
+                torch.testing.assert_close(gt.float(), wt.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(1, 4680, 12, 128), (2, 37, 3, 24), (1, 5, 1, 2)], ids=["wan1.3B", "odd", "tiny"])
+def test_qk_norm_rope_kernel_equals_twin(shape):
+    b, length, heads, d = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(b, length, heads * d, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.2 * torch.randn(heads * d, device="cuda", generator=g)).bfloat16()
+    freqs = rope_frequencies(d, (length, 1, 1), 7, device="cuda")
+    for weight in (w, None):
+        torch.testing.assert_close(qk_norm_rope(x, weight, freqs, heads).float(),
+                                   qk_norm_rope_torch(x, weight, freqs, heads).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_gelu_epilogue_equals_gemm_then_gelu():
+    cfg = WanConfig(dim=256, ffn_dim=1024, num_heads=2, num_layers=1)
+    block = WanAttentionBlock(cfg).cuda().bfloat16()
+    h = torch.randn(1, 3, 50, 256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).bfloat16()
+    up, act, down = block.ffn
+    with torch.no_grad():
+        got, want = block.feed_forward(h).float(), down(act(up(h))).float()
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < 1e-2  # bf16 roundings of the hidden layer apart
+
+
+def test_block_sparse_bias_window_equals_twin():
+    """A TempCache-like layout: sink [0, 40), history [40, 260) with log m / -inf biases, the open
+    chunk [260, 300); the sink's and chunk's ranges skip the bias, the history's read it."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, H, Lq, Lk, D, bq = 1, 2, 100, 300, 128, 32
+    q, k, v = (torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16() for n in (Lq, Lk, Lk))
+    bias = torch.zeros(B, H, Lk, device="cuda")
+    bias[..., 40:260] = torch.log(torch.randint(1, 5, (B, H, 220), device="cuda", generator=g).float())
+    bias[..., 100:130] = float("-inf")  # empty history slots
+    nqb = (Lq + bq - 1) // bq
+    ranges = torch.zeros(B, H, nqb, 5, 2, dtype=torch.int32, device="cuda")
+    ranges[..., 0, :] = torch.tensor([0, 40])
+    ranges[..., 1, :] = torch.tensor([260, 300])
+    ranges[..., 2, :] = torch.tensor([40, 77])
+    ranges[..., 3, :] = torch.tensor([95, 190])  # straddles the empty slots
+    ranges[..., 4, :] = torch.tensor([200, 260])
+    counts = torch.full((B, H, nqb), 5, dtype=torch.int32, device="cuda")
+    counts[0, 1, 1] = 2  # one block reads only the sink and the chunk
+    kw = dict(key_bias=bias, block_q=bq, bias_window=(40, 260))
+    got = block_sparse_attention(q, k, v, ranges, counts, **kw).float()
+    want = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    whole = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq).float()
+    assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
