@@ -327,8 +327,9 @@ def block_sparse_attention_torch(
     validate_plan(ranges, range_counts, Lk, q_perm, key_bias)
     lo, hi = _check_bias_window(bias_window, Lk)
     if key_bias is not None and (lo, hi) != (0, Lk):
-        key_bias = torch.zeros_like(key_bias).index_copy_(-1, torch.arange(lo, hi, device=q.device),
-                                                          key_bias[..., lo:hi])
+        windowed = torch.zeros_like(key_bias)
+        windowed[..., lo:hi] = key_bias[..., lo:hi]
+        key_bias = windowed
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, Lq, D, dtype=acc_dtype, device=q.device)
     if out.numel() and Lk:
