@@ -475,6 +475,10 @@ _SHAPE_ERRORS = [
     (_with(block_q=lambda d: 0), "block_q must be >= 1"),
     (_with(block_q=lambda d: 16.0), "block_q must be an int"),
     (_with(ranges=lambda d: d["ranges"].to("meta")), "device mismatch"),
+    (_with(bias_window=lambda d: (5, 2)), r"bias_window must satisfy 0 <= lo <= hi"),
+    (_with(bias_window=lambda d: (-1, 2)), r"bias_window must satisfy 0 <= lo <= hi"),
+    (_with(bias_window=lambda d: (1.5, 3)), "bias_window must be a pair of ints"),
+    (_with(bias_window=lambda d: 3), "bias_window must be a pair of ints"),
 ]
 
 _VALUE_ERRORS = [  # need a host sync: the twin (and validate_plan) raise, the kernel clamps
