@@ -1,7 +1,9 @@
 """AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
 0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, NAME/eager, a setting with
-its repeating chunks launched op by op instead of replayed from a CUDA graph, and NAME/fullbias, AnnSA's kernel
-reading the log m bias on every range, the sink's and the open chunk's too); 14 chunks each at the TempCache
+its repeating chunks launched op by op instead of replayed from a CUDA graph, NAME/fullbias, AnnSA's kernel
+reading the log m bias on every range, the sink's and the open chunk's too, NAME/inline, the clean pass's history
+writes in line instead of on a side stream, and NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
+cores); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -51,11 +53,25 @@ def full_bias():
         cls.bias_window = old
 
 
+@contextlib.contextmanager
+def patched(obj, attr, value):
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
+VARIANTS = {"eager": contextlib.nullcontext, "fullbias": full_bias,
+            "inline": lambda: patched(E.fastar.FastARAttention, "overlap_writes", False),
+            "bf16match": lambda: patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False)}
 out = {}
 for name in names:
-    setting, kb = RUNS[name.removesuffix("/eager").removesuffix("/fullbias")]
+    base, _, variant = name.partition("/")
+    setting, kb = RUNS[base if variant in VARIANTS else name]
     with E.key_block(kb) if kb else contextlib.nullcontext(), \
-            full_bias() if name.endswith("/fullbias") else contextlib.nullcontext():
+            VARIANTS[variant]() if variant in VARIANTS else contextlib.nullcontext():
         rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100, cuda_graphs=not name.endswith("/eager"))
     last = rows[-5:]
     out[name] = {"ms": statistics.median(r["latency_ms"] for r in last),

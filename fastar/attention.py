@@ -39,6 +39,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.transpose(1, 2)
 
 
+_WRITE_STREAMS: dict = {}
+
+
+def _write_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the clean pass's history writes, kept for the process:
+    cuBLAS gives every stream it runs on a workspace of its own for the life of the process."""
+    if device not in _WRITE_STREAMS:
+        _WRITE_STREAMS[device] = torch.cuda.Stream(device)
+    return _WRITE_STREAMS[device]
+
+
 def frame_visibility(num_frames: int, chunk_frames: int, sink_frames: int | None = None,
                      window_frames: int | None = None) -> torch.Tensor:
     """Which key frame each query frame sees in a chunked causal rollout: bool [F, F].
@@ -74,6 +85,9 @@ class FastARAttention:
     # chunk of them from a CUDA graph (see ``graph_key``). Subclasses that read results on the
     # host (probes, recorders) set False.
     graph_safe = True
+    # On CUDA the clean pass's history writes (TempCache's merge, AnnSA's sort) run on a side
+    # stream, beside the rest of the pass; False runs them in line (to compare).
+    overlap_writes = True
 
     def __init__(self, cache=None, mask: torch.Tensor | None = None, ann=None):
         if cache is not None and mask is not None:
@@ -127,10 +141,30 @@ class FastARAttention:
             out = self.annsa.attention(layer, q, keys, values, bias, plan)
         else:
             out = attend(q, keys, values, key_bias=bias)
-        self.cache.after_attention(layer, q)
-        if self.annsa is not None and self.cache.clean_pass and layer not in self.dense_layers:
-            self.annsa.index_history(layer)
+        if self.cache.clean_pass:
+            self._write_history(layer, q)
+        else:
+            self.cache.after_attention(layer, q)
         return out
+
+    def _write_history(self, layer: int, q) -> None:
+        """The clean pass's writes of one layer's history: TempCache's merge, AnnSA's sort. Only
+        the next chunk reads them, so on CUDA they run on a side stream and overlap the rest of
+        the pass (layers after this one never touch this layer's cache); ``KVCache.join_writes``
+        (the engine's, after the pass, and ``commit``'s) ends them."""
+        def write():
+            self.cache.after_attention(layer, q)
+            if self.annsa is not None and layer not in self.dense_layers:
+                self.annsa.index_history(layer)
+
+        if not (self.overlap_writes and q.is_cuda):
+            return write()
+        side = _write_stream(q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))  # the layer's K/V of this pass are ready
+        q.record_stream(side)  # q is the only per-call tensor the writes read
+        self.cache.write_stream = side
+        with torch.cuda.stream(side):
+            write()
 
     def cross_attention(self, layer: int, q, k, v):
         if self.annca is not None and self._sparse(layer):

@@ -16,7 +16,9 @@ once, by the clean pass, and never changes afterwards. Keys and values are post-
 slot order is irrelevant to attention: the bounded mode is a ring over frame slots, and
 TempCache (``fastar.tempcache``) manages its history token by token, merging in
 ``after_attention`` of the clean pass. Frame bookkeeping is in Python integers known from
-the schedule, TempCache's on the device: no host sync per layer.
+the schedule, TempCache's on the device: no host sync per layer. On CUDA the clean pass's
+history writes may run on a side stream (``write_stream``, set by ``FastARAttention``);
+``join_writes`` (the engine's, before a chunk's CUDA graph ends) and ``commit`` wait for them.
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ class KVCache:
         self._writing = False
         self._spare = 1 if temporal else 0  # TempCache's dump token after the last slot
         self.reallocations = 0
+        self.write_stream = None  # a side stream still writing history (FastARAttention's clean pass)
         self._allocate(capacity)
         self.tempcache = None
         if temporal:
@@ -214,10 +217,17 @@ class KVCache:
                                  hist=self._tokens(sink, hist), new=new, new_frames=self._new_frames,
                                  dump=self.k.shape[2] - 1)
 
+    def join_writes(self) -> None:
+        """Make the current stream wait for history writes still running on ``write_stream``."""
+        if self.write_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
+            self.write_stream = None
+
     def commit(self) -> None:
         """After the clean pass: the chunk's K/V (as the clean pass wrote them) become history."""
         if self._scratch is None or not self._writing:
             raise FastARError("KVCache.commit needs an open chunk whose clean pass ran (begin_clean_pass)")
+        self.join_writes()
         first, frames = self._scratch
         sink, bounded = self.sink_frames, isinstance(self.config, TempCacheConfig) or self.config.bounded
         for i in range(frames):

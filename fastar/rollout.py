@@ -182,6 +182,7 @@ class Rollout:
         self.cache.begin_clean_pass()
         self.attention.step = len(self.sigmas)  # the clean pass: the step after the last
         self.predict(x0, self.context_noise, frame_offset)
+        self.cache.join_writes()  # inside the chunk's CUDA graph, which must end on its own stream
         return x0
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:

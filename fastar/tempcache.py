@@ -69,6 +69,41 @@ class TempCacheConfig:
         return self.max_cache_frames - self.sink_frames
 
 
+def _fp8_gemm(device: torch.device) -> bool:
+    """Whether the device has fp8 tensor cores (compute capability 8.9 on)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# Unit vectors times 256: no entry can pass e4m3's 448, and those of a spread-out vector
+# (~256 / sqrt(C)) sit well inside its normal range.
+_FP8_UNIT = 256.0
+
+
+def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of the cosine of x [N, C] against keys [M, C] (``scale`` [M]: each key's
+    inverse norm, 0 for empty slots) on fp8 tensor cores.
+
+    Why: the match is the bulk of TempCache's write, a GEMM as large as a layer's projections,
+    and fp8 runs it at twice bf16's rate. x's rows go to unit norm too (a row's argmax does not
+    change), so both operands quantize alike; the caller recomputes the winner's cosine in fp32,
+    so only near-ties (~1e-3) may pick another slot than bf16 scores would."""
+    (n, c), m = x.shape, keys.shape[0]
+    xs = x.float()
+    xs = xs * (_FP8_UNIT / torch.linalg.vector_norm(xs, dim=-1, keepdim=True).clamp_min(1e-12))
+    # both operands' rows padded to a multiple of 16 with zeros, as fp8 GEMMs need
+    x8 = torch.zeros(-(-n // 16) * 16, c, dtype=torch.float8_e4m3fn, device=x.device)
+    x8[:n] = xs.to(torch.float8_e4m3fn)
+    k8 = torch.zeros(-(-m // 16) * 16, c, dtype=torch.float8_e4m3fn, device=x.device)
+    k8[:m] = keys * (scale * _FP8_UNIT).to(keys.dtype)[:, None]
+    one = torch.ones((), device=x.device)
+    idx = torch.cat([torch._scaled_mm(x8[i:i + 1024], k8.T, scale_a=one, scale_b=one,
+                                      out_dtype=torch.bfloat16).argmax(dim=-1)
+                     for i in range(0, x8.shape[0], 1024)])[:n]
+    # a padding row scores 0, like an empty slot: it wins only where no filled slot scores above
+    # 0, which never merges; clamped into range all the same
+    return idx.clamp_max(m - 1)
+
+
 class TempCache:
     """Per-slot merge state of a KVCache's history region, and the merge itself."""
 
@@ -113,9 +148,12 @@ class TempCache:
             scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
             if self.config.matching == "query":
                 scale = held.float()  # plain q.k argmax over filled slots
-            unit = keys * scale.to(keys.dtype)[:, None]
             x = x.reshape(n, h * d)
-            idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
+            if self.config.matching == "key" and _fp8_gemm(x.device):
+                idx = _top1_fp8(x, keys, scale)
+            else:
+                unit = keys * scale.to(keys.dtype)[:, None]
+                idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
             cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), keys[idx].float(), dim=-1)
             return (idx.expand(h, n) if canon is None else canon[:, idx]), cos.expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]

@@ -34,3 +34,21 @@ def test_graphed_chunks_equal_eager_chunks(cache, ann):
     held = slice(0, graphed.cache.capacity_frames * graphed.cache.tokens_per_frame)  # not TempCache's dump row
     for a, b in ((graphed.cache.k, eager.cache.k), (graphed.cache.v, eager.cache.v)):
         torch.testing.assert_close(a[:, :, held], b[:, :, held], rtol=1e-5, atol=1e-5)  # the history the graphs wrote
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
+def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs):
+    """The clean pass's history writes (TempCache's merge, AnnSA's sort) overlapping the rest of
+    the pass on a side stream leave the same outputs and cache as when they run in line."""
+    model = build_model("tiny", device="cuda", seed=0)
+    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    settings = dict(frames=27, height=64, width=96, chunk_frames=3, cuda_graphs=cuda_graphs,
+                    cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig(keep_fraction=0.5))
+    inline, side = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
+    inline.attention.overlap_writes = False
+    want, got = inline.run(), side.run()
+    assert side.cache.write_stream is None  # joined: nothing of the last chunk left running
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((side.cache.k, inline.cache.k), (side.cache.v, inline.cache.v),
+                 (side.cache.tempcache.count, inline.cache.tempcache.count)):
+        torch.testing.assert_close(a[:, :, :-1], b[:, :, :-1], rtol=1e-5, atol=1e-5)  # all but the dump row

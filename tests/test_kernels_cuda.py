@@ -1,6 +1,6 @@
 """On a GPU: the compiled kernels equal their twins (adaLN and q/k norm + RoPE at the Wan 1.3B chunk
-shape and at odd ones; the block-sparse attention with a bias window), and the FFN's GELU epilogue
-equals GEMM + tanh GELU.
+shape and at odd ones; the block-sparse attention with a bias window), the FFN's GELU epilogue
+equals GEMM + tanh GELU, and TempCache's fp8 match finds the best cosine.
 
 CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
 kernel tests switch Triton to its interpreter at import, so run this file on its own; it skips
@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
@@ -85,3 +86,23 @@ def test_block_sparse_bias_window_equals_twin():
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     whole = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq).float()
     assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
+
+
+@pytest.mark.skipif(not _fp8_gemm(torch.device("cuda")), reason="no fp8 tensor cores")
+def test_tempcache_fp8_match_finds_the_best_cosine():
+    """Planted near-copies are found; every pick is within fp8's rounding of the best cosine, never
+    an empty slot when a filled one scores above 0."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    M, N, C = 3000, 601, 1536
+    keys = (torch.randn(M, C, device="cuda", generator=g) * torch.rand(M, 1, device="cuda", generator=g) * 4).bfloat16()
+    filled = torch.rand(M, device="cuda", generator=g) > 0.1
+    src = torch.nonzero(filled).flatten()[torch.randperm(int(filled.sum()), device="cuda", generator=g)[:N]]
+    rms = keys[src].float().pow(2).mean(-1, keepdim=True).sqrt()
+    x = (keys[src].float() + 0.4 * rms * torch.randn(N, C, device="cuda", generator=g)).bfloat16()  # cosine ~0.93
+    scale = torch.where(filled, 1.0 / torch.linalg.vector_norm(keys.float(), dim=-1), 0.0)
+    idx = _top1_fp8(x, keys, scale)
+    cos = torch.nn.functional.normalize(x.float(), dim=-1) @ torch.nn.functional.normalize(keys.float(), dim=-1).T
+    cos = cos.masked_fill(~filled, float("-inf"))
+    assert idx.shape == (N,) and bool(filled[idx].all())
+    assert (idx == src).float().mean().item() > 0.99
+    assert (cos.max(-1).values - cos.gather(1, idx[:, None]).squeeze(1)).max().item() < 2e-3
