@@ -157,7 +157,7 @@ class FastARAttention:
             if self.annsa is not None and layer not in self.dense_layers:
                 self.annsa.index_history(layer)
 
-        if not (self.overlap_writes and q.is_cuda):
+        if not (self.overlap_writes and q.is_cuda and (self.cache.tempcache is not None or self.annsa is not None)):
             return write()
         side = _write_stream(q.device)
         side.wait_stream(torch.cuda.current_stream(q.device))  # the layer's K/V of this pass are ready
