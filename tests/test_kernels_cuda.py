@@ -88,7 +88,7 @@ def test_block_sparse_bias_window_equals_twin():
     assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
 
 
-@pytest.mark.skipif(not _fp8_gemm(torch.device("cuda")), reason="no fp8 tensor cores")
+@pytest.mark.skipif(not torch.cuda.is_available() or not _fp8_gemm(torch.device("cuda")), reason="no fp8 tensor cores")
 def test_tempcache_fp8_match_finds_the_best_cosine():
     """Planted near-copies are found; every pick is within fp8's rounding of the best cosine, never
     an empty slot when a filled one scores above 0."""
