@@ -83,10 +83,11 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor) -> torch
     """Row-wise argmax of the cosine of x [N, C] against keys [M, C] (``scale`` [M]: each key's
     inverse norm, 0 for empty slots) on fp8 tensor cores.
 
-    Why: the match is the bulk of TempCache's write, a GEMM as large as a layer's projections,
-    and fp8 runs it at twice bf16's rate. x's rows go to unit norm too (a row's argmax does not
-    change), so both operands quantize alike; the caller recomputes the winner's cosine in fp32,
-    so only near-ties (~1e-3) may pick another slot than bf16 scores would."""
+    Why: the match's GEMM is as large as a layer's projections, and fp8 runs it at twice bf16's
+    rate (the two quantization passes take back half of that: 0.78 against 0.85 ms a layer on an
+    H200, bench/NOTES.md). x's rows go to unit norm too (a row's argmax does not change), so both
+    operands quantize alike; the caller recomputes the winner's cosine in fp32, so only near-ties
+    (~1e-3) may pick another slot than bf16 scores would."""
     (n, c), m = x.shape, keys.shape[0]
     xs = x.float()
     xs = xs * (_FP8_UNIT / torch.linalg.vector_norm(xs, dim=-1, keepdim=True).clamp_min(1e-12))
