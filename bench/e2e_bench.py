@@ -78,14 +78,19 @@ def reset_peak(device):
 
 
 @contextlib.contextmanager
-def key_block(n):
-    """AnnSA quant scoring blocks of n history keys instead of ``fastar.ann.KEY_BLOCK``."""
-    ann, old = fastar.ann, fastar.ann.KEY_BLOCK
-    ann.KEY_BLOCK = n
+def patched(obj, attr, value):
+    """``obj.attr`` set to ``value`` for the duration (module constants, class defaults)."""
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
     try:
         yield
     finally:
-        ann.KEY_BLOCK = old
+        setattr(obj, attr, old)
+
+
+def key_block(n):
+    """AnnSA quant scoring blocks of n history keys instead of ``fastar.ann.KEY_BLOCK``."""
+    return patched(fastar.ann, "KEY_BLOCK", n)
 
 
 def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True):

@@ -41,31 +41,12 @@ E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN p
 E.real_rollout(model, ctx, 2, hw, "quant.35")
 
 
-@contextlib.contextmanager
-def full_bias():
-    """The bias window spanning every key: AnnSA's kernel reads the bias on every range."""
-    cls = E.fastar.KVCache
-    old = cls.bias_window
-    cls.bias_window = lambda self: (0, 1 << 62)
-    try:
-        yield
-    finally:
-        cls.bias_window = old
-
-
-@contextlib.contextmanager
-def patched(obj, attr, value):
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attr, old)
-
-
-VARIANTS = {"eager": contextlib.nullcontext, "fullbias": full_bias,
-            "inline": lambda: patched(E.fastar.FastARAttention, "overlap_writes", False),
-            "bf16match": lambda: patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False)}
+# NAME/variant -> the context it runs in; fullbias: the bias window spanning every key, so AnnSA's kernel reads the
+# bias on every range
+VARIANTS = {"eager": contextlib.nullcontext,
+            "fullbias": lambda: E.patched(E.fastar.KVCache, "bias_window", lambda self: (0, 1 << 62)),
+            "inline": lambda: E.patched(E.fastar.FastARAttention, "overlap_writes", False),
+            "bf16match": lambda: E.patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False)}
 out = {}
 for name in names:
     base, _, variant = name.partition("/")
