@@ -152,12 +152,15 @@ class FastARAttention:
         the next chunk reads them, so on CUDA they run on a side stream and overlap the rest of
         the pass (layers after this one never touch this layer's cache); ``KVCache.join_writes``
         (the engine's, after the pass, and ``commit``'s) ends them."""
+        index = self.annsa is not None and layer not in self.dense_layers
+
         def write():
             self.cache.after_attention(layer, q)
-            if self.annsa is not None and layer not in self.dense_layers:
+            if index:
                 self.annsa.index_history(layer)
 
-        if not (self.overlap_writes and q.is_cuda and (self.cache.tempcache is not None or self.annsa is not None)):
+        # a side stream only where there is device work to overlap: a TempCache merge or a re-sort
+        if not (self.overlap_writes and q.is_cuda and (self.cache.tempcache is not None or index)):
             return write()
         side = _write_stream(q.device)
         side.wait_stream(torch.cuda.current_stream(q.device))  # the layer's K/V of this pass are ready
