@@ -2,8 +2,9 @@
 0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, NAME/eager, a setting with
 its repeating chunks launched op by op instead of replayed from a CUDA graph, NAME/fullbias, AnnSA's kernel
 reading the log m bias on every range, the sink's and the open chunk's too, NAME/inline, the clean pass's history
-writes in line instead of on a side stream, and NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
-cores); 14 chunks each at the TempCache
+writes in line instead of on a side stream, NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
+cores, and NAME/cudnnbias, the first step's biased dense attention on cuDNN with a mask instead of the
+block-sparse kernel on the all-keys plan); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -46,7 +47,9 @@ E.real_rollout(model, ctx, 2, hw, "quant.35")
 VARIANTS = {"eager": contextlib.nullcontext,
             "fullbias": lambda: E.patched(E.fastar.KVCache, "bias_window", lambda self: (0, 1 << 62)),
             "inline": lambda: E.patched(E.fastar.FastARAttention, "overlap_writes", False),
-            "bf16match": lambda: E.patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False)}
+            "bf16match": lambda: E.patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False),
+            "cudnnbias": lambda: E.patched(E.fastar.attention, "attend_biased",
+                                           lambda q, k, v, bias, window: E.fastar.attend(q, k, v, key_bias=bias))}
 out = {}
 for name in names:
     base, _, variant = name.partition("/")

@@ -3,8 +3,9 @@
 ``FastARAttention`` is the attention state a forward runs under. Self-attention reads
 ``[sink | history | own chunk]`` from the KV cache (writing the chunk's own K/V into the
 cache's scratch slot first, so no concatenation is ever made); cross-attention attends the
-prompt tokens. Dense calls end in ``attend`` (cuDNN SDPA, TempCache's log m as a key bias);
-where an ``AnnConfig`` schedules sparsity they go to AnnSA / AnnCA (``fastar.ann``).
+prompt tokens. Dense calls end in ``attend`` (cuDNN SDPA), or, with TempCache's log m as a key
+bias on a GPU, in the block-sparse kernel on the all-keys plan (``attend_biased``); where an
+``AnnConfig`` schedules sparsity they go to AnnSA / AnnCA (``fastar.ann``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..kernels import HAS_TRITON
+from ..kernels.block_sparse_attention import block_sparse_attention, dense_ranges, kernel_supports
 from .errors import FastARError
 
 # On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
@@ -36,6 +39,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=attn_mask)
+    return out.transpose(1, 2)
+
+
+_DENSE_PLANS: dict = {}
+
+
+def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
+                  bias_window: tuple[int, int]) -> torch.Tensor:
+    """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
+
+    On a GPU this is the block-sparse kernel on the all-keys plan, split in two along the keys:
+    cuDNN takes the bias as a full mask tensor and runs ~1.5x slower than without it, while the
+    kernel adds it per key tile and skips it outside the history (bench/NOTES.md, "Key splits").
+    """
+    if not (HAS_TRITON and q.is_cuda and kernel_supports(q, 64)):
+        return attend(q, k, v, key_bias=key_bias)
+    B, Lq, H, _ = q.shape
+    shape = (B, H, Lq, k.shape[1], q.device)
+    if shape not in _DENSE_PLANS:  # one per shape: a rollout at its budget meets one or two
+        _DENSE_PLANS[shape] = dense_ranges(*shape[:4], 64, device=q.device)
+    out = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *_DENSE_PLANS[shape],
+                                 key_bias=key_bias, bias_window=bias_window, num_splits=2)
     return out.transpose(1, 2)
 
 
@@ -139,8 +164,10 @@ class FastARAttention:
             sparse = layer not in self.dense_layers
         if sparse:
             out = self.annsa.attention(layer, q, keys, values, bias, plan)
+        elif bias is not None:
+            out = attend_biased(q, keys, values, bias, self.cache.bias_window())
         else:
-            out = attend(q, keys, values, key_bias=bias)
+            out = attend(q, keys, values)
         if self.cache.clean_pass:
             self._write_history(layer, q)
         else:

@@ -73,6 +73,7 @@ __all__ = [
     "HOPPER_LAUNCH_GRID",
     "default_launch",
     "dense_ranges",
+    "kernel_supports",
     "n_query_blocks",
     "validate_plan",
 ]
@@ -313,11 +314,12 @@ def block_sparse_attention_torch(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> Tensor:
     """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
 
-    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` are
-    accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
+    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` /
+    ``num_splits`` are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
     shape, dtype and (where q is dense) memory layout. Validates the plan's values with
     :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
     """
@@ -466,6 +468,13 @@ if HAS_TRITON:
             )
         return acc, l_i, m_i
 
+    @triton.jit
+    def _split_cut(c, total, r_cum, r_len, BLOCK_N: tl.constexpr):
+        """Key count ``c`` moved down to a tile boundary of the range it falls in (``total`` stays)."""
+        inside = (r_cum <= c) & (c < r_cum + r_len)
+        snapped = tl.sum(tl.where(inside, r_cum + (c - r_cum) // BLOCK_N * BLOCK_N, 0), 0)
+        return tl.where(c >= total, total, snapped)
+
     # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
     # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
     # alignment the kernel could use: tiles start at unaligned range starts anyway.
@@ -479,6 +488,8 @@ if HAS_TRITON:
         counts_ptr,
         bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
         perm_ptr,
+        part_ptr,  # SPLIT > 1: [SPLIT, B * H, Lq, D] fp32, each split's normalised output
+        lse_ptr,  # SPLIT > 1: [SPLIT, B * H, Lq] fp32, each split's log2-sum-exp2 per query
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
         Lq,
@@ -522,8 +533,11 @@ if HAS_TRITON:
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr,
+        R_BLOCK: tl.constexpr,
     ):
-        """One program: one query block of one (b, h) against the keys of its ranges."""
+        """One program: one query block of one (b, h) against the keys of its ranges (with
+        ``SPLIT`` > 1, against split ``program_id(2)`` of them, a partial result)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         # int64 bases: b * stride over a long cache can exceed 2**31 elements.
@@ -563,13 +577,43 @@ if HAS_TRITON:
         count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
         count = tl.minimum(tl.maximum(count, 0), R)
 
+        if SPLIT > 1:
+            # This program's share: keys [cut_lo, cut_hi) of the block's keys counted along its
+            # ranges, split evenly by count; a cut inside a range falls on a whole number of
+            # tiles from the range's start, so splitting adds no masked tile.
+            offs_r = tl.arange(0, R_BLOCK)
+            r_ok = offs_r < count
+            r_start = tl.maximum(tl.load(r_base + offs_r * stride_rr, mask=r_ok, other=0), 0)
+            r_end = tl.minimum(tl.load(r_base + offs_r * stride_rr + stride_rp, mask=r_ok, other=0), Lk)
+            r_len = tl.maximum(r_end - r_start, 0)
+            r_cum = tl.cumsum(r_len, 0) - r_len  # keys before each range
+            total = tl.sum(r_len, 0)
+            pid_s = tl.program_id(2)
+            cut_lo = _split_cut(total * pid_s // SPLIT, total, r_cum, r_len, BLOCK_N)
+            cut_hi = _split_cut(total * (pid_s + 1) // SPLIT, total, r_cum, r_len, BLOCK_N)
+            # Only the ranges the share overlaps are visited: a range's bounds are two dependent
+            # loads, too slow to spend on ranges another split reads.
+            before = r_ok & (r_cum + r_len <= cut_lo)
+            r_first = tl.sum(before.to(tl.int32), 0)
+            r_last = tl.sum((r_ok & (r_cum < cut_hi)).to(tl.int32), 0)
+            seen = tl.sum(tl.where(before, r_len, 0), 0)
+        else:
+            r_first = 0
+            r_last = count
+
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for r in range(0, count):
+        for r in range(r_first, r_last):
             start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
             end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
             n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
+            if SPLIT > 1:
+                skip = tl.minimum(tl.maximum(cut_lo - seen, 0), n_keys)
+                seen += n_keys
+                n_keys = tl.minimum(tl.maximum(cut_hi - (seen - n_keys), 0), n_keys) - skip
+                start += skip
+                end = start + n_keys
             k_tile = k_base + start.to(tl.int64) * stride_kl
             v_tile = v_base + start.to(tl.int64) * stride_vl
             b_tile = bias_base + start
@@ -592,9 +636,47 @@ if HAS_TRITON:
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_base = o_ptr + b * stride_ob + h * stride_oh
-        o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLIT > 1:
+            # Partials at the queries' original positions, so the combine needs no permutation.
+            row_off = (pid_s * (tl.num_programs(1) * Lq) + pid_bh * Lq).to(tl.int64) + rows.to(tl.int64)
+            lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row_off, lse, mask=row_ok)
+            tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+        else:
+            o_base = o_ptr + b * stride_ob + h * stride_oh
+            o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit(do_not_specialize=["H", "Lq"])
+    def _combine_splits_kernel(
+        part_ptr, lse_ptr, o_ptr, H, Lq, stride_ob, stride_oh, stride_ol, stride_od,
+        D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes
+        joined into one; a query no split saw a finite logit for gets 0."""
+        pid_bh = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        ok = rows < Lq
+        n_bh = tl.num_programs(1)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLIT):
+            row_off = (s * n_bh * Lq + pid_bh * Lq).to(tl.int64) + rows
+            m = tl.maximum(m, tl.load(lse_ptr + row_off, mask=ok, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        num = tl.zeros([BLOCK, D], tl.float32)
+        den = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SPLIT):
+            row_off = (s * n_bh * Lq + pid_bh * Lq).to(tl.int64) + rows
+            w = tl.math.exp2(tl.load(lse_ptr + row_off, mask=ok, other=float("-inf")) - m)
+            o = tl.load(part_ptr + row_off[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+            num += w[:, None] * o
+            den += w
+        out = num / tl.where(den > 0, den, 1.0)[:, None]
+        b = (pid_bh // H).to(tl.int64)
+        h = (pid_bh % H).to(tl.int64)
+        o_ptrs = o_ptr + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
@@ -603,7 +685,20 @@ def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
     return span < 2**31 - 1
 
 
-def _kernel_supports(q: Tensor, block_q) -> bool:
+#: Query rows per program of the split combine.
+_COMBINE_ROWS = 32
+
+
+def _resolve_splits(num_splits, ctas: int, q: Tensor) -> int:
+    """Key splits per query block: ``num_splits`` as given (an int in [1, 16]), or the default."""
+    if num_splits is None:
+        return 1
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 16:
+        raise ValueError(f"num_splits must be an int in [1, 16] or None, got {num_splits!r}")
+    return num_splits
+
+
+def kernel_supports(q: Tensor, block_q) -> bool:
     """dtype, head dim and block size the kernel handles (D a power of two in [16, 256])."""
     D = q.shape[-1] if q.ndim == 4 else 0
     small = isinstance(block_q, int) and block_q <= 256
@@ -625,6 +720,7 @@ def block_sparse_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> Tensor:
     """Triton kernel with the twin's contract; grid ``(ceil(Lq / block_q), B * H)``.
 
@@ -693,8 +789,12 @@ def block_sparse_attention(
         k = k.contiguous()
     if not _tile_offsets_fit(v, bn):
         v = v.contiguous()
-    grid = (nqb, B * H)
-    _block_sparse_attention_kernel[grid](
+    splits = _resolve_splits(num_splits, nqb * B * H, q)
+    part = lse = q  # dummy pointers, never read without a split
+    if splits > 1:
+        part = torch.empty(splits, B * H, Lq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, B * H, Lq, dtype=torch.float32, device=q.device)
+    _block_sparse_attention_kernel[(nqb, B * H, splits)](
         q,
         k,
         v,
@@ -703,6 +803,8 @@ def block_sparse_attention(
         range_counts,
         bias,
         perm,
+        part,
+        lse,
         scale * _LOG2E,
         H,
         Lq,
@@ -726,9 +828,15 @@ def block_sparse_attention(
         SCALE_NEG=scale < 0,
         UPCAST=upcast,
         INPUT_PRECISION=precision,
+        SPLIT=splits,
+        R_BLOCK=max(2, 1 << (R - 1).bit_length()) if splits > 1 else 1,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
+    if splits > 1:
+        _combine_splits_kernel[(triton.cdiv(Lq, _COMBINE_ROWS), B * H)](
+            part, lse, out, H, Lq, *out.stride(), D=D, BLOCK=_COMBINE_ROWS, SPLIT=splits, num_warps=4,
+        )
     return out
 
 
@@ -750,12 +858,13 @@ def block_sparse_attention_auto(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> Tensor:
     """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
     and the dtype / head dim suit it, else the torch twin (same results)."""
     fn = (
         block_sparse_attention
-        if isinstance(q, Tensor) and triton_runs_on(q) and _kernel_supports(q, block_q)
+        if isinstance(q, Tensor) and triton_runs_on(q) and kernel_supports(q, block_q)
         else block_sparse_attention_torch
     )
     return fn(
@@ -772,4 +881,5 @@ def block_sparse_attention_auto(
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
+        num_splits=num_splits,
     )

@@ -212,6 +212,48 @@ def test_kernel_matches_twin_random(shard):
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_key_splits_match_twin_random(splits):
+    """Key splits (partial softmaxes joined by the combine pass) give the unsplit results."""
+    for c in range(12):
+        seed = BASE_SEED + 104729 * splits + c
+        q, k, v, ranges, counts, kw, block_n = random_case(seed)
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, num_splits=splits, **kw)
+        ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        err = rel_err(out, ref)
+        assert err <= TOL[q.dtype], f"seed={seed} splits={splits} err={err}"
+
+
+@needs_triton
+def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
+    """Cuts land inside ranges, between ranges and on empty ranges; a split with no keys (more
+    splits than tiles) contributes nothing; rows every split sees only -inf for are zero."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, Lq, Lk, D = 1, 2, 40, 200, 64
+    q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
+    spans = [[0, 37], [37, 37], [50, 51], [60, 131], [140, 140], [150, 200]]
+    ranges = torch.tensor(spans, dtype=torch.int32).expand(B, H, 3, len(spans), 2).clone()
+    counts = torch.tensor([[6, 6, 2], [6, 0, 3]], dtype=torch.int32)[None]
+    bias = torch.randn(B, H, Lk)
+    bias[0, 1, :51] = NEG_INF  # head 1, block 2 reads keys 0..50 only: all -inf
+    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160))
+    ref = block_sparse_attention_torch(q, k, v, ranges, counts, **kw)
+    for splits in (1, 2, 3, 7, 16):
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, num_splits=splits, **kw)
+        assert rel_err(out, ref) <= 1e-5, splits
+        assert bool((out[0, 1, 16:] == 0).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("bad", [0, 17, 1.5, True, "2"])
+def test_bad_num_splits_raise(bad):
+    d = _base()
+    with pytest.raises(ValueError, match="num_splits must be"):
+        block_sparse_attention(d["q"], d["k"], d["v"], d["ranges"], d["range_counts"], block_q=16, num_splits=bad)
+
+
+@needs_triton
 @pytest.mark.parametrize(
     "dtype,D,block_q,block_n",
     [
@@ -629,9 +671,11 @@ for elem, D, block_q, bias, perm, launch in json.loads(sys.argv[1]):
     if launch is None:
         launch = bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
-                bias_ptr="fp32", perm_ptr="i64")
+                bias_ptr="fp32", perm_ptr="i64", part_ptr="fp32", lse_ptr="fp32")
+    split = launch.pop("split", 1)
     const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
-                 HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None)
+                 HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
+                 SPLIT=split, R_BLOCK=128 if split > 1 else 1)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
                                  "stride_cq", "stride_pl")})
     aligned = {"stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
@@ -689,11 +733,12 @@ def _check_native(info):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "elem,D,block_q,bias,perm",
-    [("bf16", 128, 128, True, True), ("fp16", 64, 64, False, False)],
+    "elem,D,block_q,bias,perm,split",
+    [("bf16", 128, 128, True, True, 1), ("fp16", 64, 64, False, False, 1), ("bf16", 128, 64, True, True, 2)],
 )
-def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm):
-    (info,) = _aot_compile([[elem, D, block_q, bias, perm, None]])
+def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm, split):
+    launch = dict(bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split)
+    (info,) = _aot_compile([[elem, D, block_q, bias, perm, launch]])
     _check_native(info)
 
 

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from comfyui_fastar.fastar.attention import attend, attend_biased
 from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
@@ -86,6 +87,44 @@ def test_block_sparse_bias_window_equals_twin():
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     whole = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq).float()
     assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_block_sparse_key_splits_equal_unsplit_at_the_chunk_shape(splits):
+    """At the Wan 1.3B chunk shape (4680 queries, 12 heads, sink + biased history + chunk), a split
+    kernel's output equals the unsplit one's to bf16 rounding, with and without a permutation."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    H, Lq, Lk, lo, hi = 12, 4680, 9360, 1560, 4680
+    q, k, v = (torch.randn(1, H, n, 128, device="cuda", generator=g).bfloat16() for n in (Lq, Lk, Lk))
+    bias = torch.zeros(1, H, Lk, device="cuda")
+    bias[..., lo:hi] = torch.log(torch.randint(1, 4, (1, H, hi - lo), device="cuda", generator=g).float())
+    nqb = -(-Lq // 64)
+    ranges = torch.zeros(1, H, nqb, 9, 2, dtype=torch.int32, device="cuda")
+    ranges[..., 0, 1], ranges[..., 1, 0], ranges[..., 1, 1] = lo, hi, Lk
+    starts = lo + 128 * torch.rand(1, H, nqb, 24, device="cuda", generator=g).argsort(-1)[..., :7].sort(-1).values
+    ranges[..., 2:, 0], ranges[..., 2:, 1] = starts.int(), (starts + 100).int()
+    counts = torch.randint(0, 10, (1, H, nqb), dtype=torch.int32, device="cuda", generator=g)
+    perm = torch.stack([torch.randperm(Lq, device="cuda", generator=g) for _ in range(H)])[None]
+    for kw in ({}, {"q_perm": perm}):
+        kw.update(key_bias=bias, bias_window=(lo, hi))
+        one = block_sparse_attention(q, k, v, ranges, counts, **kw).float()
+        split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
+        assert ((split - one).norm() / one.norm()).item() < 4e-3
+
+
+def test_attend_biased_equals_cudnn_with_the_mask():
+    """The first step's biased dense attention on the kernel equals cuDNN SDPA with the bias as a mask."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    Lq, Lk, lo, hi = 1560, 6240, 1560, 4680
+    q = torch.randn(1, Lq, 12, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, Lk, 12, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    bias = torch.zeros(1, 12, Lk, device="cuda")
+    bias[..., lo:hi] = torch.log(torch.randint(1, 4, (1, 12, hi - lo), device="cuda", generator=g).float())
+    bias[..., lo:lo + 100] = float("-inf")  # empty slots
+    got = attend_biased(q, k, v, bias, (lo, hi)).float()
+    want = attend(q, k, v, key_bias=bias).float()
+    assert got.shape == want.shape == (1, Lq, 12, 128)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _fp8_gemm(torch.device("cuda")), reason="no fp8 tensor cores")
