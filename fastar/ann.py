@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import triton_runs_on
+from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto
 from ..kernels.quant_scores import quant_block_scores_auto
 from ..kernels.quant_select import quant_select_auto, runs_to_ranges
@@ -276,11 +277,7 @@ class AnnSA:
         b, m, h, d = k.shape
         nkb = -(-m // KEY_BLOCK)
         pad = nkb * KEY_BLOCK - m
-        count = torch.nn.functional.pad(filled.float(), (0, pad)).view(b, h, nkb, KEY_BLOCK).sum(-1)
-        # filled keys in the cache dtype (one masked copy, zero-padded to whole blocks), summed in fp32
-        kb = k.new_zeros(b, h, nkb * KEY_BLOCK, d)
-        kb[:, :, :m] = k.transpose(1, 2).masked_fill(~filled[..., None], 0)
-        mean = kb.view(b, h, nkb, KEY_BLOCK, d).sum(-2, dtype=torch.float32) / count.clamp_min(1)[..., None]
+        mean, _ = block_means_auto(k, filled, KEY_BLOCK)
         log_m = bias.float() if bias is not None else torch.zeros_like(filled, dtype=torch.float32)
         log_m = torch.nn.functional.pad(log_m.masked_fill(~filled, float("-inf")), (0, pad), value=float("-inf"))
         k8, scale = _int8(mean)

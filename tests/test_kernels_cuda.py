@@ -15,6 +15,7 @@ from comfyui_fastar.fastar.attention import attend, attend_biased
 from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
+from comfyui_fastar.kernels.block_means import block_means, block_means_torch
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_torch
 
@@ -110,6 +111,19 @@ def test_block_sparse_key_splits_equal_unsplit_at_the_chunk_shape(splits):
         one = block_sparse_attention(q, k, v, ranges, counts, **kw).float()
         split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
         assert ((split - one).norm() / one.norm()).item() < 4e-3
+
+
+def test_block_means_equal_twin_at_the_budget():
+    """AnnSA's block means of a Wan 1.3B layer's history at the TempCache budget (28080 keys of a
+    [B, L, H, D] cache buffer, a tenth of the slots empty): the kernel equals the twin."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    buf = torch.randn(1, 37440, 12, 128, device="cuda", generator=g).bfloat16()
+    k = buf[:, 4680:32760]
+    filled = torch.rand(1, 12, 28080, device="cuda", generator=g) > 0.1
+    mean, count = block_means(k, filled, 128)
+    want_mean, want_count = block_means_torch(k, filled, 128)
+    assert torch.equal(count, want_count)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
 
 
 def test_attend_biased_equals_cudnn_with_the_mask():

@@ -1,0 +1,74 @@
+"""AnnSA's block means: the Triton kernel (under the CPU interpreter) equals its twin, and the twin
+equals a per-block loop over the filled keys."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from comfyui_fastar.kernels import block_means as bm  # noqa: E402
+from comfyui_fastar.kernels.block_means import block_means, block_means_auto, block_means_torch  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not bm.HAS_TRITON, reason="triton not importable")
+
+
+def _case(seed, dtype, b=2, m=300, h=3, d=16, view=False):
+    g = torch.Generator().manual_seed(seed)
+    if view:  # a [B, M, H, D] slice of a wider buffer, as the cache hands it over
+        k = torch.randn(b, m + 7, h + 2, d, generator=g).to(dtype)[:, 3:m + 3, 1:h + 1]
+    else:
+        k = torch.randn(b, m, h, d, generator=g).to(dtype)
+    filled = torch.rand(b, h, m, generator=g) > 0.3
+    filled[0, 1, :128] = False  # whole empty blocks
+    return k, filled
+
+
+def test_twin_equals_a_loop_over_blocks():
+    k, filled = _case(0, torch.float32)
+    mean, count = block_means_torch(k, filled, 64)
+    for b in range(2):
+        for h in range(3):
+            for j in range(mean.shape[2]):
+                rows = torch.arange(j * 64, min((j + 1) * 64, 300))
+                keep = rows[filled[b, h, rows]]
+                assert count[b, h, j] == len(keep)
+                want = k[b, keep, h].sum(0) / max(len(keep), 1)
+                torch.testing.assert_close(mean[b, h, j], want, rtol=1e-5, atol=1e-6)
+    assert bool((mean[0, 1, :2] == 0).all()) and bool((count[0, 1, :2] == 0).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("block", [64, 128])
+def test_kernel_equals_twin(dtype, view, block):
+    k, filled = _case(1, dtype, view=view)
+    mean, count = block_means(k, filled, block)
+    want_mean, want_count = block_means_torch(k, filled, block)
+    assert mean.shape == want_mean.shape == (2, 3, -(-300 // block), 16)
+    assert torch.equal(count, want_count)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_auto_takes_the_twin_where_the_kernel_cannot_run():
+    k, filled = _case(2, torch.float32, d=12)  # D not a power of two
+    mean, count = block_means_auto(k, filled, 64)
+    want = block_means_torch(k, filled, 64)
+    assert torch.equal(mean, want[0]) and torch.equal(count, want[1])
+    with pytest.raises(ValueError, match="powers of two"):
+        block_means(k, filled, 64)
+
+
+@pytest.mark.parametrize("fn", [block_means_torch, pytest.param(block_means, marks=needs_triton)])
+def test_bad_inputs_raise(fn):
+    k, filled = _case(3, torch.float32)
+    with pytest.raises(ValueError, match="k must be"):
+        fn(k[0], filled, 64)
+    with pytest.raises(ValueError, match="filled must be bool"):
+        fn(k, filled.float(), 64)
+    with pytest.raises(ValueError, match="filled must be bool"):
+        fn(k, filled[:, :, :10], 64)
+    with pytest.raises(ValueError, match="block must be"):
+        fn(k, filled, 0)
