@@ -4,8 +4,9 @@ its repeating chunks launched op by op instead of replayed from a CUDA graph, NA
 reading the log m bias on every range, the sink's and the open chunk's too, NAME/inline, the clean pass's history
 writes in line instead of on a side stream, NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
 cores, NAME/cudnnbias, the first step's biased dense attention on cuDNN with a mask instead of the
-block-sparse kernel on the all-keys plan, and NAME/torchmeans, AnnSA's block means in eager torch instead of
-their kernel); 14 chunks each at the TempCache
+block-sparse kernel on the all-keys plan, NAME/torchmeans, AnnSA's block means in eager torch instead of
+their kernel, and NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
+alignment) by torch.gather instead of their kernel); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
 from testbed import testbed  # noqa: E402
 from comfyui_fastar.kernels.block_means import block_means_torch  # noqa: E402  (importable once E is)
+from comfyui_fastar.kernels.gather_rows import gather_rows_torch  # noqa: E402
 
 smoke = "--smoke" in sys.argv
 out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "bench/results"
@@ -52,7 +54,15 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "bf16match": lambda: E.patched(E.fastar.tempcache, "_fp8_gemm", lambda device: False),
             "cudnnbias": lambda: E.patched(E.fastar.attention, "attend_biased",
                                            lambda q, k, v, bias, window: E.fastar.attend(q, k, v, key_bias=bias)),
-            "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch)}
+            "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch),
+            "torchgather": lambda: torch_gather()}
+
+
+@contextlib.contextmanager
+def torch_gather():
+    with E.patched(E.fastar.kvcache, "gather_rows_auto", gather_rows_torch), \
+            E.patched(E.fastar.tempcache, "gather_rows_auto", gather_rows_torch):
+        yield
 out = {}
 for name in names:
     base, _, variant = name.partition("/")

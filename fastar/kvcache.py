@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.gather_rows import gather_rows_auto
 from .errors import FastARError
 from .tempcache import TempCache, TempCacheConfig
 
@@ -306,10 +307,9 @@ class KVCache:
     def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
         """Reorder history ``rows`` of a layer per head: new row i takes old row perm[b, h, i].
         Attention is over a key set, so this changes no result; TempCache's slot state follows."""
-        idx = perm.transpose(1, 2)[..., None]                     # [B, M, H, 1]
         for buf in (self.k, self.v):
             part = buf[layer, :, rows]
-            part.copy_(part.gather(1, idx.expand_as(part)))
+            part.copy_(gather_rows_auto(part, perm))
         if self.has_bias:
             bias = self.log_count_bias[layer, :, :, rows]
             bias.copy_(bias.gather(-1, perm))

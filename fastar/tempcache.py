@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.correspondence import top1_correspondence
+from ..kernels.gather_rows import gather_rows_auto
 from .errors import FastARError
 
 MATCHING_MODES = ("key", "query")
@@ -143,7 +144,7 @@ class TempCache:
                 canon, keys, held = None, hist_k.reshape(-1, h * d), filled[0]
             else:
                 canon = torch.argsort(identity, dim=1)                                # [H, M]
-                keys = hist_k.gather(0, canon.t()[..., None].expand_as(hist_k)).reshape(-1, h * d)
+                keys = gather_rows_auto(hist_k[None], canon[None])[0].reshape(-1, h * d)
                 held = filled[0].gather(0, canon[0])
             norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
             scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)

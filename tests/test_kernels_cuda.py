@@ -16,6 +16,7 @@ from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
 from comfyui_fastar.kernels.block_means import block_means, block_means_torch
+from comfyui_fastar.kernels.gather_rows import gather_rows, gather_rows_torch
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_torch
 
@@ -124,6 +125,15 @@ def test_block_means_equal_twin_at_the_budget():
     want_mean, want_count = block_means_torch(k, filled, 128)
     assert torch.equal(count, want_count)
     torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_rows_equals_torch_gather_at_the_budget():
+    """AnnSA's re-sort of a Wan 1.3B layer's history (28080 rows x 12 heads of a cache buffer)."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    buf = torch.randn(1, 37440, 12, 128, device="cuda", generator=g).bfloat16()
+    part = buf[:, 4680:32760]
+    perm = torch.stack([torch.randperm(28080, device="cuda", generator=g) for _ in range(12)])[None]
+    assert torch.equal(gather_rows(part, perm), gather_rows_torch(part, perm))
 
 
 def test_attend_biased_equals_cudnn_with_the_mask():
