@@ -54,6 +54,27 @@ def test_lemma_5_1_duplicated_keys_merge_exactly(grouping):
     assert torch.isfinite(merged).all()
 
 
+@pytest.mark.parametrize("grouping", ["head", "shared"])
+def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly(grouping):
+    """Two frames of one chunk repeat the held frame: each slot then takes two tokens in one write,
+    and holds the mean of all three values (and the representative's key) with count 3."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(1, TPF, H, D, generator=g)
+    vals = [torch.randn(1, TPF, H, D, generator=g) for _ in range(3)]
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0, grouping=grouping),
+               chunk_frames=2)
+    write_chunk(kv, base, vals[0])
+    write_chunk(kv, torch.cat([base, base], 1), torch.cat(vals[1:], 1))
+    count = kv.tempcache.count[0, 0]
+    assert sorted(count[count > 0].flatten().tolist()) == [3.0] * (TPF * H)
+    slots = kv.tempcache.last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
+    for head in range(H):  # with no sink the history starts at row 0, so a slot is its row
+        rows = slots[head]
+        got_v = kv.v[0, 0, rows, head]
+        assert rel(got_v, sum(v[0, :, head] for v in vals) / 3) <= 1e-6
+        assert torch.equal(kv.k[0, 0, rows, head], base[0, :, head])
+
+
 def test_unclearable_threshold_is_bit_identical_to_plain_cache():
     model = build_model("tiny", seed=3)
     ctx = torch.randn(1, 5, model.text_dim)
