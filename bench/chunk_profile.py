@@ -22,10 +22,11 @@ import e2e_bench as E  # noqa: E402
 from testbed import testbed  # noqa: E402
 
 # kernel-name fragments -> group, first match wins (cuDNN / Triton / cuBLAS / ATen kernel names)
-GROUPS = [("sparse attention", ("_block_sparse", "block_sparse")), ("quant scores", ("quant_scores",)),
+GROUPS = [("sparse attention", ("_block_sparse", "block_sparse", "combine_splits")), ("quant scores", ("quant_scores",)),
+          ("block means", ("block_means",)),
           ("dense attention", ("cudnn", "fmha", "flash", "attention")), ("qk norm + rope", ("qk_norm_rope",)),
           ("tempcache match", ("correspondence", "_match")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
-          ("sort", ("sort", "radix")), ("copy", ("copy", "memcpy", "memset", "cat", "index")),
+          ("sort", ("sort", "radix")), ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather_rows")),
           ("norm / modulate / gelu", ("norm", "gelu", "mul", "add", "elementwise", "vectorized")),
           ("reduce", ("reduce",))]
 
