@@ -47,6 +47,12 @@ tail tile, so no length or bound needs to be a multiple of anything. K / V tiles
 addressed as a scalar int64 pointer advanced by ``block_n`` rows plus loop-invariant
 int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
 ``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
+
+``num_splits`` > 1 adds a grid axis: each program takes an even share of its block's keys
+(counted along the ranges, cut on whole tiles), writes an fp32 partial output and its
+log-sum-exp, and one combine pass joins them. It fills the last wave of a grid whose programs
+read long ranges (the first step's dense biased attention); on plans of many short ranges the
+partials cost what the fuller wave gives back (bench/NOTES.md), so the default is no split.
 """
 
 from __future__ import annotations
@@ -689,8 +695,8 @@ def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
 _COMBINE_ROWS = 32
 
 
-def _resolve_splits(num_splits, ctas: int, q: Tensor) -> int:
-    """Key splits per query block: ``num_splits`` as given (an int in [1, 16]), or the default."""
+def _check_splits(num_splits) -> int:
+    """Key splits per query block: an int in [1, 16]; None is 1 (no split)."""
     if num_splits is None:
         return 1
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 16:
@@ -729,7 +735,8 @@ def block_sparse_attention(
     power of two in [16, 256] (64 and 128 are the tested ones). ``block_q`` is part of
     the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
     int in [1, 256]; the kernel tile is it rounded up to a power of two. ``block_n``,
-    ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses).
+    ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses);
+    ``num_splits`` (1-16, default 1) splits each block's keys across programs (module docstring).
     No host sync: plan values are clamped, not checked (see the module docstring).
     The result has q's shape, dtype and (where q is dense) memory layout.
     """
@@ -789,7 +796,7 @@ def block_sparse_attention(
         k = k.contiguous()
     if not _tile_offsets_fit(v, bn):
         v = v.contiguous()
-    splits = _resolve_splits(num_splits, nqb * B * H, q)
+    splits = _check_splits(num_splits)
     part = lse = q  # dummy pointers, never read without a split
     if splits > 1:
         part = torch.empty(splits, B * H, Lq, D, dtype=torch.float32, device=q.device)
