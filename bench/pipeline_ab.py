@@ -46,6 +46,14 @@ E.real_rollout(model, ctx, 2, hw, "lsh8/2")  # warm-up: Triton compiles, cuDNN p
 E.real_rollout(model, ctx, 2, hw, "quant.35")
 
 
+@contextlib.contextmanager
+def torch_gather():
+    """Both callers of the row-gather kernel (AnnSA's re-sort, TempCache's head alignment) on torch.gather."""
+    with E.patched(E.fastar.kvcache, "gather_rows_auto", gather_rows_torch), \
+            E.patched(E.fastar.tempcache, "gather_rows_auto", gather_rows_torch):
+        yield
+
+
 # NAME/variant -> the context it runs in; fullbias: the bias window spanning every key, so AnnSA's kernel reads the
 # bias on every range
 VARIANTS = {"eager": contextlib.nullcontext,
@@ -55,14 +63,9 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "cudnnbias": lambda: E.patched(E.fastar.attention, "attend_biased",
                                            lambda q, k, v, bias, window: E.fastar.attend(q, k, v, key_bias=bias)),
             "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch),
-            "torchgather": lambda: torch_gather()}
+            "torchgather": torch_gather}
 
 
-@contextlib.contextmanager
-def torch_gather():
-    with E.patched(E.fastar.kvcache, "gather_rows_auto", gather_rows_torch), \
-            E.patched(E.fastar.tempcache, "gather_rows_auto", gather_rows_torch):
-        yield
 out = {}
 for name in names:
     base, _, variant = name.partition("/")
