@@ -180,3 +180,17 @@ def test_ann_bound_smoke(tmp_path):
             assert r["density"] >= r["target_density"] - 1e-6
             assert r["within_bound"] == (r["call_over_dense"] <= r["bound_over_dense"])
             assert r["within_bound_eager"] == (r["plan_ms"] + r["sparse_ms"] <= r["bound_eager_ms"])
+
+
+def test_frontier_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "frontier.py"), "--smoke", "--out", str(tmp_path)],
+                          env=TWINS, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "frontier_smoke.json").read_text())
+    names = ["fastar", "keep.25", "no_dense_step", "budget12", "no_dense_step+keep.25", "all_three"]
+    assert list(result["settings"]) == names
+    assert result["settings"]["fastar"]["vs_defaults"] == 1.0
+    assert all(r["ms"] > 0 and 0 < r["density"] < 1 for r in result["settings"].values())
+    fid = result["fidelity"]
+    assert all(name in fid and fid[name]["psnr"] > 0 for name in names)
+    assert fid["budget12"]["kv_held"] < fid["fastar"]["kv_held"]  # the smaller budget holds fewer keys

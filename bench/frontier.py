@@ -1,0 +1,60 @@
+"""Speed against fidelity beyond the defaults: FAST-AR at its defaults and with the three knobs that set its
+attention work turned down, alone and together: AnnSA's keep (0.25 instead of 0.35), no dense first step
+(``dense_steps_fraction`` 0 instead of 0.3) and TempCache's budget (12 frames instead of 21). For each: the
+per-chunk latency of a rollout (14 chunks, median of the last 5, side by side in one run; the ratio to the
+defaults) and the fidelity after 81 real cached frames (e2e_bench's table: PSNR / SSIM against dense bf16 beside
+the noise floor and the own-chunk control, AnnSA's recall and density on the generated chunks). Writes
+frontier.json.
+
+    python bench/frontier.py --out bench/results     # about 5 minutes on an H200
+    python bench/frontier.py --smoke --out /tmp      # tiny model on the CPU: checks the script only
+"""
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_bench as E  # noqa: E402
+from testbed import testbed  # noqa: E402
+
+smoke = "--smoke" in sys.argv
+out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "bench/results"
+dev, size, hw, horizon, chunks = ("cpu", "tiny", (64, 96), 9, 4) if smoke else ("cuda", "1.3B", (480, 832), 81, 14)
+A, T = E.AnnConfig, E.TempCacheConfig
+E.SETTINGS.clear()
+E.SETTINGS.update({
+    "dense": (E.CacheConfig("unbounded"), None),  # fidelity's reference (not timed here: e2e_bench times it)
+    "fastar": (T(), A()),
+    "keep.25": (T(), A(keep_fraction=0.25)),
+    "no_dense_step": (T(), A(dense_steps_fraction=0.0)),
+    "budget12": (T(max_cache_frames=12), A()),
+    "no_dense_step+keep.25": (T(), A(dense_steps_fraction=0.0, keep_fraction=0.25)),
+    "all_three": (T(max_cache_frames=12), A(dense_steps_fraction=0.0, keep_fraction=0.25)),
+})
+model, ctx = testbed(size=size, device=dev)
+model32, ctx32 = testbed(dtype=torch.float32, size=size, device=dev)
+E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
+
+result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "chunks": chunks,
+          "horizon_frames": horizon, "settings": {}}
+for name in (n for n in E.SETTINGS if n != "dense"):
+    rows = E.real_rollout(model, ctx, chunks, hw, name, log_every=100)
+    result["settings"][name] = {"ms": statistics.median(r["latency_ms"] for r in rows[-5:]),
+                                "density": rows[-1].get("annsa_density", 1.0),
+                                "all_ms": [round(r["latency_ms"], 1) for r in rows]}
+base = result["settings"]["fastar"]["ms"]
+for row in result["settings"].values():
+    row["vs_defaults"] = row["ms"] / base
+(fid,) = E.fidelity(model, model32, ctx32.to(model.dtype), [horizon], hw, 2 * E.CHUNK)
+result["fidelity"] = fid
+for name, row in result["settings"].items():
+    f = fid[name]
+    print(f"{name:24s} {row['ms']:8.1f} ms/chunk  x{row['vs_defaults']:.3f} of the defaults  "
+          f"PSNR {f['psnr']:.1f} dB  SSIM {f['ssim']:.4f}" + (f"  recall {f['annsa_recall']:.3f} @ {f['annsa_density']:.3f}"
+                                                             if "annsa_recall" in f else ""), flush=True)
+os.makedirs(out_dir, exist_ok=True)
+with open(os.path.join(out_dir, "frontier_smoke.json" if smoke else "frontier.json"), "w") as fh:
+    json.dump(result, fh, indent=1)
