@@ -6,7 +6,7 @@ defaults) and the fidelity after 81 real cached frames (e2e_bench's table: PSNR 
 the noise floor and the own-chunk control, AnnSA's recall and density on the generated chunks). Writes
 frontier.json.
 
-    python bench/frontier.py --out bench/results     # about 5 minutes on an H200
+    python bench/frontier.py --out bench/results     # about 3 minutes on an H200
     python bench/frontier.py --smoke --out /tmp      # tiny model on the CPU: checks the script only
 """
 import json
