@@ -131,6 +131,15 @@ def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=Tru
     return rows
 
 
+def steady_state(rows, last=5):
+    """A short rollout's summary, as the side-by-side runners compare settings: the median latency of
+    its ``last`` chunks, AnnSA's density (recorded in the last chunk; 1.0 without AnnSA) and every
+    chunk's latency."""
+    return {"ms": statistics.median(r["latency_ms"] for r in rows[-last:]),
+            "density": rows[-1].get("annsa_density", 1.0),
+            "all_ms": [round(r["latency_ms"], 1) for r in rows]}
+
+
 def dense_point(model, context, cached, hw, reps):
     """One dense chunk after ``cached`` prefilled frames: median ms and peak GB."""
     device = context.device

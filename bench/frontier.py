@@ -11,7 +11,6 @@ frontier.json.
 """
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -42,9 +41,7 @@ result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "c
           "horizon_frames": horizon, "settings": {}}
 for name in (n for n in E.SETTINGS if n != "dense"):
     rows = E.real_rollout(model, ctx, chunks, hw, name, log_every=100)
-    result["settings"][name] = {"ms": statistics.median(r["latency_ms"] for r in rows[-5:]),
-                                "density": rows[-1].get("annsa_density", 1.0),
-                                "all_ms": [round(r["latency_ms"], 1) for r in rows]}
+    result["settings"][name] = E.steady_state(rows)
 base = result["settings"]["fastar"]["ms"]
 for row in result["settings"].values():
     row["vs_defaults"] = row["ms"] / base

@@ -17,7 +17,6 @@ pipeline_ab.json.
 import contextlib
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,11 +72,8 @@ for name in names:
     with E.key_block(kb) if kb else contextlib.nullcontext(), \
             VARIANTS[variant]() if variant in VARIANTS else contextlib.nullcontext():
         rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100, cuda_graphs=not name.endswith("/eager"))
-    last = rows[-5:]
     key = name if name not in out else f"{name}#{sum(k.split('#')[0] == name for k in out) + 1}"  # A B A B: keep both
-    out[key] = {"ms": statistics.median(r["latency_ms"] for r in last),
-                "density": rows[-1].get("annsa_density", 1.0),  # AnnSA records it in the last chunk
-                "all_ms": [round(r["latency_ms"], 1) for r in rows]}
+    out[key] = E.steady_state(rows)
     print(key, json.dumps(out[key]), flush=True)
 os.makedirs(out_dir, exist_ok=True)
 with open(os.path.join(out_dir, "pipeline_ab.json"), "w") as f:
