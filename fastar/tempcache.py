@@ -23,6 +23,7 @@ import torch
 
 from ..kernels.correspondence import top1_correspondence
 from ..kernels.gather_rows import gather_rows_auto
+from ..kernels.scatter_rows import scatter_rows_auto
 from .errors import FastARError
 
 MATCHING_MODES = ("key", "query")
@@ -189,7 +190,7 @@ class TempCache:
         for b in range(b_size):
             count, newest, written = self.count[layer, b], self.newest[layer, b], self.token[layer, b]  # [H, M]
             kb, vb = k[b], v[b]
-            flat_k, flat_v = kb.view(-1, d), vb.view(-1, d)             # row = token * H + head
+            flat_v = vb.view(-1, d)                                      # row = token * H + head
             new_k, new_v = kb[new], vb[new]                              # [N, H, D]
             filled = count > 0
             if cfg.enabled:
@@ -209,15 +210,17 @@ class TempCache:
             added, rep = added[:-1].view(h, m_slots), rep[:-1].view(h, m_slots)
             total = count + added
             keep = torch.where(added > 0, count / total.clamp_min(1), 1.0)  # old mean's weight
-            hist_v = vb[hist]                                              # [M, H, D]
-            hist_v.mul_(keep.t()[..., None].to(vb.dtype))
+            target = hist.start + idx.clamp_min(0)                           # [H, N] token row of each target
+            is_rep = merge & (rep.gather(1, idx.clamp_min(0)) == token)      # one token per merged slot
+            rep_rows = torch.where(is_rep, target, dump)[None]               # the others write the dump row
+            # the old mean's weight, once per merged slot (at its representative's row): the rest of
+            # the history keeps weight 1 and is not touched
+            weight = keep.gather(1, idx.clamp_min(0)).t()[None, ..., None].to(vb.dtype)  # [1, N, H, 1]
+            scatter_rows_auto(vb[None], rep_rows, gather_rows_auto(vb[None], rep_rows) * weight)
             share = (1.0 / total.clamp_min(1)).gather(1, idx.clamp_min(0))  # [H, N]
-            rows_hist = (hist.start + idx) * h + heads[:, None]              # [H, N] buffer rows of targets
-            add_rows = torch.where(merge, rows_hist, dump_rows)
+            add_rows = torch.where(merge, target * h + heads[:, None], dump_rows)
             flat_v.index_add_(0, add_rows.flatten(), (new_v.transpose(0, 1) * share[..., None].to(vb.dtype)).reshape(-1, d))
-            is_rep = merge & (rep.gather(1, idx.clamp_min(0)) == token)
-            flat_k.index_copy_(0, torch.where(is_rep, rows_hist, dump_rows).flatten(),
-                               new_k.transpose(0, 1).reshape(-1, d))
+            scatter_rows_auto(kb[None], rep_rows, new_k[None])
             rep_frame = torch.where(rep >= 0, new_frames[rep.clamp_min(0)], newest)
             newest.copy_(torch.where(added > 0, rep_frame, newest))
             written.copy_(torch.where(added > 0, rep, written))
@@ -230,9 +233,9 @@ class TempCache:
             place = fresh & (pos < m_slots)
             dest = order.gather(1, pos.clamp(0, m_slots - 1))              # [H, N] slot per token
             evicted = place & count.gather(1, dest).gt(0)
-            rows_new = torch.where(place, (hist.start + dest) * h + heads[:, None], dump_rows).flatten()
-            flat_k.index_copy_(0, rows_new, new_k.transpose(0, 1).reshape(-1, d))
-            flat_v.index_copy_(0, rows_new, new_v.transpose(0, 1).reshape(-1, d))
+            rows_new = torch.where(place, hist.start + dest, dump)[None]     # [1, H, N] token rows
+            scatter_rows_auto(kb[None], rows_new, new_k[None])
+            scatter_rows_auto(vb[None], rows_new, new_v[None])
             slot_new = torch.where(place, heads[:, None] * m_slots + dest, h * m_slots).flatten()
             for state, value in ((count, torch.ones(h * n, device=k.device)),
                                  (newest, new_frames.expand(h, n).flatten()),

@@ -1,6 +1,7 @@
 """On a GPU: the compiled kernels equal their twins (adaLN and q/k norm + RoPE at the Wan 1.3B chunk
 shape and at odd ones; the block-sparse attention with a bias window), the FFN's GELU epilogue
-equals GEMM + tanh GELU, and TempCache's fp8 match finds the best cosine.
+equals GEMM + tanh GELU, TempCache's fp8 match finds the best cosine, and its history writes through
+the row kernels equal the twins'.
 
 CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
 kernel tests switch Triton to its interpreter at import, so run this file on its own; it skips
@@ -169,3 +170,48 @@ def test_tempcache_fp8_match_finds_the_best_cosine():
     assert idx.shape == (N,) and bool(filled[idx].all())
     assert (idx == src).float().mean().item() > 0.99
     assert (cos.max(-1).values - cos.gather(1, idx[:, None]).squeeze(1)).max().item() < 2e-3
+
+
+def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
+    """A layer's TempCache merges at real head shapes, several chunks: history rows written by the
+    scatter / gather kernels equal the torch twins' (keys exactly; values up to the order of the
+    bf16 atomic adds of tokens merging into one slot), as do the slot states."""
+    from comfyui_fastar.fastar import KVCache, TempCacheConfig
+    from comfyui_fastar.fastar import tempcache as tc
+    from comfyui_fastar.kernels.gather_rows import gather_rows_torch
+    from comfyui_fastar.kernels.scatter_rows import scatter_rows_torch
+
+    tpf, h, d = 320, 12, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(1, tpf, h, d, device="cuda", generator=g)
+    chunks = [((base + s * torch.randn(1, tpf, h, d, device="cuda", generator=g)).bfloat16(),
+               torch.randn(1, tpf, h, d, device="cuda", generator=g).bfloat16()) for s in (0, 0.05, 0.1, 2.0, 2.0, 2.0, 0.05, 0.3)]
+    caches, taken = {}, [0, 0]  # merges and evictions over the kernel path's writes
+    for name in ("kernel", "twin"):
+        kv = KVCache(TempCacheConfig(merge_threshold=0.95, max_cache_frames=4, sink_frames=1), num_layers=1,
+                     batch=1, num_heads=h, head_dim=d, tokens_per_frame=tpf, chunk_frames=1, device="cuda",
+                     dtype=torch.bfloat16)
+        saved = tc.scatter_rows_auto, tc.gather_rows_auto
+        if name == "twin":
+            tc.scatter_rows_auto, tc.gather_rows_auto = scatter_rows_torch, gather_rows_torch
+        try:
+            for k, v in chunks:
+                kv.begin_chunk(kv.frames_cached, 1)
+                kv.begin_clean_pass()
+                kv.extend(0, k, v)
+                kv.after_attention(0, k)
+                kv.commit()
+                if name == "kernel":
+                    taken[0] += kv.tempcache.merged.sum().item()
+                    taken[1] += kv.tempcache.evicted.sum().item()
+        finally:
+            tc.scatter_rows_auto, tc.gather_rows_auto = saved
+        caches[name] = kv
+    a, b = caches["kernel"], caches["twin"]
+    assert taken[0] > 0 and taken[1] > 0  # both paths taken
+    held = 4 * tpf
+    assert torch.equal(a.k[:, :, :held], b.k[:, :, :held])
+    torch.testing.assert_close(a.v[:, :, :held], b.v[:, :, :held], rtol=1e-2, atol=1e-2)
+    for name in ("count", "newest", "token"):
+        assert torch.equal(getattr(a.tempcache, name), getattr(b.tempcache, name))
+    assert torch.equal(a.log_count_bias, b.log_count_bias)
