@@ -24,6 +24,7 @@ import torch
 from ..kernels.correspondence import top1_correspondence
 from ..kernels.gather_rows import gather_rows_auto
 from ..kernels.scatter_rows import scatter_rows_auto
+from ..kernels.unit_fp8 import unit_fp8_auto
 from .errors import FastARError
 
 MATCHING_MODES = ("key", "query")
@@ -76,28 +77,19 @@ def _fp8_gemm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# Unit vectors times 256: no entry can pass e4m3's 448, and those of a spread-out vector
-# (~256 / sqrt(C)) sit well inside its normal range.
-_FP8_UNIT = 256.0
-
-
-def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of the cosine of x [N, C] against keys [M, C] (``scale`` [M]: each key's
-    inverse norm, 0 for empty slots) on fp8 tensor cores.
+def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, held: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of the cosine of tokens x [N, H, D] against the history's tokens keys [M, H, D]
+    (heads lined up through ``canon`` [H, M] where given: token m of head h is ``keys[canon[h, m],
+    h]``; ``held`` [M]: whether token m holds a key, empty ones score 0) on fp8 tensor cores.
 
     Why: the match's GEMM is as large as a layer's projections, and fp8 runs it at twice bf16's
-    rate (the two quantization passes take back half of that: 0.78 against 0.85 ms a layer on an
-    H200, bench/NOTES.md). x's rows go to unit norm too (a row's argmax does not change), so both
-    operands quantize alike; the caller recomputes the winner's cosine in fp32, so only near-ties
-    (~1e-3) may pick another slot than bf16 scores would."""
-    (n, c), m = x.shape, keys.shape[0]
-    xs = x.float()
-    xs = xs * (_FP8_UNIT / torch.linalg.vector_norm(xs, dim=-1, keepdim=True).clamp_min(1e-12))
-    # both operands' rows padded to a multiple of 16 with zeros, as fp8 GEMMs need
-    x8 = torch.zeros(-(-n // 16) * 16, c, dtype=torch.float8_e4m3fn, device=x.device)
-    x8[:n] = xs.to(torch.float8_e4m3fn)
-    k8 = torch.zeros(-(-m // 16) * 16, c, dtype=torch.float8_e4m3fn, device=x.device)
-    k8[:m] = keys * (scale * _FP8_UNIT).to(keys.dtype)[:, None]
+    rate; both operands go to unit norm x 256 in fp8 in one kernel each (``kernels/unit_fp8.py``:
+    the history's side reads the keys once, through the head alignment; bench/NOTES.md). The
+    caller recomputes the winner's cosine in fp32, so only near-ties (~1e-3) may pick another
+    slot than bf16 scores would."""
+    n, m = x.shape[0], held.shape[0]
+    x8 = unit_fp8_auto(x, m_out=-(-n // 16) * 16)  # rows padded to a multiple of 16, as fp8 GEMMs need
+    k8 = unit_fp8_auto(keys, canon, held, m_out=-(-m // 16) * 16)
     one = torch.ones((), device=x.device)
     idx = torch.cat([torch._scaled_mm(x8[i:i + 1024], k8.T, scale_a=one, scale_b=one,
                                       out_dtype=torch.bfloat16).argmax(dim=-1)
@@ -141,23 +133,24 @@ class TempCache:
             # one correspondence over the concatenated heads: a plain GEMM (cuBLAS) in query
             # blocks against the keys scaled to unit norm once (empty slots to zero), scores in
             # the cache dtype, then the exact fp32 cosine of the chosen pair
-            if identity is None:
-                canon, keys, held = None, hist_k.reshape(-1, h * d), filled[0]
-            else:
-                canon = torch.argsort(identity, dim=1)                                # [H, M]
-                keys = gather_rows_auto(hist_k[None], canon[None])[0].reshape(-1, h * d)
-                held = filled[0].gather(0, canon[0])
-            norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
-            scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
-            if self.config.matching == "query":
-                scale = held.float()  # plain q.k argmax over filled slots
-            x = x.reshape(n, h * d)
+            canon = None if identity is None else torch.argsort(identity, dim=1)       # [H, M]
+            held = filled[0] if canon is None else filled[0].gather(0, canon[0])
             if self.config.matching == "key" and _fp8_gemm(x.device):
-                idx = _top1_fp8(x, keys, scale)
+                idx = _top1_fp8(x, hist_k, canon, held)
+                best = hist_k[idx] if canon is None else gather_rows_auto(hist_k[None], canon[:, idx][None])[0]
             else:
+                keys = hist_k if canon is None else gather_rows_auto(hist_k[None], canon[None])[0]
+                keys = keys.reshape(-1, h * d)
+                if self.config.matching == "query":
+                    scale = held.float()  # plain q.k argmax over filled slots
+                else:
+                    norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+                    scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
                 unit = keys * scale.to(keys.dtype)[:, None]
+                x = x.reshape(n, h * d)
                 idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
-            cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), keys[idx].float(), dim=-1)
+                best = keys[idx]
+            cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), best.reshape(n, h * d).float(), dim=-1)
             return (idx.expand(h, n) if canon is None else canon[:, idx]), cos.expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
         scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)

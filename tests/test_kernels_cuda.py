@@ -163,13 +163,37 @@ def test_tempcache_fp8_match_finds_the_best_cosine():
     src = torch.nonzero(filled).flatten()[torch.randperm(int(filled.sum()), device="cuda", generator=g)[:N]]
     rms = keys[src].float().pow(2).mean(-1, keepdim=True).sqrt()
     x = (keys[src].float() + 0.4 * rms * torch.randn(N, C, device="cuda", generator=g)).bfloat16()  # cosine ~0.93
-    scale = torch.where(filled, 1.0 / torch.linalg.vector_norm(keys.float(), dim=-1), 0.0)
-    idx = _top1_fp8(x, keys, scale)
     cos = torch.nn.functional.normalize(x.float(), dim=-1) @ torch.nn.functional.normalize(keys.float(), dim=-1).T
     cos = cos.masked_fill(~filled, float("-inf"))
-    assert idx.shape == (N,) and bool(filled[idx].all())
-    assert (idx == src).float().mean().item() > 0.99
-    assert (cos.max(-1).values - cos.gather(1, idx[:, None]).squeeze(1)).max().item() < 2e-3
+    # each head's slots in its own order (as AnnSA sorts them), lined up again through canon
+    canon = torch.stack([torch.randperm(M, device="cuda", generator=g) for _ in range(12)])
+    stored = torch.empty(M, 12, 128, device="cuda", dtype=keys.dtype)
+    for i in range(12):
+        stored[canon[i], i] = keys.view(M, 12, 128)[:, i]
+    for idx in (_top1_fp8(x.view(N, 12, 128), keys.view(M, 12, 128), None, filled),
+                _top1_fp8(x.view(N, 12, 128), stored, canon, filled)):
+        assert idx.shape == (N,) and bool(filled[idx].all())
+        assert (idx == src).float().mean().item() > 0.99
+        assert (cos.max(-1).values - cos.gather(1, idx[:, None]).squeeze(1)).max().item() < 2e-3
+
+
+def test_unit_fp8_kernel_equals_its_twin():
+    """The history's side at the Wan 1.3B budget (28080 tokens, heads lined up through a per-head
+    order, empty slots) and odd sizes: the same fp8 values up to one rounding step where the fp32
+    norms differ in their last bit."""
+    from comfyui_fastar.kernels.unit_fp8 import unit_fp8, unit_fp8_torch
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for m, h, d, aligned in ((28080, 12, 128, True), (4680, 12, 128, False), (37, 3, 16, True)):
+        src = (torch.randn(m + 3, h, d, device="cuda", generator=g) * 3)[2:m + 2].bfloat16()
+        index = torch.stack([torch.randperm(m, device="cuda", generator=g) for _ in range(h)]) if aligned else None
+        held = torch.rand(m, device="cuda", generator=g) > 0.1 if aligned else None
+        m_out = -(-m // 16) * 16
+        got, want = unit_fp8(src, index, held, m_out).float(), unit_fp8_torch(src, index, held, m_out).float()
+        assert got.shape == want.shape == (m_out, h * d)
+        assert (got - want).abs().le(2.0 ** -3 * want.abs()).all()
+        assert (got != want).float().mean().item() < 1e-3
+        assert got[m:].eq(0).all()
 
 
 def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
