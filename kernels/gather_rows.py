@@ -46,19 +46,24 @@ def gather_rows_torch(src: Tensor, index: Tensor) -> Tensor:
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _indexed_rows(index_ptr, H, M, N, ROWS: tl.constexpr):
+        """A program's share of a per-head row move: ``ROWS`` consecutive positions of one head
+        ``program_id(1)`` = b * H + h, and the cache rows their index names, clamped into [0, M)
+        for memory safety only. Returns (b, h, positions, in range, rows). Shared with the scatter."""
+        bh = tl.program_id(1)
+        pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = pos < N
+        idx = tl.load(index_ptr + bh.to(tl.int64) * N + pos, mask=ok, other=0)
+        return (bh // H).to(tl.int64), (bh % H).to(tl.int64), pos, ok, tl.minimum(tl.maximum(idx, 0), M - 1)
+
     @triton.jit(do_not_specialize=["H", "M", "N"])
     def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, H, M, N,
                             stride_sb, stride_sm, stride_sh, stride_sd,
                             ROWS: tl.constexpr, D: tl.constexpr):
-        """One program: ``ROWS`` consecutive output rows of one head ``program_id(1)`` = b * H + h."""
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        ok = rows < N
+        """One program: ``ROWS`` consecutive output rows of one head."""
+        b, h, rows, ok, src_rows = _indexed_rows(index_ptr, H, M, N, ROWS)
         offs_d = tl.arange(0, D)
-        src_rows = tl.load(index_ptr + bh.to(tl.int64) * N + rows, mask=ok, other=0)
-        src_rows = tl.minimum(tl.maximum(src_rows, 0), M - 1)  # memory safety only
         vals = tl.load(src_ptr + b * stride_sb + h * stride_sh + src_rows[:, None] * stride_sm
                        + offs_d[None, :] * stride_sd, mask=ok[:, None])
         dst = ((b * N + rows.to(tl.int64)) * H + h) * D

@@ -24,6 +24,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .gather_rows import _indexed_rows
+
 __all__ = ["scatter_rows", "scatter_rows_auto", "scatter_rows_torch"]
 
 _ROWS = 32  # rows per program: 32 x 128 bf16 = 8 KiB moved per program
@@ -57,17 +59,11 @@ if HAS_TRITON:
                              stride_db, stride_dm, stride_dh, stride_dd,
                              stride_sb, stride_sn, stride_sh, stride_sd,
                              ROWS: tl.constexpr, D: tl.constexpr):
-        """One program: ``ROWS`` consecutive source rows of one head ``program_id(1)`` = b * H + h."""
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        ok = rows < N
+        """One program: ``ROWS`` consecutive source rows of one head."""
+        b, h, rows, ok, dst_rows = _indexed_rows(index_ptr, H, M, N, ROWS)
         offs_d = tl.arange(0, D)
         vals = tl.load(src_ptr + b * stride_sb + h * stride_sh + rows.to(tl.int64)[:, None] * stride_sn
                        + offs_d[None, :] * stride_sd, mask=ok[:, None])
-        dst_rows = tl.load(index_ptr + bh.to(tl.int64) * N + rows, mask=ok, other=0)
-        dst_rows = tl.minimum(tl.maximum(dst_rows, 0), M - 1)  # memory safety only
         tl.store(dst_ptr + b * stride_db + h * stride_dh + dst_rows[:, None] * stride_dm
                  + offs_d[None, :] * stride_dd, vals, mask=ok[:, None])
 
