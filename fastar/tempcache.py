@@ -203,14 +203,15 @@ class TempCache:
             added, rep = added[:-1].view(h, m_slots), rep[:-1].view(h, m_slots)
             total = count + added
             keep = torch.where(added > 0, count / total.clamp_min(1), 1.0)  # old mean's weight
-            target = hist.start + idx.clamp_min(0)                           # [H, N] token row of each target
-            is_rep = merge & (rep.gather(1, idx.clamp_min(0)) == token)      # one token per merged slot
+            at = idx.clamp_min(0)                                            # [H, N] slot of each target
+            target = hist.start + at                                         # its token row
+            is_rep = merge & (rep.gather(1, at) == token)                    # one token per merged slot
             rep_rows = torch.where(is_rep, target, dump)[None]               # the others write the dump row
             # the old mean's weight, once per merged slot (at its representative's row): the rest of
             # the history keeps weight 1 and is not touched
-            weight = keep.gather(1, idx.clamp_min(0)).t()[None, ..., None].to(vb.dtype)  # [1, N, H, 1]
+            weight = keep.gather(1, at).t()[None, ..., None].to(vb.dtype)  # [1, N, H, 1]
             scatter_rows_auto(vb[None], rep_rows, gather_rows_auto(vb[None], rep_rows) * weight)
-            share = (1.0 / total.clamp_min(1)).gather(1, idx.clamp_min(0))  # [H, N]
+            share = (1.0 / total.clamp_min(1)).gather(1, at)                 # [H, N]
             add_rows = torch.where(merge, target * h + heads[:, None], dump_rows)
             flat_v.index_add_(0, add_rows.flatten(), (new_v.transpose(0, 1) * share[..., None].to(vb.dtype)).reshape(-1, d))
             scatter_rows_auto(kb[None], rep_rows, new_k[None])
