@@ -257,12 +257,11 @@ class KVCache:
 
     def graph_key(self):
         """Everything at Python level that the open chunk's device work depends on (which rows
-        its forwards read and write, TempCache's head alignment). Two chunks with equal keys
-        launch the same kernels on the same buffers, so the second may replay a CUDA graph of
-        the first: from the budget on with TempCache, once the window is full with a window
-        cache, never with an unbounded one (its history grows)."""
-        aligned = None if self.tempcache is None else tuple(self.tempcache.aligned)
-        return (self._scratch, self._sink_frames_in_chunk(), self.frames_held, self.capacity_frames, aligned)
+        its forwards read and write). Two chunks with equal keys launch the same kernels on the
+        same buffers, so the second may replay a CUDA graph of the first: from the budget on with
+        TempCache, once the window is full with a window cache, never with an unbounded one (its
+        history grows)."""
+        return (self._scratch, self._sink_frames_in_chunk(), self.frames_held, self.capacity_frames)
 
     # -- AnnSA's view: which rows are dense, which are bucket-sorted --------------------
     @property
@@ -321,7 +320,8 @@ class KVCache:
                                                        .expand_as(perm))  # old slot -> new slot
             last = tc.last_slots[layer]
             last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
-            tc.aligned[layer] = False  # heads are sorted apart: the shared match aligns them by token
+            if tc.canon is not None:  # each token's slot per head, as the shared match reads them
+                tc.canon[layer].copy_(new_slot.gather(-1, tc.canon[layer]))
 
     # -- telemetry -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -335,7 +335,7 @@ class KVCache:
             held += round(tc.held_tokens().mean().item())
             merged = round(tc.merged.sum().item() / per_head)
             evicted = round(tc.evicted.sum().item() / per_head)
-            nbytes += tc.count.nbytes + tc.newest.nbytes + tc.token.nbytes
+            nbytes += sum(t.nbytes for t in (tc.count, tc.newest, tc.token, tc.canon) if t is not None)
         return CacheStats(
             frames_cached=self.frames_cached,
             tokens_held=held,

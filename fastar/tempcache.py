@@ -23,6 +23,9 @@ import torch
 
 from ..kernels.correspondence import top1_correspondence
 from ..kernels.gather_rows import gather_rows_auto
+from ..kernels.merge_rows import merge_rows_auto
+from ..kernels.pair_cosine import pair_cosine_auto
+from ..kernels.row_argmax import row_argmax_auto
 from ..kernels.scatter_rows import scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
 from .errors import FastARError
@@ -91,8 +94,8 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
     x8 = unit_fp8_auto(x, m_out=-(-n // 16) * 16)  # rows padded to a multiple of 16, as fp8 GEMMs need
     k8 = unit_fp8_auto(keys, canon, held, m_out=-(-m // 16) * 16)
     one = torch.ones((), device=x.device)
-    idx = torch.cat([torch._scaled_mm(x8[i:i + 1024], k8.T, scale_a=one, scale_b=one,
-                                      out_dtype=torch.bfloat16).argmax(dim=-1)
+    idx = torch.cat([row_argmax_auto(torch._scaled_mm(x8[i:i + 1024], k8.T, scale_a=one, scale_b=one,
+                                                      out_dtype=torch.bfloat16))
                      for i in range(0, x8.shape[0], 1024)])[:n]
     # a padding row scores 0, like an empty slot: it wins only where no filled slot scores above
     # 0, which never merges; clamped into range all the same
@@ -114,33 +117,31 @@ class TempCache:
         self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
         # history slot each token of the last write went to (-1: dropped), per layer and head
         self.last_slots = torch.full((num_layers, batch, num_heads, new_tokens), -1, dtype=torch.long, device=device)
-        # whether slot i holds the same token in every head (until AnnSA sorts each head's slots)
-        self.aligned = [True] * num_layers
+        # shared grouping: every head holds the same tokens, each in its own slot order once AnnSA
+        # sorts them; canon[l, b, h, i] is head h's slot of token i, the same token in every head
+        self.canon = None
+        if config.grouping == "shared":
+            self.canon = torch.arange(history_tokens, device=device).expand(shape).contiguous()
 
     def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor,
-              identity: torch.Tensor | None = None):
+              canon: torch.Tensor | None = None):
         """Top-1 counterpart of each new token among the filled history slots, and the keys'
         cosine similarity. x: matching features [N, H, D]; new_k [N, H, D]; hist_k [M, H, D];
-        filled [H, M] bool. Returns (index [H, N], cosine [H, N]).
+        filled [H, M] bool; canon [H, M] (shared grouping): head h's slot of each token, the same
+        token in every head. Returns (slot [H, N], cosine [H, N]).
 
-        Shared grouping compares whole tokens (all heads concatenated), but each head may order
-        its slots differently (AnnSA sorts them per head): then ``identity`` [H, M] (a slot's
-        newest frame and write position as one int64, unique per held token) aligns the heads
-        first; None where slot i holds the same token in every head."""
+        Shared grouping compares whole tokens (all heads concatenated), each head's keys read
+        through canon, since AnnSA sorts each head's slots apart."""
         n, h, d = new_k.shape
         if self.config.grouping == "shared":
-            # heads aligned by token where needed (a sort and a gather of the history keys), then
-            # one correspondence over the concatenated heads: a plain GEMM (cuBLAS) in query
-            # blocks against the keys scaled to unit norm once (empty slots to zero), scores in
-            # the cache dtype, then the exact fp32 cosine of the chosen pair
-            canon = None if identity is None else torch.argsort(identity, dim=1)       # [H, M]
-            held = filled[0] if canon is None else filled[0].gather(0, canon[0])
+            # one correspondence over the concatenated heads: on fp8 tensor cores, else a plain
+            # GEMM (cuBLAS) in query blocks against the keys at unit norm (empty slots at zero);
+            # then the exact fp32 cosine of the chosen pair
+            held = filled[0].gather(0, canon[0])
             if self.config.matching == "key" and _fp8_gemm(x.device):
                 idx = _top1_fp8(x, hist_k, canon, held)
-                best = hist_k[idx] if canon is None else gather_rows_auto(hist_k[None], canon[:, idx][None])[0]
             else:
-                keys = hist_k if canon is None else gather_rows_auto(hist_k[None], canon[None])[0]
-                keys = keys.reshape(-1, h * d)
+                keys = gather_rows_auto(hist_k[None], canon[None])[0].reshape(-1, h * d)
                 if self.config.matching == "query":
                     scale = held.float()  # plain q.k argmax over filled slots
                 else:
@@ -149,9 +150,8 @@ class TempCache:
                 unit = keys * scale.to(keys.dtype)[:, None]
                 x = x.reshape(n, h * d)
                 idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
-                best = keys[idx]
-            cos = torch.cosine_similarity(new_k.reshape(n, h * d).float(), best.reshape(n, h * d).float(), dim=-1)
-            return (idx.expand(h, n) if canon is None else canon[:, idx]), cos.expand(h, n)
+            slot = canon[:, idx]
+            return slot, pair_cosine_auto(new_k, hist_k, slot).expand(h, n)
         norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
         scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)
         if self.config.matching == "query":
@@ -167,6 +167,16 @@ class TempCache:
         slots, frame -1, sort first). Oldest first: the eviction order."""
         return newest * (1 << 32) + written
 
+    @classmethod
+    def _eviction_order(cls, newest: torch.Tensor, written: torch.Tensor, canon: torch.Tensor | None) -> torch.Tensor:
+        """Each head's slots [H, M], least recently refreshed first. With ``canon`` the tokens are
+        sorted once and the order read out in each head's slots: a new token then takes the slots
+        of one token in every head (empty slots tie), which keeps canon valid."""
+        if canon is None:
+            return torch.argsort(cls._identity(newest, written), dim=1)
+        tokens = torch.argsort(cls._identity(newest[0], written[0]).gather(0, canon[0]))
+        return canon.gather(1, tokens.expand_as(canon))
+
     @torch.no_grad()
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, q: torch.Tensor | None,
               hist: slice, new: slice, new_frames: torch.Tensor, dump: int) -> None:
@@ -178,18 +188,16 @@ class TempCache:
         m_slots, n = hist.stop - hist.start, new.stop - new.start
         heads = torch.arange(h, device=k.device)
         token = torch.arange(n, device=k.device)
-        dump_rows = dump * h + heads[:, None]                        # [H, 1] per-head dump row
         merged_total = evicted_total = 0
         for b in range(b_size):
             count, newest, written = self.count[layer, b], self.newest[layer, b], self.token[layer, b]  # [H, M]
+            canon = None if self.canon is None else self.canon[layer, b]
             kb, vb = k[b], v[b]
-            flat_v = vb.view(-1, d)                                      # row = token * H + head
             new_k, new_v = kb[new], vb[new]                              # [N, H, D]
             filled = count > 0
             if cfg.enabled:
                 x = new_k if cfg.matching == "key" else q[b, -n:]
-                identity = None if self.aligned[layer] else self._identity(newest, written)
-                idx, cos = self.match(x, new_k, kb[hist], filled, identity)
+                idx, cos = self.match(x, new_k, kb[hist], filled, canon)
                 merge = (cos >= cfg.merge_threshold) & filled.gather(1, idx.clamp_min(0)) & (idx >= 0)
             else:
                 idx = torch.zeros(h, n, dtype=torch.long, device=k.device)
@@ -201,27 +209,14 @@ class TempCache:
             rep = torch.full((h * m_slots + 1,), -1, dtype=torch.long, device=k.device)
             rep.scatter_reduce_(0, target.flatten(), token.expand(h, n).flatten(), "amax")
             added, rep = added[:-1].view(h, m_slots), rep[:-1].view(h, m_slots)
-            total = count + added
-            keep = torch.where(added > 0, count / total.clamp_min(1), 1.0)  # old mean's weight
-            at = idx.clamp_min(0)                                            # [H, N] slot of each target
-            target = hist.start + at                                         # its token row
-            is_rep = merge & (rep.gather(1, at) == token)                    # one token per merged slot
-            rep_rows = torch.where(is_rep, target, dump)[None]               # the others write the dump row
-            # the old mean's weight, once per merged slot (at its representative's row): the rest of
-            # the history keeps weight 1 and is not touched
-            weight = keep.gather(1, at).t()[None, ..., None].to(vb.dtype)  # [1, N, H, 1]
-            scatter_rows_auto(vb[None], rep_rows, gather_rows_auto(vb[None], rep_rows) * weight)
-            share = (1.0 / total.clamp_min(1)).gather(1, at)                 # [H, N]
-            add_rows = torch.where(merge, target * h + heads[:, None], dump_rows)
-            flat_v.index_add_(0, add_rows.flatten(), (new_v.transpose(0, 1) * share[..., None].to(vb.dtype)).reshape(-1, d))
-            scatter_rows_auto(kb[None], rep_rows, new_k[None])
+            merge_rows_auto(kb[hist], vb[hist], new_k, new_v, idx.clamp_min(0), merge, count, added, rep)
             rep_frame = torch.where(rep >= 0, new_frames[rep.clamp_min(0)], newest)
             newest.copy_(torch.where(added > 0, rep_frame, newest))
             written.copy_(torch.where(added > 0, rep, written))
-            count.copy_(total)
+            count.add_(added)
             # unmatched tokens take the least recently refreshed slots (empty ones first; ties by
             # write position, never by slot index)
-            order = torch.argsort(self._identity(newest, written), dim=1)  # [H, M]
+            order = self._eviction_order(newest, written, canon)        # [H, M]
             fresh = ~merge
             pos = torch.cumsum(fresh.long(), dim=1) - 1
             place = fresh & (pos < m_slots)

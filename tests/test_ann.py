@@ -389,5 +389,11 @@ def test_annsa_sort_never_changes_what_tempcache_evicts(enabled):
     held = [c.cache.k[0, :, rows][c.cache.tempcache.count[0].transpose(1, 2)[..., None].expand(-1, -1, -1, D) > 0]
             for c in (sparse, dense)]
     assert torch.equal(held[0].sort().values, held[1].sort().values)
+    # the shared match's head alignment followed every sort: token i's slot holds one token in all heads
+    tc = sparse.cache.tempcache
+    for state in (tc.count, tc.newest, tc.token):
+        lined_up = state.gather(-1, tc.canon)
+        assert torch.equal(lined_up, lined_up[:, :, :1].expand_as(lined_up))
+    assert not torch.equal(tc.canon[:, :, 0], tc.canon[:, :, 1])  # the heads were sorted apart
     sparse.step = dense.step = 3
     assert rel(sparse.self_attention(0, q, k, v), dense.self_attention(0, q, k, v)) <= 1e-5

@@ -197,12 +197,15 @@ def test_unit_fp8_kernel_equals_its_twin():
 
 
 def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
-    """A layer's TempCache merges at real head shapes, several chunks: history rows written by the
-    scatter / gather kernels equal the torch twins' (keys exactly; values up to the order of the
-    bf16 atomic adds of tokens merging into one slot), as do the slot states."""
+    """A layer's TempCache merges at real head shapes, several chunks: history rows written through
+    the row, merge, cosine and argmax kernels equal the torch twins' (keys exactly; values up to
+    the rounding of the bf16 atomic adds of tokens merging into one slot), as do the slot states."""
     from comfyui_fastar.fastar import KVCache, TempCacheConfig
     from comfyui_fastar.fastar import tempcache as tc
     from comfyui_fastar.kernels.gather_rows import gather_rows_torch
+    from comfyui_fastar.kernels.merge_rows import merge_rows_torch
+    from comfyui_fastar.kernels.pair_cosine import pair_cosine_torch
+    from comfyui_fastar.kernels.row_argmax import row_argmax_torch
     from comfyui_fastar.kernels.scatter_rows import scatter_rows_torch
 
     tpf, h, d = 320, 12, 128
@@ -215,9 +218,12 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
         kv = KVCache(TempCacheConfig(merge_threshold=0.95, max_cache_frames=4, sink_frames=1), num_layers=1,
                      batch=1, num_heads=h, head_dim=d, tokens_per_frame=tpf, chunk_frames=1, device="cuda",
                      dtype=torch.bfloat16)
-        saved = tc.scatter_rows_auto, tc.gather_rows_auto
+        names = ("scatter_rows_auto", "gather_rows_auto", "merge_rows_auto", "pair_cosine_auto", "row_argmax_auto")
+        saved = [getattr(tc, f) for f in names]
         if name == "twin":
-            tc.scatter_rows_auto, tc.gather_rows_auto = scatter_rows_torch, gather_rows_torch
+            for f, twin in zip(names, (scatter_rows_torch, gather_rows_torch, merge_rows_torch, pair_cosine_torch,
+                                       row_argmax_torch)):
+                setattr(tc, f, twin)
         try:
             for k, v in chunks:
                 kv.begin_chunk(kv.frames_cached, 1)
@@ -229,7 +235,8 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
                     taken[0] += kv.tempcache.merged.sum().item()
                     taken[1] += kv.tempcache.evicted.sum().item()
         finally:
-            tc.scatter_rows_auto, tc.gather_rows_auto = saved
+            for f, fn in zip(names, saved):
+                setattr(tc, f, fn)
         caches[name] = kv
     a, b = caches["kernel"], caches["twin"]
     assert taken[0] > 0 and taken[1] > 0  # both paths taken
@@ -239,3 +246,53 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
     for name in ("count", "newest", "token"):
         assert torch.equal(getattr(a.tempcache, name), getattr(b.tempcache, name))
     assert torch.equal(a.log_count_bias, b.log_count_bias)
+
+
+def test_pair_cosine_kernel_equals_its_twin():
+    """A chunk of Wan 1.3B's tokens against a history at its budget, each head its own slot order."""
+    from comfyui_fastar.kernels.pair_cosine import pair_cosine, pair_cosine_torch
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(4680, 12, 128, device="cuda", generator=g).bfloat16()
+    src = (torch.randn(28081, 12, 128, device="cuda", generator=g) * 2).bfloat16()[1:]
+    rows = torch.randint(0, 28080, (12, 4680), device="cuda", generator=g)
+    rows[:, :100] = torch.arange(100, device="cuda")
+    x[:100] = src[:100]  # pairs of a token with itself
+    got, want = pair_cosine(x, src, rows), pair_cosine_torch(x, src, rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:100], torch.ones(100, device="cuda"), rtol=1e-5, atol=1e-6)
+
+
+def test_merge_rows_kernel_equals_its_twin():
+    """bf16 at Wan 1.3B's shapes, groups of up to ~4 tokens per slot: the representative's row in
+    fp32 then the others' shares added in bf16 stay within bf16 rounding of the fp32 twin."""
+    from comfyui_fastar.kernels.merge_rows import merge_rows, merge_rows_torch
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    m, n, h, d = 28080, 4680, 12, 128
+    k, v = (torch.randn(m, h, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    new_k, new_v = (torch.randn(n, h, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    slot = torch.randint(0, 2000, (h, n), device="cuda", generator=g)
+    count = torch.randint(0, 5, (h, m), device="cuda", generator=g).float()
+    merge = (torch.rand(h, n, device="cuda", generator=g) < 0.6) & (count.gather(1, slot) > 0)
+    added = torch.zeros(h, m, device="cuda").scatter_add_(1, slot, merge.float())
+    token = torch.arange(n, device="cuda")
+    rep = torch.full((h, m), -1, device="cuda").scatter_reduce_(1, slot, torch.where(merge, token, -1), "amax")
+    assert added.max().item() >= 3
+    k2, v2 = k.clone(), v.clone()
+    merge_rows(k, v, new_k, new_v, slot, merge, count, added, rep)
+    merge_rows_torch(k2, v2, new_k, new_v, slot, merge, count, added, rep)
+    assert torch.equal(k, k2)
+    torch.testing.assert_close(v, v2, rtol=2e-2, atol=2e-2)
+    assert ((v.float() - v2.float()).norm() / v2.float().norm()).item() < 3e-3
+
+
+def test_row_argmax_kernel_equals_its_twin():
+    """A block of the fp8 match's bf16 scores (many exact ties at bf16's resolution)."""
+    from comfyui_fastar.kernels.row_argmax import row_argmax, row_argmax_torch
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    s = (torch.randn(1024, 28080, device="cuda", generator=g) * 4096).bfloat16()
+    s[::7, 5] = 1e6
+    assert torch.equal(row_argmax(s), row_argmax_torch(s))
+    assert torch.equal(row_argmax(s[:, 1:]), row_argmax_torch(s[:, 1:]))

@@ -1,0 +1,85 @@
+"""TempCache's group merge: the twin makes each merged slot the mean of its group (old mean
+weighted by its count) with the newest member's key and leaves other rows alone; the Triton
+kernel (under the CPU interpreter) equals the twin."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from comfyui_fastar.kernels import merge_rows as mr  # noqa: E402
+from comfyui_fastar.kernels.merge_rows import merge_rows, merge_rows_auto, merge_rows_torch  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not mr.HAS_TRITON, reason="triton not importable")
+
+
+def _case(seed, dtype, m=20, n=45, h=3, d=16):
+    """History rows as a strided slice; ~half the tokens merge, several into one slot; the group
+    state (count, added, rep) as TempCache derives it."""
+    g = torch.Generator().manual_seed(seed)
+    buf_k, buf_v = (torch.randn(m + 6, h + 1, d, generator=g).to(dtype) for _ in range(2))
+    k, v = buf_k[3:m + 3, :h], buf_v[3:m + 3, :h]
+    new_k, new_v = (torch.randn(h, n, d, generator=g).to(dtype).transpose(0, 1) for _ in range(2))
+    slot = torch.randint(0, m // 2, (h, n), generator=g)          # crowded: groups of several tokens
+    count = torch.randint(0, 4, (h, m), generator=g).float()
+    merge = (torch.rand(h, n, generator=g) < 0.5) & (count.gather(1, slot) > 0)
+    added = torch.zeros(h, m).scatter_add_(1, slot, merge.float())
+    rep = torch.full((h, m), -1).scatter_reduce_(1, slot, torch.where(merge, torch.arange(n), -1), "amax")
+    return buf_k, buf_v, k, v, new_k, new_v, slot, merge, count, added, rep
+
+
+def test_twin_averages_each_group_and_keeps_the_newest_key():
+    buf_k, buf_v, k, v, new_k, new_v, slot, merge, count, added, rep = _case(0, torch.float64)
+    want_k, want_v = buf_k.clone(), buf_v.clone()
+    groups = 0
+    for h in range(3):
+        for s in range(20):
+            members = [i for i in range(45) if merge[h, i] and slot[h, i] == s]
+            if not members:
+                continue
+            groups += len(members) > 1
+            c = count[h, s].item()
+            want_v[s + 3, h] = (c * buf_v[s + 3, h] + sum(new_v[i, h] for i in members)) / (c + len(members))
+            want_k[s + 3, h] = new_k[max(members), h]
+    assert groups > 3  # groups of several tokens are exercised
+    merge_rows_torch(k, v, new_k, new_v, slot, merge, count, added, rep)
+    torch.testing.assert_close(buf_v, want_v, rtol=1e-5, atol=1e-6)  # summed in fp32
+    assert torch.equal(buf_k, want_k)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_kernel_equals_twin(dtype, tol):
+    case = _case(1, dtype)
+    twin = [t.clone() if torch.is_tensor(t) else t for t in case]
+    # the views of the clones' buffers, then the same inputs
+    twin[2], twin[3] = twin[0][3:23, :3], twin[1][3:23, :3]
+    merge_rows(*case[2:])
+    merge_rows_torch(*twin[2:])
+    assert torch.equal(case[0], twin[0])  # keys: copies
+    torch.testing.assert_close(case[1], twin[1], rtol=tol, atol=tol)
+    untouched = torch.ones(26, 4, dtype=torch.bool)
+    untouched[3:23, :3] = (case[9] == 0).t()
+    assert torch.equal(case[1][untouched], _case(1, dtype)[1][untouched])  # rows no token merges into
+
+
+@needs_triton
+def test_auto_takes_the_twin_for_bf16_under_the_interpreter():
+    """Triton's CPU interpreter has no bf16 atomics: the dispatcher must not pick the kernel there."""
+    case = _case(2, torch.bfloat16)
+    twin = [t.clone() if torch.is_tensor(t) else t for t in case]
+    twin[2], twin[3] = twin[0][3:23, :3], twin[1][3:23, :3]
+    merge_rows_auto(*case[2:])
+    merge_rows_torch(*twin[2:])
+    assert torch.equal(case[1], twin[1]) and torch.equal(case[0], twin[0])
+
+
+def test_bad_calls_name_the_problem():
+    _, _, k, v, new_k, new_v, slot, merge, count, added, rep = _case(3, torch.float32)
+    with pytest.raises(ValueError, match="slot must be torch.int64"):
+        merge_rows_torch(k, v, new_k, new_v, slot.int(), merge, count, added, rep)
+    with pytest.raises(ValueError, match="count must be torch.float32"):
+        merge_rows_torch(k, v, new_k, new_v, slot, merge, count[:, :5], added, rep)
+    with pytest.raises(ValueError, match="share a dtype"):
+        merge_rows_torch(k, v.double(), new_k, new_v, slot, merge, count, added, rep)

@@ -1,0 +1,51 @@
+"""Each row's argmax: the twin takes the first index of the maximum, the Triton kernel (under the
+CPU interpreter) equals the twin, ties and all."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from comfyui_fastar.kernels import row_argmax as ra  # noqa: E402
+from comfyui_fastar.kernels.row_argmax import row_argmax, row_argmax_auto, row_argmax_torch  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not ra.HAS_TRITON, reason="triton not importable")
+
+
+def _scores(seed, dtype, r=9, m=5000):
+    """Integer-valued scores (exact in every dtype) with repeated maxima, in a strided view."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(-50, 50, (r, m + 7), generator=g).to(dtype)
+    s = buf[:, 3:m + 3]
+    s[0, [4100, 17, 2049]] = 90  # ties across lanes and blocks: the first wins
+    s[1, m - 1] = 95             # the last column
+    s[2] = float("-inf")         # nothing finite
+    return s
+
+
+def test_twin_takes_the_first_maximum():
+    s = _scores(0, torch.float32)
+    got = row_argmax_torch(s)
+    assert got.dtype == torch.int64 and got[0] == 17 and got[1] == 4999 and got[2] == 0
+    for i in range(3, 9):
+        assert got[i] == min(j for j in range(5000) if s[i, j] == s[i].max())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [5000, 2048, 7])
+def test_kernel_equals_twin(dtype, m):
+    s = _scores(1, dtype, m=max(m, 5000))[:, :m]
+    if m < 5000:
+        s = s.contiguous()
+        s[0, 3] = 99
+    assert torch.equal(row_argmax(s), row_argmax_torch(s))
+    assert torch.equal(row_argmax_auto(s), row_argmax_torch(s))
+
+
+def test_bad_calls_name_the_problem():
+    with pytest.raises(ValueError, match="scores must be"):
+        row_argmax_torch(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="floating point"):
+        row_argmax_torch(torch.zeros(3, 4, dtype=torch.long))
