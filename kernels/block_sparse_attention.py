@@ -623,18 +623,15 @@ if HAS_TRITON:
             k_tile = k_base + start.to(tl.int64) * stride_kl
             v_tile = v_base + start.to(tl.int64) * stride_vl
             b_tile = bias_base + start
-            if HAS_BIAS:
-                if (end > bias_lo) & (start < bias_hi):
-                    acc, l_i, m_i = _attend_range(
-                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                        v_step, qk_scale, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
-                    )
-                else:  # all its keys' bias 0 (the sink, the open chunk): the cheaper softmax
-                    acc, l_i, m_i = _attend_range(
-                        acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                        v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
-                    )
-            else:
+            biased = False  # a compile-time False without a bias: one softmax path compiled
+            if HAS_BIAS:  # a range wholly outside the bias window (the sink, the open chunk) has bias 0
+                biased = (end > bias_lo) & (start < bias_hi)
+            if biased:
+                acc, l_i, m_i = _attend_range(
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                    v_step, qk_scale, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                )
+            else:  # the cheaper softmax
                 acc, l_i, m_i = _attend_range(
                     acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
                     v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
