@@ -17,3 +17,22 @@ def triton_runs_on(t) -> bool:
     if not HAS_TRITON:
         return False
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def check_triton_runs_on(t) -> None:
+    """A kernel wrapper's device requirement, as an error that names it."""
+    if not triton_runs_on(t):
+        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {t.device}")
+
+
+def power_of_two(n: int) -> bool:
+    """Whether n is 1, 2, 4, ...: a size a Triton tile takes whole."""
+    return n >= 1 and not n & (n - 1)
+
+
+def check_row_kernel(t, d: int) -> None:
+    """The per-row kernels' launch requirements (head dim D a power of two, a device Triton runs
+    on), as errors that name them, in that order."""
+    if not power_of_two(d):
+        raise ValueError(f"kernel needs D a power of two, got D={d}")
+    check_triton_runs_on(t)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -112,8 +112,7 @@ def adaln(x: Tensor, scale: Tensor, shift: Tensor, *, y: Tensor | None = None, g
     gate, scale, shift = _check(x, y, gate, scale, shift)
     if x.dtype not in _DTYPES:
         raise ValueError(f"dtype {x.dtype} unsupported by the kernel (bf16/fp16/fp32)")
-    if not triton_runs_on(x):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {x.device}")
+    check_triton_runs_on(x)
     b, f, s, c = x.shape
     x = x.contiguous()
     y = y.contiguous() if y is not None else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -82,8 +82,7 @@ def block_means(k: Tensor, filled: Tensor, block: int) -> tuple[Tensor, Tensor]:
     b, m, h, d, nkb = _check(k, filled, block)
     if block & (block - 1) or d & (d - 1):
         raise ValueError(f"kernel needs block and D powers of two, got block={block}, D={d}")
-    if not triton_runs_on(k):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {k.device}")
+    check_triton_runs_on(k)
     mean = torch.empty(b, h, nkb, d, dtype=torch.float32, device=k.device)
     count = torch.empty(b, h, nkb, dtype=torch.float32, device=k.device)
     if mean.numel() == 0:
@@ -96,6 +95,6 @@ def block_means(k: Tensor, filled: Tensor, block: int) -> tuple[Tensor, Tensor]:
 def block_means_auto(k: Tensor, filled: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """The kernel where Triton runs and block and D are powers of two, else the twin."""
     d = k.shape[-1] if k.ndim == 4 else 0
-    pow2 = isinstance(block, int) and block >= 1 and not block & (block - 1) and d >= 1 and not d & (d - 1)
-    fn = block_means if triton_runs_on(k) and pow2 else block_means_torch
+    fits = isinstance(block, int) and power_of_two(block) and power_of_two(d)
+    fn = block_means if triton_runs_on(k) and fits else block_means_torch
     return fn(k, filled, block)

@@ -64,7 +64,7 @@ import operator
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -748,10 +748,7 @@ def block_sparse_attention(
         raise ValueError(f"kernel needs head dim D a power of two in [16, 256], got D={D}")
     if block_q > 256:
         raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
-    if not triton_runs_on(q):
-        raise ValueError(
-            f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}"
-        )
+    check_triton_runs_on(q)
     launch = default_launch(D, block_q, q.element_size())
     if block_n is not None:
         launch["block_n"] = block_n

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -76,10 +76,7 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
         raise RuntimeError("gather_rows needs triton, which is not importable")
     _check(src, index)
     b, m, h, d = src.shape
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"kernel needs D a power of two, got D={d}")
-    if not triton_runs_on(src):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {src.device}")
+    check_row_kernel(src, d)
     n = index.shape[2]
     out = torch.empty(b, n, h, d, dtype=src.dtype, device=src.device)
     if out.numel() == 0:
@@ -94,5 +91,5 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
 def gather_rows_auto(src: Tensor, index: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = src.shape[-1] if src.ndim == 4 else 0
-    fn = gather_rows if triton_runs_on(src) and d >= 1 and not d & (d - 1) else gather_rows_torch
+    fn = gather_rows if triton_runs_on(src) and power_of_two(d) else gather_rows_torch
     return fn(src, index)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -118,12 +118,11 @@ def merge_rows(k: Tensor, v: Tensor, new_k: Tensor, new_v: Tensor, slot: Tensor,
         raise RuntimeError("merge_rows needs triton, which is not importable")
     _check(k, v, new_k, new_v, slot, merge, count, added, rep)
     m, h, d = k.shape
-    if d < 1 or d & (d - 1):
+    if not power_of_two(d):
         raise ValueError(f"kernel needs D a power of two, got D={d}")
     if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"kernel adds values atomically: fp32, fp16 or bf16, got {k.dtype}")
-    if not triton_runs_on(k):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {k.device}")
+    check_triton_runs_on(k)
     n = new_k.shape[0]
     if n == 0 or h == 0:
         return
@@ -141,5 +140,5 @@ def merge_rows_auto(k: Tensor, v: Tensor, new_k: Tensor, new_v: Tensor, slot: Te
     interpreter has no bf16 atomics), else the twin."""
     d = k.shape[-1] if k.ndim == 3 else 0
     dtypes = (torch.float32, torch.float16, torch.bfloat16) if k.is_cuda else (torch.float32, torch.float16)
-    use = triton_runs_on(k) and d >= 1 and not d & (d - 1) and k.dtype in dtypes
+    use = triton_runs_on(k) and power_of_two(d) and k.dtype in dtypes
     (merge_rows if use else merge_rows_torch)(k, v, new_k, new_v, slot, merge, count, added, rep)

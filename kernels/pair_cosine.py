@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -79,10 +79,7 @@ def pair_cosine(x: Tensor, src: Tensor, rows: Tensor) -> Tensor:
         raise RuntimeError("pair_cosine needs triton, which is not importable")
     _check(x, src, rows)
     n, h, d = x.shape
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"kernel needs D a power of two, got D={d}")
-    if not triton_runs_on(x):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {x.device}")
+    check_row_kernel(x, d)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     if n == 0 or h == 0:
         return out
@@ -96,5 +93,5 @@ def pair_cosine(x: Tensor, src: Tensor, rows: Tensor) -> Tensor:
 def pair_cosine_auto(x: Tensor, src: Tensor, rows: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = x.shape[-1] if x.ndim == 3 else 0
-    fn = pair_cosine if triton_runs_on(x) and d >= 1 and not d & (d - 1) else pair_cosine_torch
+    fn = pair_cosine if triton_runs_on(x) and power_of_two(d) else pair_cosine_torch
     return fn(x, src, rows)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -92,8 +92,7 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int
     d = _check(x, weight, freqs, num_heads)
     if x.dtype not in _DTYPES:
         raise ValueError(f"dtype {x.dtype} unsupported by the kernel (bf16/fp16/fp32)")
-    if not triton_runs_on(x):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {x.device}")
+    check_triton_runs_on(x)
     b, length, c = x.shape
     out = torch.empty(b, length, num_heads, d, dtype=x.dtype, device=x.device)
     if out.numel():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -120,8 +120,7 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
     b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
     if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
         raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
-    if not triton_runs_on(q):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {q.device}")
+    check_triton_runs_on(q)
     scores = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     if scores.numel():
         _quant_scores_kernel[(nqb, b * h)](

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -165,8 +165,7 @@ def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_
     if not HAS_TRITON:
         raise RuntimeError("quant_select needs triton, which is not importable")
     b, h, nqb, nkb = _check(score, held, top, key_block)
-    if not triton_runs_on(score):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {score.device}")
+    check_triton_runs_on(score)
     ranges = torch.zeros(b, h, nqb, 2 + top, 2, dtype=torch.int32, device=score.device)
     counts = torch.empty(b, h, nqb, dtype=torch.int32, device=score.device)
     if chunk is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -63,8 +63,7 @@ def row_argmax(scores: Tensor) -> Tensor:
     if not HAS_TRITON:
         raise RuntimeError("row_argmax needs triton, which is not importable")
     _check(scores)
-    if not triton_runs_on(scores):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {scores.device}")
+    check_triton_runs_on(scores)
     r, m = scores.shape
     out = torch.empty(r, dtype=torch.int64, device=scores.device)
     if r:

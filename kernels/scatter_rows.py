@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -74,10 +74,7 @@ def scatter_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
         raise RuntimeError("scatter_rows needs triton, which is not importable")
     _check(dst, index, src)
     b, m, h, d = dst.shape
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"kernel needs D a power of two, got D={d}")
-    if not triton_runs_on(dst):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {dst.device}")
+    check_row_kernel(dst, d)
     n = index.shape[2]
     if n == 0 or b * h == 0:
         return dst
@@ -91,5 +88,5 @@ def scatter_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
 def scatter_rows_auto(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = dst.shape[-1] if dst.ndim == 4 else 0
-    fn = scatter_rows if triton_runs_on(dst) and d >= 1 and not d & (d - 1) else scatter_rows_torch
+    fn = scatter_rows if triton_runs_on(dst) and power_of_two(d) else scatter_rows_torch
     return fn(dst, index, src)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -112,10 +112,7 @@ def unit_fp8(src: Tensor, index: Tensor | None = None, held: Tensor | None = Non
         raise RuntimeError("unit_fp8 needs triton, which is not importable")
     m, m_out = _check(src, index, held, m_out)
     m_src, h, d = src.shape
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"kernel needs D a power of two, got D={d}")
-    if not triton_runs_on(src):
-        raise ValueError(f"kernel needs CUDA tensors (or CPU with TRITON_INTERPRET=1), got device {src.device}")
+    check_row_kernel(src, d)
     out = torch.empty(m_out, h * d, dtype=torch.float8_e4m3fn, device=src.device)
     if out.numel() == 0:
         return out
@@ -133,5 +130,5 @@ def unit_fp8_auto(src: Tensor, index: Tensor | None = None, held: Tensor | None 
                   m_out: int | None = None) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = src.shape[-1] if src.ndim == 3 else 0
-    fn = unit_fp8 if triton_runs_on(src) and d >= 1 and not d & (d - 1) else unit_fp8_torch
+    fn = unit_fp8 if triton_runs_on(src) and power_of_two(d) else unit_fp8_torch
     return fn(src, index, held, m_out)
