@@ -198,11 +198,11 @@ class TempCache:
             if cfg.enabled:
                 x = new_k if cfg.matching == "key" else q[b, -n:]
                 idx, cos = self.match(x, new_k, kb[hist], filled, canon)
-                merge = (cos >= cfg.merge_threshold) & filled.gather(1, idx.clamp_min(0)) & (idx >= 0)
+                at = idx.clamp_min(0)                                    # [H, N] slot of each token's match
+                merge = (cos >= cfg.merge_threshold) & filled.gather(1, at) & (idx >= 0)
             else:
-                idx = torch.zeros(h, n, dtype=torch.long, device=k.device)
+                idx = at = torch.zeros(h, n, dtype=torch.long, device=k.device)
                 merge = torch.zeros(h, n, dtype=torch.bool, device=k.device)
-            at = idx.clamp_min(0)                                        # [H, N] slot of each token's match
             slot = (heads[:, None] * m_slots + at).flatten()             # flat slot (head-major)
             # group sizes, representatives (newest = largest token index: later frame) and values;
             # an unmerged token adds 0 and -1 at its match rather than at one shared dump slot,
