@@ -5,8 +5,9 @@ reading the log m bias on every range, the sink's and the open chunk's too, NAME
 writes in line instead of on a side stream, NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
 cores, NAME/cudnnbias, the first step's biased dense attention on cuDNN with a mask instead of the
 block-sparse kernel on the all-keys plan, NAME/torchmeans, AnnSA's block means in eager torch instead of
-their kernel, and NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
-alignment) by torch.gather instead of their kernel); 14 chunks each at the TempCache
+their kernel, NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
+alignment) by torch.gather instead of their kernel, and NAME/nolastwave, the block-sparse kernel's last wave run
+whole instead of split); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -22,7 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
 from testbed import testbed  # noqa: E402
-from comfyui_fastar.kernels.block_means import block_means_torch  # noqa: E402  (importable once E is)
+from comfyui_fastar.kernels import block_sparse_attention as bsa  # noqa: E402  (importable once E is)
+from comfyui_fastar.kernels.block_means import block_means_torch  # noqa: E402
 from comfyui_fastar.kernels.gather_rows import gather_rows_torch  # noqa: E402
 
 smoke = "--smoke" in sys.argv
@@ -62,7 +64,8 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "cudnnbias": lambda: E.patched(E.fastar.attention, "attend_biased",
                                            lambda q, k, v, bias, window: E.fastar.attend(q, k, v, key_bias=bias)),
             "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch),
-            "torchgather": torch_gather}
+            "torchgather": torch_gather,
+            "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1))}
 
 
 out = {}

@@ -37,9 +37,8 @@ nothing) and permutation entries to ``[0, Lq)`` instead of raising.
 
 Kernel layout
 -------------
-Grid ``(n_qblocks, B * H)``; one program holds one query block (gathered through
-``q_perm``) in registers and streams the keys of its ranges in tiles of ``block_n``
-with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
+One program holds one query block (gathered through ``q_perm``) in registers and
+streams the keys of its ranges in tiles of ``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
 into the scale, and into the bias once per call by the wrapper). Each range is
 ``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
 bias, scaling and the max shift fuse into one FMA per score), then at most one masked
@@ -48,11 +47,16 @@ addressed as a scalar int64 pointer advanced by ``block_n`` rows plus loop-invar
 int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
 ``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
 
-``num_splits`` > 1 adds a grid axis: each program takes an even share of its block's keys
-(counted along the ranges, cut on whole tiles), writes an fp32 partial output and its
-log-sum-exp, and one combine pass joins them. It fills the last wave of a grid whose programs
-read long ranges (the first step's dense biased attention); on plans of many short ranges the
-partials cost what the fuller wave gives back (bench/NOTES.md), so the default is no split.
+The grid is one program per (query block, head) item, in that order, unless some items are
+*split*: such an item's keys are cut into even shares by count (along its ranges, on whole tiles),
+one program each; a split program writes an fp32 partial output and its log-sum-exp, and one
+combine pass joins each split item's shares. ``num_splits`` > 1 splits every item (the first
+step's dense biased attention, whose programs read long ranges). By default only the last,
+partial wave is split: a grid of equal programs runs in waves of the programs the GPU holds at
+once (132 SMs x 2 on an H200 for the default launch), and a last wave a third full costs about
+as long as a full one; its items split in S shares (S x tail <= wave) shorten it. On AnnSA's
+plans this gained little (0.9% of a call, ~3 ms a chunk: bench/NOTES.md, "The last wave"), and
+splitting every item there costs more than it gains (partials and a combine for all of them).
 """
 
 from __future__ import annotations
@@ -321,11 +325,12 @@ def block_sparse_attention_torch(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    wave: int | None = None,
 ) -> Tensor:
     """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
 
     Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` /
-    ``num_splits`` are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
+    ``num_splits`` / ``wave`` are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
     shape, dtype and (where q is dense) memory layout. Validates the plan's values with
     :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
     """
@@ -484,7 +489,8 @@ if HAS_TRITON:
     # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
     # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
     # alignment the kernel could use: tiles start at unaligned range starts anyway.
-    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi"])
+    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_qblocks", "n_whole",
+                                   "n_split"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
@@ -494,8 +500,8 @@ if HAS_TRITON:
         counts_ptr,
         bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
         perm_ptr,
-        part_ptr,  # SPLIT > 1: [SPLIT, B * H, Lq, D] fp32, each split's normalised output
-        lse_ptr,  # SPLIT > 1: [SPLIT, B * H, Lq] fp32, each split's log2-sum-exp2 per query
+        part_ptr,  # SPLITS: [split items, n_split, BLOCK_M, D] fp32, each share's normalised output
+        lse_ptr,  # SPLITS: [split items, n_split, BLOCK_M] fp32, each share's log2-sum-exp2 per row
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
         Lq,
@@ -504,6 +510,9 @@ if HAS_TRITON:
         block_q,
         bias_lo,  # keys outside [bias_lo, bias_hi) have bias 0: ranges there skip it
         bias_hi,
+        n_qblocks,
+        n_whole,  # SPLITS: items [0, n_whole) run whole, the rest in n_split programs each
+        n_split,
         stride_qb,
         stride_qh,
         stride_ql,
@@ -539,13 +548,21 @@ if HAS_TRITON:
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLITS: tl.constexpr,
         R_BLOCK: tl.constexpr,
     ):
-        """One program: one query block of one (b, h) against the keys of its ranges (with
-        ``SPLIT`` > 1, against split ``program_id(2)`` of them, a partial result)."""
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        """One program: one query block of one (b, h) against the keys of its ranges (a split
+        program, with ``SPLITS``, against one share of them: a partial result)."""
+        pid = tl.program_id(0)
+        if SPLITS:
+            is_split = pid >= n_whole
+            share = tl.maximum(pid - n_whole, 0)
+            item = tl.where(is_split, n_whole + share // n_split, pid)
+            pid_s = share % n_split  # this program's share of a split item
+        else:
+            item = pid
+        pid_m = item % n_qblocks
+        pid_bh = item // n_qblocks
         # int64 bases: b * stride over a long cache can exceed 2**31 elements.
         b = (pid_bh // H).to(tl.int64)
         h = (pid_bh % H).to(tl.int64)
@@ -583,10 +600,11 @@ if HAS_TRITON:
         count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
         count = tl.minimum(tl.maximum(count, 0), R)
 
-        if SPLIT > 1:
+        if SPLITS:
             # This program's share: keys [cut_lo, cut_hi) of the block's keys counted along its
-            # ranges, split evenly by count; a cut inside a range falls on a whole number of
-            # tiles from the range's start, so splitting adds no masked tile.
+            # ranges, split evenly by count (a whole item is one share); a cut inside a range
+            # falls on a whole number of tiles from the range's start, so splitting adds no
+            # masked tile.
             offs_r = tl.arange(0, R_BLOCK)
             r_ok = offs_r < count
             r_start = tl.maximum(tl.load(r_base + offs_r * stride_rr, mask=r_ok, other=0), 0)
@@ -594,9 +612,9 @@ if HAS_TRITON:
             r_len = tl.maximum(r_end - r_start, 0)
             r_cum = tl.cumsum(r_len, 0) - r_len  # keys before each range
             total = tl.sum(r_len, 0)
-            pid_s = tl.program_id(2)
-            cut_lo = _split_cut(total * pid_s // SPLIT, total, r_cum, r_len, BLOCK_N)
-            cut_hi = _split_cut(total * (pid_s + 1) // SPLIT, total, r_cum, r_len, BLOCK_N)
+            shares = tl.where(is_split, n_split, 1)
+            cut_lo = _split_cut(total * pid_s // shares, total, r_cum, r_len, BLOCK_N)
+            cut_hi = _split_cut(total * (pid_s + 1) // shares, total, r_cum, r_len, BLOCK_N)
             # Only the ranges the share overlaps are visited: a range's bounds are two dependent
             # loads, too slow to spend on ranges another split reads.
             before = r_ok & (r_cum + r_len <= cut_lo)
@@ -614,7 +632,7 @@ if HAS_TRITON:
             start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
             end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
             n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
-            if SPLIT > 1:
+            if SPLITS:
                 skip = tl.minimum(tl.maximum(cut_lo - seen, 0), n_keys)
                 seen += n_keys
                 n_keys = tl.minimum(tl.maximum(cut_hi - (seen - n_keys), 0), n_keys) - skip
@@ -639,45 +657,55 @@ if HAS_TRITON:
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if SPLIT > 1:
-            # Partials at the queries' original positions, so the combine needs no permutation.
-            row_off = (pid_s * (tl.num_programs(1) * Lq) + pid_bh * Lq).to(tl.int64) + rows.to(tl.int64)
-            lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + row_off, lse, mask=row_ok)
-            tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+        o_base = o_ptr + b * stride_ob + h * stride_oh
+        o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
+        if SPLITS:
+            if is_split:  # partials by the block's rows, which the combine maps back to queries
+                row_off = (share * BLOCK_M).to(tl.int64) + offs_i
+                lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(lse_ptr + row_off, lse, mask=row_ok)
+                tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+            else:
+                tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            o_base = o_ptr + b * stride_ob + h * stride_oh
-            o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-    @triton.jit(do_not_specialize=["H", "Lq"])
+    @triton.jit(do_not_specialize=["H", "Lq", "block_q", "n_qblocks", "n_whole", "n_split"])
     def _combine_splits_kernel(
-        part_ptr, lse_ptr, o_ptr, H, Lq, stride_ob, stride_oh, stride_ol, stride_od,
-        D: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        part_ptr, lse_ptr, o_ptr, perm_ptr, H, Lq, block_q, n_qblocks, n_whole, n_split,
+        stride_ob, stride_oh, stride_ol, stride_od, stride_pb, stride_ph, stride_pl,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr,
     ):
-        """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes
-        joined into one; a query no split saw a finite logit for gets 0."""
-        pid_bh = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        """One split item: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), the
+        shares' softmaxes joined into one; a query no share saw a finite logit for gets 0."""
+        j = tl.program_id(0)
+        item = n_whole + j
+        pid_m = item % n_qblocks
+        pid_bh = item // n_qblocks
+        b = (pid_bh // H).to(tl.int64)
+        h = (pid_bh % H).to(tl.int64)
+        offs_i = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        ok = rows < Lq
-        n_bh = tl.num_programs(1)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLIT):
-            row_off = (s * n_bh * Lq + pid_bh * Lq).to(tl.int64) + rows
-            m = tl.maximum(m, tl.load(lse_ptr + row_off, mask=ok, other=float("-inf")))
+        slot = pid_m * block_q + offs_i
+        ok = (offs_i < block_q) & (slot < Lq)
+        if HAS_PERM:
+            p_ptrs = perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl
+            rows = tl.minimum(tl.maximum(tl.load(p_ptrs, mask=ok, other=0), 0), Lq - 1)
+        else:
+            rows = slot
+        base = (j * n_split * BLOCK_M).to(tl.int64) + offs_i
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(n_split):
+            m = tl.maximum(m, tl.load(lse_ptr + base + s * BLOCK_M, mask=ok, other=float("-inf")))
         m = tl.where(m == float("-inf"), 0.0, m)
-        num = tl.zeros([BLOCK, D], tl.float32)
-        den = tl.zeros([BLOCK], tl.float32)
-        for s in tl.static_range(SPLIT):
-            row_off = (s * n_bh * Lq + pid_bh * Lq).to(tl.int64) + rows
-            w = tl.math.exp2(tl.load(lse_ptr + row_off, mask=ok, other=float("-inf")) - m)
-            o = tl.load(part_ptr + row_off[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        num = tl.zeros([BLOCK_M, D], tl.float32)
+        den = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(n_split):
+            w = tl.math.exp2(tl.load(lse_ptr + base + s * BLOCK_M, mask=ok, other=float("-inf")) - m)
+            o = tl.load(part_ptr + (base + s * BLOCK_M)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
             num += w[:, None] * o
             den += w
         out = num / tl.where(den > 0, den, 1.0)[:, None]
-        b = (pid_bh // H).to(tl.int64)
-        h = (pid_bh % H).to(tl.int64)
         o_ptrs = o_ptr + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -688,17 +716,54 @@ def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
     return span < 2**31 - 1
 
 
-#: Query rows per program of the split combine.
-_COMBINE_ROWS = 32
-
-
 def _check_splits(num_splits) -> int:
-    """Key splits per query block: an int in [1, 16]; None is 1 (no split)."""
+    """Key splits of every item: an int in [1, 16]; None is 1 (only the last wave may split)."""
     if num_splits is None:
         return 1
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 16:
         raise ValueError(f"num_splits must be an int in [1, 16] or None, got {num_splits!r}")
     return num_splits
+
+
+#: Most shares a last-wave item is cut into: each adds a partial to write and join, and past
+#: four the last wave is short already.
+MAX_TAIL_SPLIT = 4
+
+
+def tail_split(n_items: int, wave: int) -> tuple[int, int]:
+    """``(n_whole, n_split)``: the first ``n_whole`` items run whole; the last wave's
+    ``n_items - n_whole`` items run in ``n_split`` programs each, as many shares as fit in the
+    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or at least half
+    full (a share of two would not fit), or ``wave`` is 0 (unknown)."""
+    tail = n_items % wave if wave > 0 else 0
+    n_split = min(MAX_TAIL_SPLIT, wave // tail) if tail else 1
+    return (n_items - tail, n_split) if n_split > 1 else (n_items, 1)
+
+
+_WAVES: dict = {}
+
+
+def _device_wave(variant: tuple, warmup) -> int:
+    """Programs of a kernel variant (``variant[0]`` its device; ``warmup()`` compiles it, a
+    split-capable one) the GPU holds at once: SMs x the fewest per SM that its registers, shared
+    memory and threads allow, read from the compiled kernel (loaded, not launched) once per
+    variant. 0 off CUDA or where they cannot be read."""
+    device = variant[0]
+    if device.type != "cuda":
+        return 0
+    if variant not in _WAVES:
+        kernel = warmup()
+        props = torch.cuda.get_device_properties(device)
+        try:
+            kernel._init_handles()  # loads the binary: n_regs is known from then on
+            warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
+            by_regs = props.regs_per_multiprocessor // (-(-regs * 32 // 256) * 256 * warps)
+            by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)  # 1 KiB reserved per block
+            by_threads = props.max_threads_per_multi_processor // (32 * warps)
+            _WAVES[variant] = props.multi_processor_count * max(0, min(by_regs, by_smem, by_threads))
+        except (AttributeError, TypeError):  # a Triton or torch without these fields: no split
+            _WAVES[variant] = 0
+    return _WAVES[variant]
 
 
 def kernel_supports(q: Tensor, block_q) -> bool:
@@ -724,8 +789,9 @@ def block_sparse_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    wave: int | None = None,
 ) -> Tensor:
-    """Triton kernel with the twin's contract; grid ``(ceil(Lq / block_q), B * H)``.
+    """Triton kernel with the twin's contract; one program per query block and head.
 
     q ``[B, H, Lq, D]``, k / v ``[B, H, Lk, D]`` in bf16 / fp16 (fp32 also runs, with an
     IEEE dot to match the twin, but slowly), any strides (views are read in place). D a
@@ -733,7 +799,9 @@ def block_sparse_attention(
     the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
     int in [1, 256]; the kernel tile is it rounded up to a power of two. ``block_n``,
     ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses);
-    ``num_splits`` (1-16, default 1) splits each block's keys across programs (module docstring).
+    ``num_splits`` (1-16) splits every block's keys across programs; None (the default) splits
+    only the last wave's blocks, a wave being ``wave`` programs (None: what the GPU holds at once
+    for this launch; 0: no split); 1 never splits (module docstring).
     No host sync: plan values are clamped, not checked (see the module docstring).
     The result has q's shape, dtype and (where q is dense) memory layout.
     """
@@ -749,14 +817,14 @@ def block_sparse_attention(
     if block_q > 256:
         raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
     check_triton_runs_on(q)
-    launch = default_launch(D, block_q, q.element_size())
+    launch_cfg = default_launch(D, block_q, q.element_size())
     if block_n is not None:
-        launch["block_n"] = block_n
+        launch_cfg["block_n"] = block_n
     if num_warps is not None:
-        launch["num_warps"] = num_warps
+        launch_cfg["num_warps"] = num_warps
     if num_stages is not None:
-        launch["num_stages"] = num_stages
-    bn = launch["block_n"]
+        launch_cfg["num_stages"] = num_stages
+    bn = launch_cfg["block_n"]
     if not isinstance(bn, int) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot minimum), got {bn}")
 
@@ -790,53 +858,48 @@ def block_sparse_attention(
         k = k.contiguous()
     if not _tile_offsets_fit(v, bn):
         v = v.contiguous()
-    splits = _check_splits(num_splits)
+    block_m = _block_m(block_q)
+    n_items = nqb * B * H
+    split_all = _check_splits(num_splits)
+    if wave is not None and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 0):
+        raise ValueError(f"wave must be an int >= 0 or None, got {wave!r}")
     part = lse = q  # dummy pointers, never read without a split
-    if splits > 1:
-        part = torch.empty(splits, B * H, Lq, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, B * H, Lq, dtype=torch.float32, device=q.device)
-    _block_sparse_attention_kernel[(nqb, B * H, splits)](
-        q,
-        k,
-        v,
-        out,
-        ranges,
-        range_counts,
-        bias,
-        perm,
-        part,
-        lse,
-        scale * _LOG2E,
-        H,
-        Lq,
-        Lk,
-        R,
-        block_q,
-        lo,
-        hi,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        *ranges.stride(),
-        *range_counts.stride(),
-        *perm_strides,
-        D=D,
-        BLOCK_M=_block_m(block_q),
-        BLOCK_N=bn,
-        HAS_BIAS=key_bias is not None,
-        HAS_PERM=q_perm is not None,
-        SCALE_NEG=scale < 0,
-        UPCAST=upcast,
-        INPUT_PRECISION=precision,
-        SPLIT=splits,
-        R_BLOCK=max(2, 1 << (R - 1).bit_length()) if splits > 1 else 1,
-        num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"],
-    )
-    if splits > 1:
-        _combine_splits_kernel[(triton.cdiv(Lq, _COMBINE_ROWS), B * H)](
-            part, lse, out, H, Lq, *out.stride(), D=D, BLOCK=_COMBINE_ROWS, SPLIT=splits, num_warps=4,
+
+    def launch(n_whole: int, n_split: int, warmup: bool = False):
+        splits = n_whole < n_items
+        kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
+            (n_whole + (n_items - n_whole) * n_split,)]
+        return kernel(
+            q, k, v, out, ranges, range_counts, bias, perm, part, lse, scale * _LOG2E,
+            H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
+            *perm_strides,
+            D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PERM=q_perm is not None,
+            SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
+            R_BLOCK=max(2, 1 << (R - 1).bit_length()) if splits else 1,
+            num_warps=launch_cfg["num_warps"], num_stages=launch_cfg["num_stages"],
+            **({"grid": (1,)} if warmup else {}),
+        )
+
+    if split_all > 1:
+        n_whole, n_split = 0, split_all
+    elif num_splits is None:  # the last wave's items split
+        if wave is None:
+            variant = (q.device, q.dtype, D, block_m, bn, launch_cfg["num_warps"], launch_cfg["num_stages"],
+                       key_bias is not None, q_perm is not None, R)
+            wave = _device_wave(variant, lambda: launch(0, 2, warmup=True))
+        n_whole, n_split = tail_split(n_items, wave)
+    else:
+        n_whole, n_split = n_items, 1
+    if n_whole < n_items:
+        shares = (n_items - n_whole) * n_split
+        part = torch.empty(shares, block_m, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(shares, block_m, dtype=torch.float32, device=q.device)
+    launch(n_whole, n_split)
+    if n_whole < n_items:
+        _combine_splits_kernel[(n_items - n_whole,)](
+            part, lse, out, perm, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(), *perm_strides,
+            D=D, BLOCK_M=block_m, HAS_PERM=q_perm is not None, num_warps=4,
         )
     return out
 
@@ -860,6 +923,7 @@ def block_sparse_attention_auto(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    wave: int | None = None,
 ) -> Tensor:
     """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
     and the dtype / head dim suit it, else the torch twin (same results)."""
@@ -883,4 +947,5 @@ def block_sparse_attention_auto(
         num_warps=num_warps,
         num_stages=num_stages,
         num_splits=num_splits,
+        wave=wave,
     )

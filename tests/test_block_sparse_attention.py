@@ -245,6 +245,60 @@ def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
         assert bool((out[0, 1, 16:] == 0).all())
 
 
+def test_tail_split_fills_the_last_wave():
+    """Only a last wave under half full splits, into as many shares as fit (at most four)."""
+    assert bsa.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs
+    assert bsa.tail_split(792, 264) == (792, 1)  # whole waves
+    assert bsa.tail_split(950, 264) == (950, 1)  # last wave 60% full: a share of two would not fit
+    assert bsa.tail_split(30, 7) == (28, 3)
+    assert bsa.tail_split(10, 264) == (0, bsa.MAX_TAIL_SPLIT)  # less than one wave: all split
+    assert bsa.tail_split(30, 0) == (30, 1)  # wave unknown
+
+
+@needs_triton
+@pytest.mark.parametrize("wave", [3, 7, 64])
+def test_last_wave_split_matches_twin_random(wave):
+    """The last wave's items split (the rest whole, in one launch) give the twin's results."""
+    for c in range(8):
+        seed = BASE_SEED + 7919 * wave + c
+        q, k, v, ranges, counts, kw, block_n = random_case(seed)
+        n_items = counts.numel()
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, wave=wave, **kw)
+        ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
+        err = rel_err(out, ref)
+        assert err <= TOL[q.dtype], f"seed={seed} wave={wave} items={n_items} err={err}"
+
+
+@needs_triton
+def test_last_wave_split_cuts_many_ranges():
+    """As above on the hand-made plan of cuts inside, between and on empty ranges: the whole
+    items' rows and the split items' rows (incl. all -inf ones, zero) land where they belong."""
+    gen = torch.Generator().manual_seed(6)
+    B, H, Lq, Lk, D = 1, 2, 40, 200, 64
+    q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
+    spans = [[0, 37], [37, 37], [50, 51], [60, 131], [140, 140], [150, 200]]
+    ranges = torch.tensor(spans, dtype=torch.int32).expand(B, H, 3, len(spans), 2).clone()
+    counts = torch.tensor([[6, 6, 2], [6, 0, 3]], dtype=torch.int32)[None]
+    bias = torch.randn(B, H, Lk)
+    bias[0, 1, :51] = NEG_INF
+    perm = torch.stack([torch.randperm(Lq, generator=gen) for _ in range(H)])[None]
+    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160), q_perm=perm)
+    ref = block_sparse_attention_torch(q, k, v, ranges, counts, **kw)
+    for wave in (0, 4, 5, 16):  # 6 items: none, 2 x 2 shares, 1 x 4, all 6 x 2
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, wave=wave, **kw)
+        assert rel_err(out, ref) <= 1e-5, wave
+        rows = perm[0, 1, 16:]  # block 1 reads nothing, block 2 only -inf keys
+        assert bool((out[0, 1, rows] == 0).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_bad_wave_raises(bad):
+    d = _base()
+    with pytest.raises(ValueError, match="wave must be"):
+        block_sparse_attention(d["q"], d["k"], d["v"], d["ranges"], d["range_counts"], block_q=16, wave=bad)
+
+
 @needs_triton
 @pytest.mark.parametrize("bad", [0, 17, 1.5, True, "2"])
 def test_bad_num_splits_raise(bad):
@@ -675,7 +729,7 @@ for elem, D, block_q, bias, perm, launch in json.loads(sys.argv[1]):
     split = launch.pop("split", 1)
     const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
                  HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
-                 SPLIT=split, R_BLOCK=128 if split > 1 else 1)
+                 SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
                                  "stride_cq", "stride_pl")})
     aligned = {"stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",

@@ -18,6 +18,7 @@ from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
 from comfyui_fastar.kernels.block_means import block_means, block_means_torch
 from comfyui_fastar.kernels.gather_rows import gather_rows, gather_rows_torch
+from comfyui_fastar.kernels import block_sparse_attention as bsa
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_torch
 
@@ -92,10 +93,11 @@ def test_block_sparse_bias_window_equals_twin():
     assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
 
 
-@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("splits", [None, 2, 3], ids=["last-wave", "2", "3"])
 def test_block_sparse_key_splits_equal_unsplit_at_the_chunk_shape(splits):
     """At the Wan 1.3B chunk shape (4680 queries, 12 heads, sink + biased history + chunk), a split
-    kernel's output equals the unsplit one's to bf16 rounding, with and without a permutation."""
+    kernel's output (the default splits the last wave's blocks) equals the unsplit one's to bf16
+    rounding, with and without a permutation."""
     g = torch.Generator(device="cuda").manual_seed(4)
     H, Lq, Lk, lo, hi = 12, 4680, 9360, 1560, 4680
     q, k, v = (torch.randn(1, H, n, 128, device="cuda", generator=g).bfloat16() for n in (Lq, Lk, Lk))
@@ -110,9 +112,13 @@ def test_block_sparse_key_splits_equal_unsplit_at_the_chunk_shape(splits):
     perm = torch.stack([torch.randperm(Lq, device="cuda", generator=g) for _ in range(H)])[None]
     for kw in ({}, {"q_perm": perm}):
         kw.update(key_bias=bias, bias_window=(lo, hi))
-        one = block_sparse_attention(q, k, v, ranges, counts, **kw).float()
+        one = block_sparse_attention(q, k, v, ranges, counts, num_splits=1, **kw).float()
         split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
         assert ((split - one).norm() / one.norm()).item() < 4e-3
+    if splits is None:  # the wave was read from the compiled kernel: a whole number of programs per SM
+        waves = [w for key, w in bsa._WAVES.items() if key[0] == q.device]
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        assert waves and all(w > 0 and w % sms == 0 for w in waves)
 
 
 def test_block_means_equal_twin_at_the_budget():
