@@ -174,6 +174,14 @@ class FastARAttention:
             self.cache.after_attention(layer, q)
         return out
 
+    def fill_cache(self, layer: int, q, k, v) -> None:
+        """The clean pass's K/V of a layer whose attention output nobody reads (the last one's:
+        ``WanModel.forward(fill_cache=True)``): written, with the history writes, not attended."""
+        if self.cache is None or not self.cache.clean_pass:
+            raise FastARError("FastARAttention.fill_cache is for the clean pass of a cached rollout")
+        self.cache.extend(layer, k, v)
+        self._write_history(layer, q)
+
     def _write_history(self, layer: int, q) -> None:
         """The clean pass's writes of one layer's history: TempCache's merge, AnnSA's sort. Only
         the next chunk reads them, so on CUDA they run on a side stream and overlap the rest of

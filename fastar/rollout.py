@@ -45,6 +45,9 @@ class ChunkModel(Protocol):
     # Optional: True where a forward syncs nothing with the host and accepts ``frame_offset``
     # as a 0-d tensor, so the engine may replay chunks from a CUDA graph.
     # graph_safe: bool
+    # Optional: True where a forward takes ``fill_cache=True`` for the clean pass (see
+    # ``Rollout.fill_cache``).
+    # fills_cache: bool
 
 
 @dataclass
@@ -131,15 +134,26 @@ class Rollout:
     def num_chunks(self) -> int:
         return self.frames // self.chunk_frames
 
+    def _inputs(self, x: torch.Tensor, timestep: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's latent and timestep inputs: twice the batch when guided (cfg != 1)."""
+        x_in = torch.cat([x, x]) if self.guided else x
+        return x_in, torch.full((x_in.shape[0],), float(timestep), device=self.device)
+
     def predict(self, x: torch.Tensor, timestep: float, frame_offset: int | torch.Tensor) -> torch.Tensor:
         """Flow prediction for the open chunk (guided when cfg != 1)."""
-        x_in = torch.cat([x, x]) if self.guided else x
-        t = torch.full((x_in.shape[0],), float(timestep), device=self.device)
+        x_in, t = self._inputs(x, timestep)
         v = self.model(x_in, t, self.context, frame_offset=frame_offset, attention=self.attention).float()
         if self.guided:
             v_pos, v_neg = v.chunk(2)
             v = v_neg + self.cfg * (v_pos - v_neg)
         return v
+
+    def fill_cache(self, x0: torch.Tensor, frame_offset: int | torch.Tensor) -> None:
+        """The clean pass: a forward on the clean chunk whose K/V enter the cache. Its output is
+        not used: a model whose forward takes ``fill_cache`` stops after the last layer's K/V."""
+        x_in, t = self._inputs(x0, self.context_noise)
+        kw = {"fill_cache": True} if getattr(self.model, "fills_cache", False) else {}
+        self.model(x_in, t, self.context, frame_offset=frame_offset, attention=self.attention, **kw)
 
     def sample_chunk(self, c: int) -> torch.Tensor:
         """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0.
@@ -181,7 +195,7 @@ class Rollout:
                 x = (1 - nxt) * x0 + nxt * noise[step + 1]
         self.cache.begin_clean_pass()
         self.attention.step = len(self.sigmas)  # the clean pass: the step after the last
-        self.predict(x0, self.context_noise, frame_offset)
+        self.fill_cache(x0, frame_offset)
         self.cache.join_writes()  # inside the chunk's CUDA graph, which must end on its own stream
         return x0
 

@@ -135,6 +135,29 @@ def test_window_keeps_older_frames_out(model):
     assert rel(win[:, :, 3:], full[:, :, 3:]) > 1e-6
 
 
+@pytest.mark.parametrize("cache", [CacheConfig(), TempCacheConfig(max_cache_frames=3, sink_frames=1)],
+                         ids=["unbounded", "tempcache"])
+def test_clean_pass_that_stops_at_the_last_kv_changes_nothing(model, cache):
+    """The clean pass's output is never read, so the model stops once the last layer's K/V are in
+    the cache: latents and every cached K/V equal those of a clean pass run to the end (a
+    ChunkModel without ``fills_cache``), guided or not."""
+    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    for guide in ({}, {"negative_context": neg, "cfg": 2.0}):
+        kw = dict(frames=6, height=H, width=W, chunk_frames=2, cache=cache, seed=5, **guide)
+        short, full = Rollout(model, ctx, **kw), Rollout(Recorder(model), ctx, **kw)
+        assert torch.equal(short.run(), full.run())
+        a, b = short.cache, full.cache
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert torch.equal(a.log_count_bias, b.log_count_bias)
+        assert len(full.model.calls) == 3 * (len(short.sigmas) + 1)  # the clean pass ran to the end there
+
+
+def test_fill_cache_outside_a_clean_pass_names_the_problem(model):
+    attention = FastARAttention()
+    with pytest.raises(FastARError, match="clean pass"):
+        attention.fill_cache(0, *(torch.zeros(1, 4, 2, 8) for _ in range(3)))
+
+
 def test_same_seed_same_latents_and_shared_prefix(model):
     ctx = torch.randn(1, 5, model.text_dim)
     kw = dict(height=H, width=W, chunk_frames=3)

@@ -126,11 +126,16 @@ class WanAttention(nn.Module):
         weight = norm.weight if isinstance(norm, RMSNorm) else None
         return qk_norm_rope_auto(x, weight, freqs, self.num_heads, norm.eps if weight is not None else 0.0)
 
+    def _qkv(self, x, freqs):
+        return (self._norm_rope(self.norm_q, self.q(x), freqs), self._norm_rope(self.norm_k, self.k(x), freqs),
+                self.heads(self.v(x)))
+
     def self_attention(self, x, freqs, attention, layer):
-        q = self._norm_rope(self.norm_q, self.q(x), freqs)
-        k = self._norm_rope(self.norm_k, self.k(x), freqs)
-        v = self.heads(self.v(x))
-        return self.o(attention.self_attention(layer, q, k, v).flatten(2))
+        return self.o(attention.self_attention(layer, *self._qkv(x, freqs)).flatten(2))
+
+    def fill_cache(self, x, freqs, attention, layer):
+        """The K/V (and q, which the cache's writes read) into the cache; no attention output."""
+        attention.fill_cache(layer, *self._qkv(x, freqs))
 
     def cross_attention(self, x, context, attention, layer):
         q = self.heads(self.norm_q(self.q(x)))
@@ -151,22 +156,34 @@ class WanAttentionBlock(nn.Module):
                                  nn.Linear(cfg.ffn_dim, cfg.dim))
         self.modulation = nn.Parameter(torch.zeros(1, 6, cfg.dim))
 
-    def forward(self, x, e, freqs, context, attention, layer):
-        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation.
-
-        Each residual update and the norm after it are one pass (``adaln_auto``)."""
+    def _modulate(self, x, e, residual):
+        """The block's modulation [B, T, C] x 6, and x with the previous block's pending FFN update
+        added in the same pass as the first norm, h."""
         e = (self.modulation.to(x.dtype).unsqueeze(0) + e).unbind(2)
-        flat = (x.shape[0], -1, x.shape[-1])
-        _, h = adaln_auto(x, e[1], e[0], eps=self.norm1.eps)
-        y = self.self_attn.self_attention(h.reshape(flat), freqs, attention, layer).view_as(x)
+        y, gate = residual if residual is not None else (None, None)
+        x, h = adaln_auto(x, e[1], e[0], y=y, gate=gate, eps=self.norm1.eps)
+        return e, x, h.reshape(x.shape[0], -1, x.shape[-1])
+
+    def forward(self, x, e, freqs, context, attention, layer, residual=None):
+        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation; ``residual``
+        the previous block's pending FFN update ``(y, gate)``. Returns ``(x, residual)``: this
+        block's FFN update is left pending too, so that each residual update and the norm after
+        it are one pass (``adaln_auto``): the next block's first norm, or the head's, adds it."""
+        e, x, h = self._modulate(x, e, residual)
+        y = self.self_attn.self_attention(h, freqs, attention, layer).view_as(x)
         if isinstance(self.norm3, nn.LayerNorm):
             x, h = adaln_auto(x, self.norm3.weight, self.norm3.bias, y=y, gate=e[2], one_plus=False,
                               eps=self.norm3.eps)
         else:
             x = h = torch.addcmul(x, y, e[2].unsqueeze(2))
-        y = self.cross_attn.cross_attention(h.reshape(flat), context, attention, layer).view_as(x)
-        x, h = adaln_auto(x, e[4], e[3], y=y, eps=self.norm2.eps)
-        return torch.addcmul(x, self.feed_forward(h), e[5].unsqueeze(2))
+        y = self.cross_attn.cross_attention(h.reshape(x.shape[0], -1, x.shape[-1]), context, attention, layer)
+        x, h = adaln_auto(x, e[4], e[3], y=y.view_as(x), eps=self.norm2.eps)
+        return x, (self.feed_forward(h), e[5])
+
+    def fill_cache(self, x, e, freqs, attention, layer, residual=None):
+        """Only what the cache needs of this block: its self-attention's K/V."""
+        _, _, h = self._modulate(x, e, residual)
+        self.self_attn.fill_cache(h, freqs, attention, layer)
 
     def feed_forward(self, h):
         """The FFN; on CUDA its tanh GELU runs in the first GEMM's epilogue (cuBLASLt)."""
@@ -184,9 +201,11 @@ class Head(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.zeros(1, 2, cfg.dim))
 
-    def forward(self, x, e):
+    def forward(self, x, e, residual=None):
+        """``residual``: the last block's pending FFN update (``WanAttentionBlock.forward``)."""
         e = (self.modulation.to(x.dtype).unsqueeze(0) + e.unsqueeze(2)).unbind(2)
-        return self.head(adaln_auto(x, e[1], e[0], eps=self.norm.eps)[1])
+        y, gate = residual if residual is not None else (None, None)
+        return self.head(adaln_auto(x, e[1], e[0], y=y, gate=gate, eps=self.norm.eps)[1])
 
 
 class WanModel(nn.Module):
@@ -195,6 +214,8 @@ class WanModel(nn.Module):
     # A forward syncs nothing with the host and takes ``frame_offset`` as a tensor too: the
     # rollout engine may capture a chunk of forwards as one CUDA graph and replay it.
     graph_safe = True
+    # The clean pass may stop at the last block's K/V (``forward(fill_cache=True)``).
+    fills_cache = True
 
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -267,11 +288,13 @@ class WanModel(nn.Module):
         return self.text_embedding(context.to(self.dtype))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
-                frame_offset: int = 0, attention=None) -> torch.Tensor:
+                frame_offset: int = 0, attention=None, fill_cache: bool = False) -> torch.Tensor | None:
         """Flow prediction for a chunk x [B, C, F, H, W] whose first frame is ``frame_offset``.
 
         t is [B] or per frame [B, F]; context the text features [B, L, text_dim]. ``attention``
         is the state every attention call goes through; None means plain dense attention.
+        ``fill_cache``: the clean pass, whose output nobody reads: the forward stops once the
+        last block's K/V are in the cache (``attention.fill_cache``) and returns None.
         """
         from ..attention import FastARAttention
 
@@ -288,9 +311,13 @@ class WanModel(nn.Module):
         context = self.embed_context(context)
         freqs = rope_frequencies(cfg.head_dim, (f, h, w), frame_offset, device=x.device)
 
+        residual = None
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            tokens = block(tokens, e0, freqs, context, attention, i)
-        out = self.head(tokens, e)  # [B, F, S, pt*ph*pw*C]
+            if fill_cache and i == last:
+                return block.fill_cache(tokens, e0, freqs, attention, i, residual)
+            tokens, residual = block(tokens, e0, freqs, context, attention, i, residual)
+        out = self.head(tokens, e, residual)  # [B, F, S, pt*ph*pw*C]
         return self.unpatchify(out, (f, h, w))
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
