@@ -245,6 +245,30 @@ def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
         assert bool((out[0, 1, 16:] == 0).all())
 
 
+@needs_triton
+@pytest.mark.parametrize("jump", [5.0, 9.0, 40.0])
+def test_running_max_jumps_late(jump):
+    """Logits that jump up by ``jump`` (natural units) in a later tile of a range and, twice as
+    far, in a later range: the online softmax rescales what it summed so far, and the result is
+    the twin's (fp32, so exact to rounding), with and without a bias."""
+    gen = torch.Generator().manual_seed(int(jump * 10))
+    B, H, Lq, Lk, D = 1, 2, 32, 256, 64
+    q = torch.randn(B, H, Lq, D, generator=gen)
+    q = q / q.norm(dim=-1, keepdim=True) * math.sqrt(D)  # scale * q.k = k's component along q
+    k = 0.1 * torch.randn(B, H, Lk, D, generator=gen)
+    k[..., 100:110, :] += jump * q[..., :10, :] / math.sqrt(D)  # tile 2 of range 1: +jump for 10 queries
+    k[..., 200:205, :] += 2 * jump * q[..., 10:15, :] / math.sqrt(D)  # range 2
+    v = torch.randn(B, H, Lk, D, generator=gen)
+    ranges = torch.tensor([[0, 150], [180, 256]], dtype=torch.int32).expand(B, H, 2, 2, 2).clone()
+    counts = torch.full((B, H, 2), 2, dtype=torch.int32)
+    bias = torch.zeros(B, H, Lk)
+    bias[..., 190:200] = NEG_INF
+    for kw in ({}, {"key_bias": bias}):
+        ref = block_sparse_attention_torch(q, k, v, ranges, counts, block_q=16, **kw)
+        out = block_sparse_attention(q, k, v, ranges, counts, block_q=16, block_n=16, **kw)
+        assert rel_err(out, ref) <= 1e-5, (jump, kw.keys())
+
+
 def test_tail_split_fills_the_last_wave():
     """Only a last wave under half full splits, into as many shares as fit (at most four)."""
     assert bsa.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs
