@@ -212,7 +212,7 @@ def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = 
         if start < prefix_frames:
             run.cache.begin_clean_pass()
             run.attention.step = len(run.sigmas)
-            run.predict(latents[:, :, start:start + ch].to(run.model.dtype), run.context_noise, start)
+            run.fill_cache(latents[:, :, start:start + ch].to(run.model.dtype), start)
         else:
             outs.append(run.sample_chunk(c))
         run.cache.commit()
