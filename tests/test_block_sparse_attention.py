@@ -212,23 +212,26 @@ def test_kernel_matches_twin_random(shard):
 
 
 @needs_triton
-@pytest.mark.parametrize("splits", [2, 3, 5])
-def test_key_splits_match_twin_random(splits):
-    """Key splits (partial softmaxes joined by the combine pass) give the unsplit results."""
+@pytest.mark.parametrize("split", [{"num_splits": 2}, {"num_splits": 3}, {"num_splits": 5},
+                                   {"wave": 3}, {"wave": 7}, {"wave": 64}], ids=lambda d: "%s=%d" % next(iter(d.items())))
+def test_key_splits_match_twin_random(split):
+    """Key splits (partial softmaxes joined by the combine pass), of every block or of the last
+    wave's blocks only (the rest whole, in one launch), give the unsplit results."""
     for c in range(12):
-        seed = BASE_SEED + 104729 * splits + c
+        seed = BASE_SEED + 104729 * sum(split.values()) + 7919 * ("wave" in split) + c
         q, k, v, ranges, counts, kw, block_n = random_case(seed)
-        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, num_splits=splits, **kw)
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, **split, **kw)
         ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
         assert out.dtype == q.dtype and out.shape == q.shape
         err = rel_err(out, ref)
-        assert err <= TOL[q.dtype], f"seed={seed} splits={splits} err={err}"
+        assert err <= TOL[q.dtype], f"seed={seed} {split} err={err}"
 
 
 @needs_triton
 def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
     """Cuts land inside ranges, between ranges and on empty ranges; a split with no keys (more
-    splits than tiles) contributes nothing; rows every split sees only -inf for are zero."""
+    splits than tiles) contributes nothing; rows every split sees only -inf for are zero; split
+    and whole blocks' rows land at their queries through the permutation."""
     gen = torch.Generator().manual_seed(5)
     B, H, Lq, Lk, D = 1, 2, 40, 200, 64
     q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
@@ -237,12 +240,14 @@ def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
     counts = torch.tensor([[6, 6, 2], [6, 0, 3]], dtype=torch.int32)[None]
     bias = torch.randn(B, H, Lk)
     bias[0, 1, :51] = NEG_INF  # head 1, block 2 reads keys 0..50 only: all -inf
-    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160))
+    perm = torch.stack([torch.randperm(Lq, generator=gen) for _ in range(H)])[None]
+    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160), q_perm=perm)
     ref = block_sparse_attention_torch(q, k, v, ranges, counts, **kw)
-    for splits in (1, 2, 3, 7, 16):
-        out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, num_splits=splits, **kw)
-        assert rel_err(out, ref) <= 1e-5, splits
-        assert bool((out[0, 1, 16:] == 0).all())
+    # every block split 1-16 ways; of the 6 blocks, for the last wave: none, 2 x 2 shares, 1 x 4, all 6 x 2
+    for split in [{"num_splits": n} for n in (1, 2, 3, 7, 16)] + [{"wave": w} for w in (0, 4, 5, 16)]:
+        out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, **split, **kw)
+        assert rel_err(out, ref) <= 1e-5, split
+        assert bool((out[0, 1, perm[0, 1, 16:]] == 0).all())  # block 1 reads nothing, block 2 only -inf keys
 
 
 @needs_triton
@@ -277,42 +282,6 @@ def test_tail_split_fills_the_last_wave():
     assert bsa.tail_split(30, 7) == (28, 3)
     assert bsa.tail_split(10, 264) == (0, bsa.MAX_TAIL_SPLIT)  # less than one wave: all split
     assert bsa.tail_split(30, 0) == (30, 1)  # wave unknown
-
-
-@needs_triton
-@pytest.mark.parametrize("wave", [3, 7, 64])
-def test_last_wave_split_matches_twin_random(wave):
-    """The last wave's items split (the rest whole, in one launch) give the twin's results."""
-    for c in range(8):
-        seed = BASE_SEED + 7919 * wave + c
-        q, k, v, ranges, counts, kw, block_n = random_case(seed)
-        n_items = counts.numel()
-        out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, wave=wave, **kw)
-        ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
-        err = rel_err(out, ref)
-        assert err <= TOL[q.dtype], f"seed={seed} wave={wave} items={n_items} err={err}"
-
-
-@needs_triton
-def test_last_wave_split_cuts_many_ranges():
-    """As above on the hand-made plan of cuts inside, between and on empty ranges: the whole
-    items' rows and the split items' rows (incl. all -inf ones, zero) land where they belong."""
-    gen = torch.Generator().manual_seed(6)
-    B, H, Lq, Lk, D = 1, 2, 40, 200, 64
-    q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
-    spans = [[0, 37], [37, 37], [50, 51], [60, 131], [140, 140], [150, 200]]
-    ranges = torch.tensor(spans, dtype=torch.int32).expand(B, H, 3, len(spans), 2).clone()
-    counts = torch.tensor([[6, 6, 2], [6, 0, 3]], dtype=torch.int32)[None]
-    bias = torch.randn(B, H, Lk)
-    bias[0, 1, :51] = NEG_INF
-    perm = torch.stack([torch.randperm(Lq, generator=gen) for _ in range(H)])[None]
-    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160), q_perm=perm)
-    ref = block_sparse_attention_torch(q, k, v, ranges, counts, **kw)
-    for wave in (0, 4, 5, 16):  # 6 items: none, 2 x 2 shares, 1 x 4, all 6 x 2
-        out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, wave=wave, **kw)
-        assert rel_err(out, ref) <= 1e-5, wave
-        rows = perm[0, 1, 16:]  # block 1 reads nothing, block 2 only -inf keys
-        assert bool((out[0, 1, rows] == 0).all())
 
 
 @needs_triton
