@@ -733,8 +733,8 @@ MAX_TAIL_SPLIT = 4
 def tail_split(n_items: int, wave: int) -> tuple[int, int]:
     """``(n_whole, n_split)``: the first ``n_whole`` items run whole; the last wave's
     ``n_items - n_whole`` items run in ``n_split`` programs each, as many shares as fit in the
-    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or at least half
-    full (a share of two would not fit), or ``wave`` is 0 (unknown)."""
+    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or more than half
+    full (two shares of each item would not fit), or ``wave`` is 0 (unknown)."""
     tail = n_items % wave if wave > 0 else 0
     n_split = min(MAX_TAIL_SPLIT, wave // tail) if tail else 1
     return (n_items - tail, n_split) if n_split > 1 else (n_items, 1)

@@ -278,7 +278,7 @@ def test_tail_split_fills_the_last_wave():
     """Only a last wave under half full splits, into as many shares as fit (at most four)."""
     assert bsa.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs
     assert bsa.tail_split(792, 264) == (792, 1)  # whole waves
-    assert bsa.tail_split(950, 264) == (950, 1)  # last wave 60% full: a share of two would not fit
+    assert bsa.tail_split(950, 264) == (950, 1)  # last wave 60% full: two shares each would not fit
     assert bsa.tail_split(30, 7) == (28, 3)
     assert bsa.tail_split(10, 264) == (0, bsa.MAX_TAIL_SPLIT)  # less than one wave: all split
     assert bsa.tail_split(30, 0) == (30, 1)  # wave unknown
