@@ -560,6 +560,7 @@ if HAS_TRITON:
             item = tl.where(is_split, n_whole + share // n_split, pid)
             pid_s = share % n_split  # this program's share of a split item
         else:
+            is_split: tl.constexpr = False  # only the whole item's store is compiled
             item = pid
         pid_m = item % n_qblocks
         pid_bh = item // n_qblocks
@@ -659,14 +660,11 @@ if HAS_TRITON:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_base = o_ptr + b * stride_ob + h * stride_oh
         o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
-        if SPLITS:
-            if is_split:  # partials by the block's rows, which the combine maps back to queries
-                row_off = (share * BLOCK_M).to(tl.int64) + offs_i
-                lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-                tl.store(lse_ptr + row_off, lse, mask=row_ok)
-                tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
-            else:
-                tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if is_split:  # partials by the block's rows, which the combine maps back to queries
+            row_off = (share * BLOCK_M).to(tl.int64) + offs_i
+            lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row_off, lse, mask=row_ok)
+            tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
         else:
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
