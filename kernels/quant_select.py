@@ -16,8 +16,18 @@ every key block; ``held[b, h, j]`` says whether key block ``j`` holds any key):
 - slot 0 is the sink ``[0, sink)``, slot 1 the open chunk ``[chunk_start, chunk_stop)``;
   ``counts = 2 + runs``; slots past ``counts`` are left as zeros.
 
-Output: ``ranges [B, H, nqb, 2 + top, 2]`` and ``counts [B, H, nqb]`` (int32), the plan format of
-``kernels/block_sparse_attention.py``.
+With ``mass`` (top-p), a row also picks, beyond its ``top`` blocks, the fewest best blocks whose
+share of the query block's attention mass reaches ``mass``, the sink and the open chunk counted
+in: the union of both picks. A score is read as a log mass: with ``fixed[b, h, i]`` the log mass
+of the keys every plan reads and ``w_j = exp(score_j)`` over held blocks, the row needs ``mass *
+(exp(fixed) + sum w) - exp(fixed)``; ``t`` is the best score at which the held blocks scoring
+``>= t`` carry that much, and they are all picked (ties included); ``mass = 1`` picks every
+held block (no rounding decides it), a row that needs nothing only its ``top``. Why: a query
+block whose sink and own chunk hold most of its mass reads few history blocks, a diffuse one
+many, so every query block keeps about the same recall (bench/NOTES.md).
+
+Output: ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and ``counts [B, H, nqb]`` (int32), the plan
+format of ``kernels/block_sparse_attention.py``.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "runs_to_ranges"]
+__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "runs_to_ranges", "slots"]
 
 
 def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sink: int, chunk_start: int,
@@ -52,7 +62,13 @@ def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sin
     return ranges[..., :slots, :], (2 + first.sum(-1)).to(torch.int32)
 
 
-def _check(score, held, top, key_block):
+def slots(top: int, nkb: int, mass: float | None) -> int:
+    """Range slots past the sink's and the chunk's: a run per picked block at most, and with
+    ``mass`` any number of blocks may be picked, in at most ceil(nkb / 2) runs."""
+    return top if mass is None else max(top, (nkb + 1) // 2)
+
+
+def _check(score, held, top, key_block, mass=None, fixed=None):
     if score.ndim != 4 or score.dtype != torch.float32:
         raise ValueError(f"score must be float32 [B, H, nqb, n_key_blocks], got {score.dtype} {tuple(score.shape)}")
     b, h, nqb, nkb = score.shape
@@ -63,18 +79,38 @@ def _check(score, held, top, key_block):
         raise ValueError(f"top must lie in [1, n_key_blocks={nkb}], got {top}")
     if key_block < 1:
         raise ValueError(f"key_block must be >= 1, got {key_block}")
+    if mass is not None:
+        if isinstance(mass, bool) or not isinstance(mass, (int, float)) or not 0.0 <= mass <= 1.0:
+            raise ValueError(f"mass must lie in [0, 1], got {mass!r}")
+        if fixed is None or tuple(fixed.shape) != (b, h, nqb) or fixed.dtype != torch.float32:
+            raise ValueError(f"mass needs fixed, float32 [B, H, nqb] = [{b}, {h}, {nqb}], got "
+                             f"{None if fixed is None else (fixed.dtype, tuple(fixed.shape))}")
     return b, h, nqb, nkb
 
 
 def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int,
-                       sink: int, chunk_start: int, chunk_stop: int) -> tuple[Tensor, Tensor]:
-    """Reference twin: (ranges [B, H, nqb, 2 + top, 2], counts [B, H, nqb]), int32."""
-    b, h, nqb, nkb = _check(score, held, top, key_block)
+                       sink: int, chunk_start: int, chunk_stop: int, mass: float | None = None,
+                       fixed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Reference twin: (ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2], counts [B, H, nqb]), int32."""
+    b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)
     order = torch.sort(score + 0.0, dim=-1, descending=True, stable=True).indices[..., :top]  # + 0.0: -0.0 == 0.0
     run = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order, True) & held[:, :, None]
+    if mass is not None:
+        held_row = held[:, :, None].expand_as(score)
+        s = torch.where(held_row, score + 0.0, float("-inf"))
+        m = torch.maximum(fixed, s.amax(-1))
+        w = torch.exp(s - m[..., None])
+        e_fixed = torch.exp(fixed - m)
+        need = mass * (e_fixed + w.sum(-1)) - e_fixed if mass < 1 else torch.full_like(fixed, float("inf"))
+        s_sorted, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+        past = (w.gather(-1, idx).cumsum(-1) < need[..., None]).sum(-1, keepdim=True).clamp(max=nkb - 1)
+        pick = held_row & (score + 0.0 >= s_sorted.gather(-1, past))
+        t_top = torch.sort(score + 0.0, dim=-1, descending=True).values[..., top - 1:top]
+        use = (need[..., None] > 0) & (s_sorted.gather(-1, past) <= t_top)
+        run = torch.where(use, pick, run)
     start = rows_start + torch.arange(nkb, device=score.device, dtype=torch.int32) * key_block
     end = torch.clamp(start + key_block, max=rows_stop)
-    return runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + top, sink=sink,
+    return runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + slots(top, nkb, mass), sink=sink,
                           chunk_start=chunk_start, chunk_stop=chunk_stop)
 
 
@@ -87,22 +123,36 @@ if HAS_TRITON:
         return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
 
     @triton.jit(do_not_specialize=["H", "NQB", "NKB", "TOP", "key_block", "rows_start", "rows_stop", "sink",
-                                   "chunk_start", "chunk_stop"])
-    def _quant_select_kernel(s_ptr, held_ptr, r_ptr, c_ptr, H, NQB, NKB, TOP, key_block, rows_start, rows_stop, sink,
-                             chunk_start, chunk_stop, CHUNK: tl.constexpr, WHOLE_ROW: tl.constexpr):
+                                   "chunk_start", "chunk_stop", "mass", "SLOTS"])
+    def _quant_select_kernel(s_ptr, held_ptr, f_ptr, r_ptr, c_ptr, H, NQB, NKB, TOP, key_block, rows_start, rows_stop,
+                             sink, chunk_start, chunk_stop, mass, SLOTS, CHUNK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+                             MASS: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         row = pid_bh.to(tl.int64) * NQB + pid_m
         s_row = s_ptr + row * NKB
         h_row = held_ptr + pid_bh.to(tl.int64) * NKB
         offs = tl.arange(0, CHUNK)
-        # 1. the TOP-th largest key: bit by bit, the largest t with count(key >= t) >= TOP
+        # 1. the TOP-th largest key: bit by bit, the largest t with count(key >= t) >= TOP; with MASS,
+        # also the largest t_m whose held blocks with key >= t_m weigh need_m
         t = tl.zeros([], dtype=tl.int64)
+        t_m = tl.zeros([], dtype=tl.int64)
         if WHOLE_ROW:  # the row fits one chunk: loaded once, the 32 rounds count in registers
             ok = offs < NKB
-            row_key = _order_key(tl.load(s_row + offs, mask=ok, other=float("-inf")))
+            row_s = tl.load(s_row + offs, mask=ok, other=float("-inf"))
+            row_key = _order_key(row_s)
             for i in range(32):
                 cand = t + (tl.full([], 1, tl.int64) << (31 - i))
                 t = tl.where(tl.sum(((row_key >= cand) & ok).to(tl.int32), 0) >= TOP, cand, t)
+            if MASS:
+                row_held = ok & (tl.load(h_row + offs, mask=ok, other=0) != 0)
+                fixed = tl.load(f_ptr + row)
+                top_s = tl.maximum(fixed, tl.max(tl.where(row_held, row_s, float("-inf")), 0))
+                w = tl.where(row_held, tl.exp(row_s - top_s), 0.0)
+                e_fixed = tl.exp(fixed - top_s)
+                need_m = tl.where(mass >= 1.0, float("inf"), mass * (e_fixed + tl.sum(w, 0)) - e_fixed)
+                for i in range(32):
+                    cand = t_m + (tl.full([], 1, tl.int64) << (31 - i))
+                    t_m = tl.where(tl.sum(tl.where(row_key >= cand, w, 0.0), 0) >= need_m, cand, t_m)
         else:
             for i in range(32):
                 cand = t + (tl.full([], 1, tl.int64) << (31 - i))
@@ -112,6 +162,33 @@ if HAS_TRITON:
                     key = _order_key(tl.load(s_row + j, mask=j < NKB, other=float("-inf")))
                     n += tl.sum(((key >= cand) & (j < NKB)).to(tl.int32), 0)
                 t = tl.where(n >= TOP, cand, t)
+            if MASS:
+                fixed = tl.load(f_ptr + row)
+                top_s = fixed
+                for j0 in range(0, NKB, CHUNK):
+                    j = j0 + offs
+                    hj = (j < NKB) & (tl.load(h_row + j, mask=j < NKB, other=0) != 0)
+                    top_s = tl.maximum(top_s, tl.max(tl.where(hj, tl.load(s_row + j, mask=hj, other=0.0),
+                                                              float("-inf")), 0))
+                e_fixed = tl.exp(fixed - top_s)
+                total = e_fixed
+                for j0 in range(0, NKB, CHUNK):
+                    j = j0 + offs
+                    hj = (j < NKB) & (tl.load(h_row + j, mask=j < NKB, other=0) != 0)
+                    total += tl.sum(tl.where(hj, tl.exp(tl.load(s_row + j, mask=hj, other=0.0) - top_s), 0.0), 0)
+                need_m = tl.where(mass >= 1.0, float("inf"), mass * total - e_fixed)
+                for i in range(32):
+                    cand = t_m + (tl.full([], 1, tl.int64) << (31 - i))
+                    wsum = tl.zeros([], dtype=tl.float32)
+                    for j0 in range(0, NKB, CHUNK):
+                        j = j0 + offs
+                        hj = (j < NKB) & (tl.load(h_row + j, mask=j < NKB, other=0) != 0)
+                        sj = tl.load(s_row + j, mask=hj, other=0.0)
+                        wsum += tl.sum(tl.where(hj & (_order_key(sj) >= cand), tl.exp(sj - top_s), 0.0), 0)
+                    t_m = tl.where(wsum >= need_m, cand, t_m)
+        if MASS:  # the union of both picks: the mass pick where it reaches past the TOP-th key
+            use_m = (need_m > 0) & (t_m <= t)
+            t = tl.where(use_m, t_m, t)
         # 2. ties at t: the first `need` by block index; picked blocks that hold keys form runs
         n_above = tl.zeros([], dtype=tl.int32)
         for j0 in range(0, NKB, CHUNK):
@@ -119,7 +196,9 @@ if HAS_TRITON:
             key = _order_key(tl.load(s_row + j, mask=j < NKB, other=float("-inf")))
             n_above += tl.sum(((key > t) & (j < NKB)).to(tl.int32), 0)
         need = TOP - n_above
-        r_row = r_ptr + row * (2 + TOP) * 2
+        if MASS:  # every tie at t_m is picked
+            need = tl.where(use_m, NKB, need)
+        r_row = r_ptr + row * (2 + SLOTS) * 2
         eq_before = tl.zeros([], dtype=tl.int32)  # ties at t in earlier chunks
         runs = tl.zeros([], dtype=tl.int32)       # runs started in earlier chunks
         for j0 in range(0, NKB, CHUNK):
@@ -157,23 +236,26 @@ if HAS_TRITON:
 
 
 def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int, sink: int,
-                 chunk_start: int, chunk_stop: int, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+                 chunk_start: int, chunk_stop: int, mass: float | None = None, fixed: Tensor | None = None,
+                 chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """Triton kernel with the twin's contract; one program per query block. ``chunk``: key blocks
     held in registers at a time (a power of two; any row length works). By default a row of up
     to 4096 key blocks (240 cached frames of 128-key blocks) is held whole, so the selection's
     32 counting rounds never reload it; longer rows stream in chunks of 1024."""
     if not HAS_TRITON:
         raise RuntimeError("quant_select needs triton, which is not importable")
-    b, h, nqb, nkb = _check(score, held, top, key_block)
+    b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)
     check_triton_runs_on(score)
-    ranges = torch.zeros(b, h, nqb, 2 + top, 2, dtype=torch.int32, device=score.device)
+    ranges = torch.zeros(b, h, nqb, 2 + slots(top, nkb, mass), 2, dtype=torch.int32, device=score.device)
     counts = torch.empty(b, h, nqb, dtype=torch.int32, device=score.device)
     if chunk is None:
         chunk = max(16, triton.next_power_of_2(nkb)) if nkb <= 4096 else 1024
     if counts.numel():
-        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().view(torch.int8), ranges, counts, h, nqb,
-                                           nkb, top, key_block, rows_start, rows_stop, sink, chunk_start, chunk_stop,
-                                           CHUNK=chunk, WHOLE_ROW=nkb <= chunk, num_warps=4)
+        f = fixed.contiguous() if mass is not None else counts  # not read without MASS
+        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().view(torch.int8), f, ranges, counts, h,
+                                           nqb, nkb, top, key_block, rows_start, rows_stop, sink, chunk_start,
+                                           chunk_stop, float(mass or 0.0), slots(top, nkb, mass), CHUNK=chunk,
+                                           WHOLE_ROW=nkb <= chunk, MASS=mass is not None, num_warps=4)
     return ranges, counts
 
 

@@ -3,6 +3,7 @@
 The flag must be set before anything imports triton.
 """
 
+import math
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -11,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
-from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch  # noqa: E402
+from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, slots  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
 NEG_INF = float("-inf")
@@ -29,16 +30,22 @@ def _case(gen, b, h, nqb, nkb, ties):
     return score, held
 
 
-def _brute(score, held, top, key_block, rows_start, rows_stop, sink, chunk_start, chunk_stop):
-    """Row by row in Python: rank by (score desc, index asc), runs of picked blocks that hold keys."""
+def _brute(score, held, top, key_block, rows_start, rows_stop, sink, chunk_start, chunk_stop, mass=None, fixed=None):
+    """Row by row in Python: rank by (score desc, index asc) and pick the first ``top``; with
+    ``mass`` (in float64) also the fewest best held blocks, with every tie of the last, whose
+    weights exp(score) reach ``mass`` of the row's total with exp(fixed); then runs of picked
+    blocks that hold keys."""
     b, h, nqb, nkb = score.shape
-    ranges = torch.zeros(b, h, nqb, 2 + top, 2, dtype=torch.int32)
+    ranges = torch.zeros(b, h, nqb, 2 + slots(top, nkb, mass), 2, dtype=torch.int32)
     counts = torch.zeros(b, h, nqb, dtype=torch.int32)
     for bi in range(b):
         for hi in range(h):
             for i in range(nqb):
                 row = score[bi, hi, i].tolist()
                 picked = sorted(sorted(range(nkb), key=lambda j: (-row[j], j))[:top])
+                if mass is not None:
+                    mine = _mass_pick(row, [j for j in range(nkb) if held[bi, hi, j]], mass, float(fixed[bi, hi, i]))
+                    picked = sorted(set(picked) | set(mine))
                 runs = []
                 for j in picked:
                     if not held[bi, hi, j]:
@@ -47,12 +54,30 @@ def _brute(score, held, top, key_block, rows_start, rows_stop, sink, chunk_start
                         runs[-1][1] = j
                     else:
                         runs.append([j, j])
-                slots = [(0, sink), (chunk_start, chunk_stop)] + [
+                spans = [(0, sink), (chunk_start, chunk_stop)] + [
                     (rows_start + f * key_block, min(rows_start + (last + 1) * key_block, rows_stop))
                     for f, last in runs]
-                ranges[bi, hi, i, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
-                counts[bi, hi, i] = len(slots)
+                ranges[bi, hi, i, :len(spans)] = torch.tensor(spans, dtype=torch.int32)
+                counts[bi, hi, i] = len(spans)
     return ranges, counts
+
+
+def _mass_pick(row, cand, mass, fixed):
+    """The blocks a row picks by mass (sorted; [] when it needs nothing)."""
+    top_s = max([fixed] + [row[j] for j in cand])
+    w = {j: math.exp(row[j] - top_s) for j in cand}
+    e_f = math.exp(fixed - top_s)
+    if mass >= 1:
+        return list(cand)
+    need = mass * (e_f + sum(w.values())) - e_f
+    if need <= 0:
+        return []
+    got = 0.0
+    for j in sorted(cand, key=lambda j: -row[j]):
+        got, t = got + w[j], row[j]
+        if got >= need:
+            break
+    return [j for j in cand if row[j] >= t]
 
 
 def _fixed(nkb, key_block=64):
@@ -90,6 +115,56 @@ def test_kernel_equals_twin_on_random_rows(ties):
             assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
 
 
+def _mass_case(gen, b, h, nqb, nkb, ties):
+    score, held = _case(gen, b, h, nqb, nkb, ties)
+    fixed = torch.randn(b, h, nqb, generator=gen) + 1.0
+    return score, held, fixed
+
+
+@pytest.mark.parametrize("ties", [True, False])
+def test_mass_twin_matches_brute_force(ties):
+    gen = torch.Generator().manual_seed(3 + ties)
+    for nkb, top, mass in ((1, 1, 0.93), (9, 4, 0.81), (40, 40, 0.97), (33, 3, 0.93), (50, 17, 0.37), (12, 12, 0.0),
+                           (12, 5, 1.0)):
+        score, held, fixed = _mass_case(gen, 1, 2, 3, nkb, ties)
+        kw = _fixed(nkb)
+        got = quant_select_torch(score, held, top, mass=mass, fixed=fixed, **kw)
+        want = _brute(score, held, top, mass=mass, fixed=fixed, **kw)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (nkb, top, mass)
+
+
+def test_mass_reads_fewer_blocks_where_the_fixed_keys_hold_the_mass():
+    """A row whose sink and own chunk carry 97% of the mass reads only its top block at 0.93; a
+    diffuse row the best 19 of 20 nearly equal blocks; mass 1 every block."""
+    nkb = 20
+    score = (-1e-3 * torch.arange(nkb)).expand(1, 1, 2, nkb).contiguous()
+    held = torch.ones(1, 1, nkb, dtype=torch.bool)
+    fixed = torch.tensor([[[math.log(0.97 / 0.03 * nkb), -30.0]]])
+    kw = _fixed(nkb)
+    ranges, counts = quant_select_torch(score, held, 1, mass=0.93, fixed=fixed, **kw)
+    assert counts.tolist() == [[[3, 3]]]
+    assert ranges[0, 0, 0, 2].tolist() == [kw["rows_start"], kw["rows_start"] + 64]
+    assert ranges[0, 0, 1, 2].tolist() == [kw["rows_start"], kw["rows_start"] + 19 * 64]
+    ranges, counts = quant_select_torch(score, held, 1, mass=1.0, fixed=fixed, **kw)
+    assert ranges[0, 0, :, 2].tolist() == [[kw["rows_start"], kw["rows_stop"]]] * 2
+
+
+@needs_triton
+@pytest.mark.parametrize("ties", [True, False])
+def test_mass_kernel_equals_twin_on_random_rows(ties):
+    gen = torch.Generator().manual_seed(20 + ties)
+    for case, mass in enumerate((0.93, 0.5, 0.0, 1.0, 0.8, 0.99)):
+        nkb = int(torch.randint(1, 70, (1,), generator=gen))
+        top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
+        score, held, fixed = _mass_case(gen, 1, 2, 3, nkb, ties)
+        kw = _fixed(nkb, key_block=[64, 128][case % 2])
+        want = quant_select_torch(score, held, top, mass=mass, fixed=fixed, **kw)
+        for chunk in (16, None):
+            got = quant_select(score, held, top, mass=mass, fixed=fixed, chunk=chunk, **kw)
+            assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
+            assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
+
+
 @needs_triton
 def test_kernel_every_block_picked_is_one_run():
     score, held = torch.zeros(1, 1, 2, 37), torch.ones(1, 1, 37, dtype=torch.bool)
@@ -102,8 +177,10 @@ def test_kernel_every_block_picked_is_one_run():
 def test_bad_inputs_raise():
     score, held = torch.zeros(1, 1, 2, 8), torch.ones(1, 1, 8, dtype=torch.bool)
     kw = _fixed(8)
+    fixed = torch.zeros(1, 1, 2)
     for bad, match in ((dict(top=0), "top"), (dict(top=9), "top"), (dict(held=held[..., :7]), "held"),
-                       (dict(score=score.double()), "score")):
+                       (dict(score=score.double()), "score"), (dict(mass=1.5, fixed=fixed), "mass"),
+                       (dict(mass=0.9), "fixed"), (dict(mass=0.9, fixed=fixed[..., :1]), "fixed")):
         args = {"score": score, "held": held, "top": 4, **bad}
         with pytest.raises(ValueError, match=match):
-            quant_select_torch(args["score"], args["held"], args["top"], **kw)
+            quant_select_torch(args.pop("score"), args.pop("held"), args.pop("top"), **args, **kw)
