@@ -19,6 +19,15 @@ its keys; ``-inf`` for a block with no key, which then scores ``-inf``). A scale
 not per head, is computed where the block is loaded (no pass over the queries before the
 kernel) and resolves each block's queries more finely.
 
+``quant_block_shares`` reduces the same logits the other way, for AnnSA's top-p plan: per query,
+its estimated share of attention mass in each key block, ``exp(logit - lse)`` with ``lse`` the
+logsumexp over the query's logits against both the history blocks and ``fixed`` blocks (the sink's
+and the open chunk's, scored alike with their own means, scale and log counts), averaged over the
+block's queries: ``log_share [B, H, nqb, nkb]`` and the fixed blocks' ``log_fixed_share [B, H, nqb]``.
+Why per query, not the block max: a query block mixing two clusters whose logits differ in scale
+would otherwise credit the sharper cluster's blocks with the whole block's mass. Exponentials and
+logarithms round differently in Triton and torch, so these are close to the twin's, not equal.
+
 Products of values within +-127 summed over D <= 256 are exact in fp32, so the kernel's fp16
 tensor-core dot of the (integer-valued) operands gives exactly the twin's integers. Divisions
 round to nearest (``div_rn``) and the kernel is compiled without FMA contraction
@@ -37,7 +46,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_block_scores", "quant_block_scores_auto", "quant_block_scores_torch", "quantize_blocks"]
+__all__ = ["quant_block_scores", "quant_block_scores_auto", "quant_block_scores_torch", "quant_block_shares",
+           "quant_block_shares_auto", "quant_block_shares_torch", "quantize_blocks"]
 
 
 def quantize_blocks(q: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
@@ -81,7 +91,106 @@ def quant_block_scores_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, 
     return dots * (logit_scale[..., None] / inv)[..., None] + block_bias[:, :, None]
 
 
+def _check_fixed(q, fixed_means, fixed_scale, fixed_bias):
+    b, h, _, d = q.shape
+    if fixed_means.ndim != 4 or fixed_means.shape[:2] != (b, h) or fixed_means.shape[3] != d or \
+            fixed_means.dtype != torch.int8 or fixed_means.shape[2] < 1:
+        raise ValueError(f"fixed_means must be int8 [B, H, n_fixed >= 1, D={d}], got {fixed_means.dtype} "
+                         f"{tuple(fixed_means.shape)}")
+    if tuple(fixed_scale.shape) != (b, h) or fixed_scale.dtype != torch.float32:
+        raise ValueError(f"fixed_scale must be float32 [B, H], got {fixed_scale.dtype} {tuple(fixed_scale.shape)}")
+    if tuple(fixed_bias.shape) != tuple(fixed_means.shape[:3]) or fixed_bias.dtype != torch.float32:
+        raise ValueError(f"fixed_bias must be float32 {tuple(fixed_means.shape[:3])}, got {fixed_bias.dtype} "
+                         f"{tuple(fixed_bias.shape)}")
+
+
+def quant_block_shares_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor, fixed_means: Tensor,
+                             fixed_scale: Tensor, fixed_bias: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
+    """Reference twin: (log_share [B, H, nqb, nkb], log_fixed_share [B, H, nqb]), fp32."""
+    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    _check_fixed(q, fixed_means, fixed_scale, fixed_bias)
+    levels, inv = quantize_blocks(q, block_q)
+    valid = (torch.arange(nqb * block_q, device=q.device) < lq).view(nqb, block_q)
+    n = valid.sum(1).float()  # valid queries per block
+    shares, fixed_shares = [], []
+    for i in range(h):  # one head at a time: [B, Lq, nkb] stays small
+        def logits(means, scale, bias):
+            per_q = (scale[:, i, None] / inv[:, i]).repeat_interleave(block_q, -1)[..., None]  # [B, nqb * block_q, 1]
+            return levels[:, i] @ means[:, i].float().transpose(-1, -2) * per_q + bias[:, i, None]
+
+        hist = logits(key_means, logit_scale, block_bias)
+        lse_f = logits(fixed_means, fixed_scale, fixed_bias).logsumexp(-1, keepdim=True)
+        lse = torch.logaddexp(lse_f, hist.logsumexp(-1, keepdim=True))
+        share = ((hist - lse).exp().view(b, nqb, block_q, nkb) * valid[..., None]).sum(2) / n[:, None]
+        fixed_share = ((lse_f - lse).exp().view(b, nqb, block_q) * valid).sum(2) / n
+        shares.append(share.log())
+        fixed_shares.append(fixed_share.log())
+    return torch.stack(shares, 1), torch.stack(fixed_shares, 1)
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql, stride_qd,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """A query block's int8 levels [BLOCK_M, D] (in DOT_DTYPE), its ``inv`` and which rows are queries."""
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        offs_i, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, D)
+        rows = pid_m * block_q + offs_i
+        row_ok = (offs_i < block_q) & (rows < Lq)
+        qt = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_ql
+                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        inv = tl.math.div_rn(127.0, tl.maximum(tl.max(tl.max(tl.abs(qt), 1), 0), 1e-12))
+        return tl.minimum(tl.maximum(tl.floor(qt * inv + 0.5), -127.0), 127.0).to(DOT_DTYPE), inv, row_ok
+
+    @triton.jit
+    def _logits(k_base, bias_base, j0, NKB, qt, logit_scale, offs_k, offs_d, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """Logits [BLOCK_K, BLOCK_M] of key blocks j0 + offs_k (their int8 means at k_base) against the
+        transposed query levels qt [D, BLOCK_M]; -inf past NKB."""
+        cols = j0 + offs_k
+        col_ok = cols < NKB
+        kt = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0).to(DOT_DTYPE)
+        s = tl.dot(kt, qt, input_precision="ieee" if DOT_DTYPE == tl.float32 else None, out_dtype=tl.float32)
+        bias = tl.load(bias_base + cols, mask=col_ok, other=float("-inf"))
+        return s * logit_scale + bias[:, None]
+
+    @triton.jit
+    def _lse_update(m, l, s):
+        """Online logsumexp over axis 0 of s [BLOCK_K, BLOCK_M] into (m, l) [BLOCK_M]."""
+        m_new = tl.maximum(m, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[None, :]), 0)
+
+    @triton.jit(do_not_specialize=["H", "Lq", "NKB", "NF", "block_q"])
+    def _quant_shares_kernel(q_ptr, k_ptr, scale_ptr, bias_ptr, f_ptr, fscale_ptr, fbias_ptr, s_ptr, fs_ptr, H, Lq,
+                             NKB, NF, block_q, stride_qb, stride_qh, stride_ql, stride_qd,
+                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        offs_d, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_K)
+        qt, inv, row_ok = _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
+                                        stride_qd, D, BLOCK_M, DOT_DTYPE)
+        qt = tl.trans(qt)
+        scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
+        fscale = tl.math.div_rn(tl.load(fscale_ptr + pid_bh), inv)
+        k_base, bias_base = k_ptr + pid_bh.to(tl.int64) * NKB * D, bias_ptr + pid_bh.to(tl.int64) * NKB
+        f_base, fbias_base = f_ptr + pid_bh.to(tl.int64) * NF * D, fbias_ptr + pid_bh.to(tl.int64) * NF
+        # each query's logsumexp: the fixed blocks, then the history's
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        for j0 in range(0, NF, BLOCK_K):
+            m, l = _lse_update(m, l, _logits(f_base, fbias_base, j0, NF, qt, fscale, offs_k, offs_d, D, DOT_DTYPE))
+        lse_f = m + tl.log(l)
+        for j0 in range(0, NKB, BLOCK_K):
+            m, l = _lse_update(m, l, _logits(k_base, bias_base, j0, NKB, qt, scale, offs_k, offs_d, D, DOT_DTYPE))
+        lse = m + tl.log(l)
+        n = tl.sum(row_ok.to(tl.float32), 0)
+        row = pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m
+        for j0 in range(0, NKB, BLOCK_K):
+            s = _logits(k_base, bias_base, j0, NKB, qt, scale, offs_k, offs_d, D, DOT_DTYPE)
+            share = tl.sum(tl.where(row_ok[None, :], tl.exp(s - lse[None, :]), 0.0), 1) / n
+            cols = j0 + offs_k
+            tl.store(s_ptr + row * NKB + cols, tl.log(share), mask=cols < NKB)
+        tl.store(fs_ptr + row, tl.log(tl.sum(tl.where(row_ok, tl.exp(lse_f - lse), 0.0), 0) / n))
 
     @triton.jit(do_not_specialize=["H", "Lq", "NKB", "block_q"])
     def _quant_scores_kernel(q_ptr, k_ptr, scale_ptr, bias_ptr, s_ptr, H, Lq, NKB, block_q,
@@ -89,14 +198,9 @@ if HAS_TRITON:
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                              DOT_DTYPE: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        offs_i, offs_d, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, D), tl.arange(0, BLOCK_K)
-        rows = pid_m * block_q + offs_i
-        row_ok = (offs_i < block_q) & (rows < Lq)
-        qt = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_ql
-                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        inv = tl.math.div_rn(127.0, tl.maximum(tl.max(tl.max(tl.abs(qt), 1), 0), 1e-12))
-        qt = tl.minimum(tl.maximum(tl.floor(qt * inv + 0.5), -127.0), 127.0).to(DOT_DTYPE)
+        offs_d, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_K)
+        qt, inv, row_ok = _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
+                                        stride_qd, D, BLOCK_M, DOT_DTYPE)
         logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
         s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
@@ -138,3 +242,33 @@ def quant_block_scores_auto(q, key_means, logit_scale, block_bias, block_q: int)
     fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
     fn = quant_block_scores if triton_runs_on(q) and fits else quant_block_scores_torch
     return fn(q, key_means, logit_scale, block_bias, block_q)
+
+
+def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor, fixed_means: Tensor,
+                       fixed_scale: Tensor, fixed_bias: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
+    """Triton kernel with the twin's contract (D a power of two in [16, 256], block_q <= 256)."""
+    if not HAS_TRITON:
+        raise RuntimeError("quant_block_shares needs triton, which is not importable")
+    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    _check_fixed(q, fixed_means, fixed_scale, fixed_bias)
+    if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
+        raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
+    check_triton_runs_on(q)
+    shares = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
+    fixed_shares = torch.empty(b, h, nqb, dtype=torch.float32, device=q.device)
+    if fixed_shares.numel():
+        _quant_shares_kernel[(nqb, b * h)](
+            q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), fixed_means.contiguous(),
+            fixed_scale.contiguous(), fixed_bias.contiguous(), shares, fixed_shares, h, lq, nkb, fixed_means.shape[2],
+            block_q, *q.stride(), D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
+            DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
+    return shares, fixed_shares
+
+
+def quant_block_shares_auto(q, key_means, logit_scale, block_bias, fixed_means, fixed_scale, fixed_bias,
+                            block_q: int) -> tuple[Tensor, Tensor]:
+    """The kernel where Triton runs and the shapes suit it, else the twin."""
+    d = q.shape[-1]
+    fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
+    fn = quant_block_shares if triton_runs_on(q) and fits else quant_block_shares_torch
+    return fn(q, key_means, logit_scale, block_bias, fixed_means, fixed_scale, fixed_bias, block_q)

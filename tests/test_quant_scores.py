@@ -14,6 +14,8 @@ from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import (  # noqa: E402
     quant_block_scores,
     quant_block_scores_torch,
+    quant_block_shares,
+    quant_block_shares_torch,
     quantize_blocks,
 )
 
@@ -71,6 +73,74 @@ def test_kernel_matches_twin(dtype):
         want = quant_block_scores_torch(*case, block_q)
         got = quant_block_scores(*case, block_q)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _shares_brute(q, means, logit_scale, bias, fmeans, fscale, fbias, block_q):
+    """Per query in float64 from its int8 levels: shares of every block over the query's logsumexp
+    across fixed and history blocks, averaged over the block's queries."""
+    b, h, lq, _ = q.shape
+    nqb, nkb = -(-lq // block_q), means.shape[2]
+    levels, inv = quantize_blocks(q, block_q)
+    out, out_f = torch.zeros(b, h, nqb, nkb, dtype=torch.float64), torch.zeros(b, h, nqb, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(nqb):
+                rows = levels[bi, hi, i * block_q:min((i + 1) * block_q, lq)].double()
+                hist = rows @ means[bi, hi].double().T * (logit_scale[bi, hi].double() / inv[bi, hi, i]) + bias[bi, hi]
+                fixed = rows @ fmeans[bi, hi].double().T * (fscale[bi, hi].double() / inv[bi, hi, i]) + fbias[bi, hi]
+                lse = torch.cat([hist, fixed], -1).logsumexp(-1, keepdim=True)
+                out[bi, hi, i] = (hist - lse).exp().mean(0).log()
+                out_f[bi, hi, i] = (fixed.logsumexp(-1) - lse[:, 0]).exp().mean().log()
+    return out.float(), out_f.float()
+
+
+def _fixed_case(gen, b, h, d, nf):
+    means = torch.randint(-127, 128, (b, h, nf, d), generator=gen, dtype=torch.int8)
+    bias = torch.randn(b, h, nf, generator=gen)
+    bias[..., 0] = float("-inf")  # an empty fixed block (an unwritten sink block)
+    return means, torch.rand(b, h, generator=gen) * 1e-3 + 1e-4, bias
+
+
+def test_shares_twin_matches_brute_force():
+    gen = torch.Generator().manual_seed(3)
+    case = (*_case(gen, 1, 2, 11, 8, 5), *_fixed_case(gen, 1, 2, 8, 3))
+    got, want = quant_block_shares_torch(*case, 4), _shares_brute(*case, 4)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    # a query's shares sum to 1, so do their means over a block
+    total = torch.cat([got[0], got[1][..., None]], -1).exp().sum(-1)
+    torch.testing.assert_close(total, torch.ones_like(total))
+
+
+def test_shares_credit_each_cluster_of_a_mixed_block():
+    """Two queries of one block, one sharply matching key block 0 (logit 40), one mildly matching
+    block 1 (logit 4): each query's own mass sums to one, so block 1 holds about half of the
+    block's mass, where a softmax over the block-max scores would give it exp(-36)."""
+    d = 16
+    q = torch.zeros(1, 1, 2, d)
+    q[0, 0, 0, 0], q[0, 0, 1, 1] = 1.0, 0.1
+    means = torch.zeros(1, 1, 3, d, dtype=torch.int8)
+    means[0, 0, 0, 0], means[0, 0, 1, 1] = 127, 127
+    scale = torch.tensor([[40.0 / 127]])  # query 1.0 x mean 127 -> logit 40
+    fixed = (torch.zeros(1, 1, 1, d, dtype=torch.int8), torch.ones(1, 1), torch.zeros(1, 1, 1))
+    share, fixed_share = quant_block_shares_torch(q, means, scale, torch.zeros(1, 1, 3), *fixed, 2)
+    assert share[0, 0, 0, 1].exp() > 0.4 and share[0, 0, 0, 0].exp() > 0.45
+    top = quant_block_scores_torch(q, means, scale, torch.zeros(1, 1, 3), 2)[0, 0, 0]
+    assert top.softmax(-1)[1] < 1e-10
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shares_kernel_matches_twin(dtype):
+    gen = torch.Generator().manual_seed(4)
+    for b, h, lq, d, nkb, nf, block_q in [(1, 1, 1, 16, 1, 1, 64), (2, 3, 70, 16, 67, 5, 64),
+                                          (1, 2, 33, 32, 130, 70, 16), (1, 1, 129, 64, 3, 2, 128)]:
+        case = (*_case(gen, b, h, lq, d, nkb, dtype), *_fixed_case(gen, b, h, d, nf))
+        case[0][..., :block_q, :] = 0
+        want = quant_block_shares_torch(*case, block_q)
+        got = quant_block_shares(*case, block_q)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad, match", [
