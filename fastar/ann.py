@@ -31,12 +31,24 @@ wherever the host, not the GPU, sets the pace.
 
 ``method='quant'`` (the default) keeps the same sorted layout but selects differently: at
 write time each block of ``KEY_BLOCK`` (128) sorted history keys gets its mean key,
-int8-quantized; per step a query block reads the ``keep_fraction`` key blocks whose quantized
-mean scores highest against any of its (int8) queries, as a logit plus the log of the block's
-key multiplicity (TempCache's log m: a merged key stands for m frames)
-(``kernels/quant_scores.py``); touching blocks fuse into one range (``kernels/quant_select.py``).
-Its density is fixed by ``keep_fraction``, so its cost is too; the bucket method's is
-data-driven. Why it is the default: on real-video queries it keeps more of the attention mass
+int8-quantized, and its log key multiplicity (TempCache's log m: a merged key stands for m
+frames). Per step each query's logits against those means, and against the sink's and the
+open chunk's block means, estimate its share of attention mass in every block; averaged over a
+query block (64 neighbouring tokens) they rank its history blocks, and it reads the best
+``keep_fraction`` of them and more until, with the sink and its own chunk, they hold
+``keep_mass`` of its estimated mass (top-p) (``kernels/quant_scores.py``,
+``kernels/quant_select.py``; touching blocks fuse into one range). Why top-p, not a fixed
+share: a query block whose own neighbourhood holds its attention needs few history blocks, a
+diffuse one many; at a fixed share the diffuse layers lose recall while the local ones read
+blocks they do not need. Why a floor: a mean key underestimates a block that mixes unlike keys
+(Jensen), so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md).
+After 81 real frames on the sensitized testbed, floor 0.1 and keep_mass 0.95 kept 0.951 of the
+mass at 0.33 of the history blocks, where a fixed 0.35 kept 0.931 (layer 9: 0.946 against
+0.900); inside the end-to-end fidelity run recall went from 0.919 to 0.945 and PSNR from 50.1 to
+51.4 dB, but on generated chunks, whose attention is more diffuse, the plan read more and a chunk
+took 1.06x as long (bench/NOTES.md). So top-p is opt-in: ``keep_mass=0`` (the default) is the
+fixed share, the ``keep_fraction`` blocks whose mean scores highest against any of the block's
+queries. Why quant is the default: on real-video queries it keeps more of the attention mass
 at a given density than buckets do (bench/results/ann_bench*.json). Its query blocks are runs of
 consecutive tokens (neighbouring patches of a frame), not LSH buckets: on real-video queries
 that kept more of the mass (keep 0.35, 81 cached frames: recall 0.942 against 0.939 with
@@ -66,7 +78,7 @@ import torch
 from ..kernels import triton_runs_on
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto
-from ..kernels.quant_scores import quant_block_scores_auto
+from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
 from ..kernels.quant_select import quant_select_auto, runs_to_ranges
 from .errors import FastARError
 
@@ -90,9 +102,11 @@ class AnnConfig:
     ``bits=1, probes=1`` selects every bucket: exactly dense attention.
     ``calibration_recall`` > 0: the first sparse forward over history measures each layer's
     AnnSA recall (dense attention mass inside its plan) and makes layers below it dense.
-    ``method='quant'`` (default) selects for AnnSA, instead of bucket hits, the ``keep_fraction``
-    best blocks of 128 sorted history keys by int8-quantized similarity to their mean keys
-    (AnnCA always uses buckets).
+    ``method='quant'`` (default) selects for AnnSA, instead of bucket hits, blocks of 128 sorted
+    history keys by int8-quantized similarity to their mean keys: a query block's best
+    ``keep_fraction`` of them, and more while they, the sink and the open chunk hold less than
+    ``keep_mass`` of its estimated attention mass (``keep_mass=0``: ``keep_fraction`` of them,
+    ranked by their best query's logit). AnnCA always uses buckets.
     ``annca`` is off by default: over Wan's 512 prompt tokens dense cross-attention costs ~0.1 ms
     a call on an H200, less than selecting tokens does (bench/results/ann_bench.json)."""
     method: str = "quant"
@@ -106,6 +120,7 @@ class AnnConfig:
     min_tokens: int = 64
     seed: int = 0
     keep_fraction: float = 0.35
+    keep_mass: float = 0.0
     calibration_recall: float = 0.0
 
     def __post_init__(self):
@@ -138,6 +153,10 @@ class AnnConfig:
         f = self.keep_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise FastARError(f"AnnConfig.keep_fraction must lie in (0, 1], got {f!r}")
+        f = self.keep_mass
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise FastARError(f"AnnConfig.keep_mass must lie in [0, 1] (0: keep_fraction of the blocks only), "
+                              f"got {f!r}")
         f = self.calibration_recall
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise FastARError(f"AnnConfig.calibration_recall must lie in [0, 1] (0: no calibration), got {f!r}")
@@ -202,6 +221,15 @@ def _int8(x: torch.Tensor):
     return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def _refresh(old, new):
+    """``new``, written into ``old``'s tensors when their shapes match: a replayed CUDA graph reads them."""
+    if old is not None and all(a.shape == b.shape for a, b in zip(old, new)):
+        for a, b in zip(old, new):
+            a.copy_(b)
+        return old
+    return new
+
+
 def _hit_buckets(cands: torch.Tensor, group: torch.Tensor, groups: int, buckets: int) -> torch.Tensor:
     """Bool [B, H, groups, buckets]: which buckets the rows of each group probe.
     cands [B, H, L, P] bucket ids; group [L] or [B, H, L] group of each row."""
@@ -240,6 +268,7 @@ class AnnSA:
         # keys read / keys of each layer's last plan, while ``record_density`` is on
         self.density = torch.ones(cache.num_layers, device=cache.device)
         self.reps: list = [None] * cache.num_layers  # 'quant': each layer's ``_block_means``
+        self.sink_reps: list = [None] * cache.num_layers  # 'quant' top-p: the sink's block means and counts
         self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
 
     @torch.no_grad()
@@ -260,11 +289,14 @@ class AnnSA:
         if self.config.method == "quant":
             bias = cache.log_count_bias[layer, :, :, rows] if cache.has_bias else None
             reps = self._block_means(cache.k[layer, :, rows], ordered < nb, bias)
-            if self.reps[layer] is not None and all(a.shape == b.shape for a, b in zip(self.reps[layer], reps)):
-                for old, new in zip(self.reps[layer], reps):  # in place: a replayed CUDA graph reads them
-                    old.copy_(new)
-            else:
-                self.reps[layer] = reps
+            self.reps[layer] = _refresh(self.reps[layer], reps)
+            sink = cache.sink_rows
+            if self.config.keep_mass > 0 and sink:
+                # the sink as committed so far: a chunk's own sink frames are committed after this write,
+                # so the plans read them one chunk later (until then they count as empty)
+                filled = cache.log_count_bias[layer, :, :, :sink] > float("-inf")
+                self.sink_reps[layer] = _refresh(self.sink_reps[layer],
+                                                 block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK))
 
     @staticmethod
     def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
@@ -296,7 +328,8 @@ class AnnSA:
             plan = self._replay(("lsh", *fixed.values()), lambda *a: self._lsh_plan(*a, **fixed),
                                 (q, self.lsh.planes[layer], self.offsets[layer]))
         else:
-            plan = self._quant_plan(q, self.reps[layer], rows=cache.sorted_rows(clean_pass=False), **fixed)
+            plan = self._quant_plan(q, self.reps[layer], self.sink_reps[layer], cache.k[layer, :, chunk],
+                                    rows=cache.sorted_rows(clean_pass=False), **fixed)
         if self.record_density:
             self.density[layer] = plan_density(plan[1], plan[2], chunk.stop)
         return plan
@@ -348,26 +381,47 @@ class AnnSA:
         return (q_perm, *runs_to_ranges(sel, starts.expand_as(sel), ends.expand_as(sel), self.max_ranges, sink=sink,
                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
 
-    def _quant_plan(self, q, reps, *, rows: slice, sink: int, chunk_start: int, chunk_stop: int):
-        """The 'quant' plan: each block of ``block_q`` consecutive queries reads its
-        ``keep_fraction`` best key blocks; a key block scores the best int8 dot product of its
-        mean key with any of the block's queries (a block mixing two clusters of queries keeps
-        both clusters' keys), as a logit, plus the log of its key multiplicity (TempCache's
-        merged keys weigh m times) (``kernels/quant_scores.py``). Picked blocks that touch in the
-        sorted history fuse into one range (``kernels/quant_select.py``). ``reps``: the layer's
-        ``_block_means`` (None before its first write: the plan is the sink and the chunk)."""
-        bq = self.config.block_q
+    def _quant_plan(self, q, reps, sink_reps, chunk_keys, *, rows: slice, sink: int, chunk_start: int,
+                    chunk_stop: int):
+        """The 'quant' plan: each block of ``block_q`` consecutive queries reads its best
+        ``keep_fraction`` key blocks and, beyond them, top-p (``keep_mass``); a key block scores
+        the best int8 dot product of its mean key with any of the block's queries (a block mixing
+        two clusters of queries keeps both clusters' keys), as a logit, plus the log of its key
+        multiplicity (TempCache's merged keys weigh m times) (``kernels/quant_scores.py``); for
+        top-p, each query's estimated share of its mass per key block, the sink's and the open
+        chunk's blocks counted in, averaged over the block. Picked blocks that touch in the
+        sorted history fuse into one range (``kernels/quant_select.py``).
+        ``reps``: the layer's ``_block_means`` (None before its first write: the plan is the sink
+        and the chunk); ``sink_reps``: the sink's block means and counts (None without a sink);
+        ``chunk_keys`` [B, n, H, D]: the open chunk's keys."""
+        cfg, bq = self.config, self.config.block_q
         b, n, h, d = q.shape
         if reps is None:
             none = torch.zeros(b, h, -(-n // bq), 0, dtype=torch.int32, device=q.device)
             return (None, *runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start,
                                           chunk_stop=chunk_stop))
         k8, logit_scale, log_mass, held = reps
-        top = math.ceil(self.config.keep_fraction * log_mass.shape[-1])
-        score = quant_block_scores_auto(q.transpose(1, 2), k8, logit_scale, log_mass, bq)
-        return (None, *quant_select_auto(score, held, top, key_block=KEY_BLOCK,
-                                         rows_start=rows.start, rows_stop=rows.stop, sink=sink,
-                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
+        top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])
+        qt, spans = q.transpose(1, 2), dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=sink,
+                                            chunk_start=chunk_start, chunk_stop=chunk_stop)
+        if not cfg.keep_mass:
+            score = quant_block_scores_auto(qt, k8, logit_scale, log_mass, bq)
+            return (None, *quant_select_auto(score, held, top, **spans))
+        share, fixed_share = quant_block_shares_auto(qt, k8, logit_scale, log_mass,
+                                                     *self._fixed_reps(sink_reps, chunk_keys), bq)
+        return (None, *quant_select_auto(share, held, top, mass=cfg.keep_mass, fixed=fixed_share, **spans))
+
+    @staticmethod
+    def _fixed_reps(sink_reps, chunk_keys):
+        """The int8 block means, logit scale and log key counts of the keys every plan reads (the
+        sink's blocks, made at write time, and the open chunk's ``chunk_keys`` [B, n, H, D])."""
+        b, n, h, d = chunk_keys.shape
+        mean, count = block_means_auto(chunk_keys, torch.ones(b, h, n, dtype=torch.bool, device=chunk_keys.device),
+                                       KEY_BLOCK)
+        if sink_reps is not None:
+            mean, count = torch.cat([sink_reps[0], mean], 2), torch.cat([sink_reps[1], count], 2)
+        k8, scale = _int8(mean)
+        return k8, scale.view(b, h) / math.sqrt(d), count.log()
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:

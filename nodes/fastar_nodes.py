@@ -125,7 +125,13 @@ class AnnSparsity(io.ComfyNode):
                                          "prompt tokens dense cross-attention is already ~0.1 ms a call, less than "
                                          "selecting tokens costs."),
                 io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01,
-                               tooltip="quant: share of history key blocks each query block reads."),
+                               tooltip="quant: share of history key blocks each query block reads (with keep_mass: "
+                                       "at least)."),
+                io.Float.Input("keep_mass", default=d.keep_mass, min=0.0, max=1.0, step=0.01,
+                               tooltip="quant: 0 is off. Otherwise a query block also reads more history blocks "
+                                       "until, with the sink and its own chunk, they hold this share of its "
+                                       "estimated attention mass (top-p): higher recall where attention is "
+                                       "diffuse, at a data-driven cost (try keep_fraction 0.1, keep_mass 0.95)."),
                 io.Int.Input("min_tokens", default=d.min_tokens, min=0, max=4096, step=1,
                              tooltip="AnnCA keeps at least this many prompt tokens per frame."),
                 io.Int.Input("seed", default=d.seed, min=0, max=2**31 - 1, step=1,
@@ -136,7 +142,7 @@ class AnnSparsity(io.ComfyNode):
 
     @classmethod
     def execute(cls, method, bits, probes, block_q, dense_steps_fraction, dense_layers, annsa, annca, keep_fraction,
-                min_tokens, seed) -> io.NodeOutput:
+                keep_mass, min_tokens, seed) -> io.NodeOutput:
         try:
             layers = tuple(int(t) for t in str(dense_layers).replace(" ", "").split(",") if t)
         except ValueError:
@@ -144,7 +150,7 @@ class AnnSparsity(io.ComfyNode):
         return io.NodeOutput(AnnConfig(method=method, bits=int(bits), probes=int(probes), block_q=int(block_q),
                                        dense_steps_fraction=float(dense_steps_fraction), dense_layers=layers,
                                        annsa=bool(annsa), annca=bool(annca), keep_fraction=float(keep_fraction),
-                                       min_tokens=int(min_tokens), seed=int(seed)))
+                                       keep_mass=float(keep_mass), min_tokens=int(min_tokens), seed=int(seed)))
 
 
 def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise,

@@ -29,7 +29,8 @@ def rel(a, b):
     (dict(dense_layers=3), "dense_layers"), (dict(annsa=1), "annsa"), (dict(annca="yes"), "annca"),
     (dict(min_tokens=-2), "min_tokens"), (dict(seed=1.5), "seed"), (dict(bits=True), "bits"),
     (dict(keep_fraction=0.0), "keep_fraction"), (dict(method="faiss"), "method"),
-    (dict(calibration_recall=2), "calibration_recall"),
+    (dict(calibration_recall=2), "calibration_recall"), (dict(keep_mass=1.5), "keep_mass"),
+    (dict(keep_mass=-0.1), "keep_mass"),
 ])
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(FastARError, match=f"AnnConfig.{field}"):
@@ -99,9 +100,10 @@ def fill(attn, chunks, gen, centers=None):
 
 
 QUANT_ALL = AnnConfig(method="quant", keep_fraction=1.0, dense_steps_fraction=0.0)
+TOP_P_ALL = AnnConfig(method="quant", keep_fraction=0.01, keep_mass=1.0, dense_steps_fraction=0.0)
 
 
-@pytest.mark.parametrize("cfg", [ALL, QUANT_ALL], ids=["lsh", "quant"])
+@pytest.mark.parametrize("cfg", [ALL, QUANT_ALL, TOP_P_ALL], ids=["lsh", "quant", "top-p"])
 @pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=6, sink_frames=2)],
                          ids=["unbounded", "tempcache"])
 def test_annsa_every_bucket_equals_dense(cache_cfg, cfg):
@@ -122,9 +124,40 @@ def test_annsa_every_bucket_equals_dense(cache_cfg, cfg):
     assert torch.equal(ks.sort(1).values, kd.sort(1).values)
 
 
+@pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=10, sink_frames=2)],
+                         ids=["unbounded", "tempcache"])
+def test_top_p_reads_what_the_mass_needs(cache_cfg):
+    """Diffuse attention (random q and k): top-p reads most history blocks and keeps about
+    keep_mass of the mass; queries matching their own chunk's keys, which are alike within each
+    block of 128 (a smooth region): it reads only its floor."""
+    cfg = AnnConfig(method="quant", keep_fraction=0.1, keep_mass=0.95, dense_steps_fraction=0.0)
+    attn = FastARAttention(make_cache(cache_cfg, tpf=2 * ann_mod.KEY_BLOCK), ann=cfg)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = fill(attn, 4, gen)
+    keys, _, bias = attn.cache.extend(0, k, v)
+    held = (attn.annsa.reps[0][3]).sum(-1).float()  # history blocks holding keys [B, H]
+
+    def picked(plan):  # history blocks read per query block, as a share of the held ones
+        used = torch.arange(plan[1].shape[-2]) < plan[2][..., None]
+        inside = ((plan[1][..., 1] - plan[1][..., 0]) * used)[..., 2:].sum(-1)
+        return (inside / ann_mod.KEY_BLOCK).ceil() / held[..., None]
+
+    diffuse = attn.annsa.plan(0, q)
+    assert picked(diffuse).mean() > 0.6
+    assert attn.annsa.recall(q, keys, bias, diffuse, sample_blocks=100, history_only=True).item() > 0.9
+    n = k.shape[1]
+    region = torch.randn(B, n // ann_mod.KEY_BLOCK, H, D, generator=gen).repeat_interleave(ann_mod.KEY_BLOCK, 1) * 3
+    k = region + 0.1 * torch.randn(B, n, H, D, generator=gen)
+    keys, _, bias = attn.cache.extend(0, k, v)
+    local = attn.annsa.plan(0, region)
+    assert picked(local).max() <= 0.1 + 1 / held.min()  # the floor, runs rounded up to whole blocks
+    assert attn.annsa.recall(region, keys, bias, local, sample_blocks=100).item() > 0.95
+
+
 @pytest.mark.parametrize("cfg", [AnnConfig(method="lsh", bits=6, probes=1, dense_steps_fraction=0.0),
-                                 AnnConfig(method="quant", keep_fraction=0.4, dense_steps_fraction=0.0)],
-                         ids=["lsh", "quant"])
+                                 AnnConfig(method="quant", keep_fraction=0.4, dense_steps_fraction=0.0),
+                                 AnnConfig(method="quant", keep_fraction=0.4, keep_mass=0.95, dense_steps_fraction=0.0)],
+                         ids=["lsh", "quant", "top-p"])
 def test_annsa_plan_is_sparse_on_structured_inputs(cfg):
     gen = torch.Generator().manual_seed(1)
     centers = torch.nn.functional.normalize(torch.randn(8, H, D, generator=gen), dim=-1) * 10

@@ -70,3 +70,27 @@ def test_quant_plan_kernels_equal_their_twins_on_the_gpu():
         held = bias > float("-inf")
         assert all(torch.equal(a, b) for a, b in zip(quant_select(score, held, top, **kw),
                                                       quant_select_torch(score, held, top, **kw)))
+
+
+def test_quant_top_p_kernels_match_their_twins_on_the_gpu():
+    """The share scores (exponentials round differently: close) and the top-p pick on the kernel's
+    own shares (equal) at the chunk's shape."""
+    from comfyui_fastar.kernels.quant_scores import quant_block_shares, quant_block_shares_torch
+    from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    lq, nkb, nf = 4680, 220, 74
+    q = torch.randn(1, lq, 12, 128, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+    int8 = lambda n: torch.randint(-127, 128, (1, 12, n, 128), device="cuda", generator=gen, dtype=torch.int8)
+    scale = lambda: torch.rand(1, 12, device="cuda", generator=gen) * 1e-3
+    bias = torch.randn(1, 12, nkb, device="cuda", generator=gen)
+    bias[..., ::9] = float("-inf")
+    args = (q, int8(nkb), scale(), bias, int8(nf), scale(), torch.randn(1, 12, nf, device="cuda", generator=gen), 64)
+    share, fixed = quant_block_shares(*args)
+    for got, want in zip((share, fixed), quant_block_shares_torch(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    kw = dict(key_block=128, rows_start=0, rows_stop=nkb * 128 - 5, sink=0, chunk_start=nkb * 128,
+              chunk_stop=nkb * 128 + lq, mass=0.95, fixed=fixed)
+    held = bias > float("-inf")
+    assert all(torch.equal(a, b) for a, b in zip(quant_select(share, held, 22, **kw),
+                                                  quant_select_torch(share, held, 22, **kw)))

@@ -193,9 +193,9 @@ def test_bridge_ann_sparsity_equals_core(models, bridge):
 
     comfy_model, core = models
     pos = _prompt(8)
-    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 4, 0).result[0]
+    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 0.9, 4, 0).result[0]
     assert config == ann.AnnConfig(method="lsh", bits=2, probes=0, dense_steps_fraction=0.25, dense_layers=(1,),
-                                   keep_fraction=0.5, annca=True, min_tokens=4)
+                                   keep_fraction=0.5, keep_mass=0.9, annca=True, min_tokens=4)
     patched = PatchModel.execute(comfy_model, None, config).result[0]
     settings = bridge.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1, ann=config)
     out = bridge.sample(patched, [[pos, {}]], None, settings)["samples"]

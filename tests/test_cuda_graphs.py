@@ -17,10 +17,11 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 @pytest.mark.parametrize("cache,ann", [
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.5)),
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.1, keep_mass=0.9)),
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(method="lsh", bits=4, probes=1, annca=True)),
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), None),
     (CacheConfig("window", 3, 3), None),
-], ids=["tempcache+quant", "tempcache+lsh+annca", "tempcache", "window"])
+], ids=["tempcache+quant", "tempcache+top-p", "tempcache+lsh+annca", "tempcache", "window"])
 def test_graphed_chunks_equal_eager_chunks(cache, ann):
     model = build_model("tiny", device="cuda", seed=0)
     ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
