@@ -37,9 +37,11 @@ E.SETTINGS.update({
     "quant.25": (T(), A(method="quant", keep_fraction=0.25)),
     "quant.35": (T(), A(method="quant", keep_fraction=0.35)),
     "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
+    "topp": (T(), A(method="quant", keep_fraction=0.1, keep_mass=0.95)),
 })
 RUNS = {"tempcache": ("tempcache", 0), "lsh8/2": ("lsh8/2", 0), "quant.25": ("quant.25", 0),
-        "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb64": ("quant.35", 64)}
+        "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb64": ("quant.35", 64),
+        "topp": ("topp", 0)}
 names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else \
     ["tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"]
 chunks = 4 if smoke else 14
