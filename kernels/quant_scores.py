@@ -260,7 +260,10 @@ def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
         _quant_shares_kernel[(nqb, b * h)](
             q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), fixed_means.contiguous(),
             fixed_scale.contiguous(), fixed_bias.contiguous(), shares, fixed_shares, h, lq, nkb, fixed_means.shape[2],
-            block_q, *q.stride(), D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
+            block_q, *q.stride(), D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)),
+            # 128 key blocks a tile, one stage: 94 against 110 us at the chunk's shape (H200, launch sweep,
+            # bench/NOTES.md); the program is latency-bound, not by its dots
+            BLOCK_K=128, num_stages=1,
             DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return shares, fixed_shares
 
