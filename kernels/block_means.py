@@ -80,7 +80,7 @@ def block_means(k: Tensor, filled: Tensor, block: int) -> tuple[Tensor, Tensor]:
     if not HAS_TRITON:
         raise RuntimeError("block_means needs triton, which is not importable")
     b, m, h, d, nkb = _check(k, filled, block)
-    if block & (block - 1) or d & (d - 1):
+    if not (power_of_two(block) and power_of_two(d)):
         raise ValueError(f"kernel needs block and D powers of two, got block={block}, D={d}")
     check_triton_runs_on(k)
     mean = torch.empty(b, h, nkb, d, dtype=torch.float32, device=k.device)

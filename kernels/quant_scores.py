@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, power_of_two, triton_runs_on
 
 if HAS_TRITON:
     import triton
@@ -89,6 +89,17 @@ def quant_block_scores_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, 
         (levels[:, i] @ key_means[:, i].float().transpose(-1, -2)).masked_fill_(pad_rows, float("-inf"))
         .view(b, nqb, block_q, nkb).amax(2) for i in range(h)], dim=1)
     return dots * (logit_scale[..., None] / inv)[..., None] + block_bias[:, :, None]
+
+
+def _kernel_fits(d: int, block_q: int) -> bool:
+    """The shapes both kernels take: D a power of two in [16, 256], block_q <= 256."""
+    return 16 <= d <= 256 and power_of_two(d) and block_q <= 256
+
+
+def _check_kernel(q, d: int, block_q: int) -> None:
+    if not _kernel_fits(d, block_q):
+        raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
+    check_triton_runs_on(q)
 
 
 def _check_fixed(q, fixed_means, fixed_scale, fixed_bias):
@@ -222,9 +233,7 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
     if not HAS_TRITON:
         raise RuntimeError("quant_block_scores needs triton, which is not importable")
     b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
-    if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
-        raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
-    check_triton_runs_on(q)
+    _check_kernel(q, d, block_q)
     scores = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     if scores.numel():
         _quant_scores_kernel[(nqb, b * h)](
@@ -239,7 +248,7 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
 def quant_block_scores_auto(q, key_means, logit_scale, block_bias, block_q: int) -> Tensor:
     """The kernel where Triton runs and the shapes suit it, else the twin."""
     d = q.shape[-1]
-    fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
+    fits = _kernel_fits(d, block_q) and q.dtype != torch.float64
     fn = quant_block_scores if triton_runs_on(q) and fits else quant_block_scores_torch
     return fn(q, key_means, logit_scale, block_bias, block_q)
 
@@ -251,9 +260,7 @@ def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
         raise RuntimeError("quant_block_shares needs triton, which is not importable")
     b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
     _check_fixed(q, fixed_means, fixed_scale, fixed_bias)
-    if d < 16 or d > 256 or d & (d - 1) or block_q > 256:
-        raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
-    check_triton_runs_on(q)
+    _check_kernel(q, d, block_q)
     shares = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     fixed_shares = torch.empty(b, h, nqb, dtype=torch.float32, device=q.device)
     if fixed_shares.numel():
@@ -272,6 +279,6 @@ def quant_block_shares_auto(q, key_means, logit_scale, block_bias, fixed_means, 
                             block_q: int) -> tuple[Tensor, Tensor]:
     """The kernel where Triton runs and the shapes suit it, else the twin."""
     d = q.shape[-1]
-    fits = 16 <= d <= 256 and not d & (d - 1) and block_q <= 256 and q.dtype != torch.float64
+    fits = _kernel_fits(d, block_q) and q.dtype != torch.float64
     fn = quant_block_shares if triton_runs_on(q) and fits else quant_block_shares_torch
     return fn(q, key_means, logit_scale, block_bias, fixed_means, fixed_scale, fixed_bias, block_q)

@@ -93,8 +93,8 @@ def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int,
                        fixed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Reference twin: (ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2], counts [B, H, nqb]), int32."""
     b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)
-    order = torch.sort(score + 0.0, dim=-1, descending=True, stable=True).indices[..., :top]  # + 0.0: -0.0 == 0.0
-    run = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order, True) & held[:, :, None]
+    ranked, order = torch.sort(score + 0.0, dim=-1, descending=True, stable=True)  # + 0.0: -0.0 == 0.0
+    run = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order[..., :top], True) & held[:, :, None]
     if mass is not None:
         held_row = held[:, :, None].expand_as(score)
         s = torch.where(held_row, score + 0.0, float("-inf"))
@@ -104,10 +104,9 @@ def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int,
         need = mass * (e_fixed + w.sum(-1)) - e_fixed if mass < 1 else torch.full_like(fixed, float("inf"))
         s_sorted, idx = torch.sort(s, dim=-1, descending=True, stable=True)
         past = (w.gather(-1, idx).cumsum(-1) < need[..., None]).sum(-1, keepdim=True).clamp(max=nkb - 1)
-        pick = held_row & (score + 0.0 >= s_sorted.gather(-1, past))
-        t_top = torch.sort(score + 0.0, dim=-1, descending=True).values[..., top - 1:top]
-        use = (need[..., None] > 0) & (s_sorted.gather(-1, past) <= t_top)
-        run = torch.where(use, pick, run)
+        t_mass = s_sorted.gather(-1, past)
+        use = (need[..., None] > 0) & (t_mass <= ranked[..., top - 1:top])  # the mass pick reaches past the top-th
+        run = torch.where(use, held_row & (score + 0.0 >= t_mass), run)
     start = rows_start + torch.arange(nkb, device=score.device, dtype=torch.int32) * key_block
     end = torch.clamp(start + key_block, max=rows_stop)
     return runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + slots(top, nkb, mass), sink=sink,
