@@ -72,3 +72,18 @@ def test_bad_inputs_raise(fn):
         fn(k, filled[:, :, :10], 64)
     with pytest.raises(ValueError, match="block must be"):
         fn(k, filled, 0)
+
+
+@pytest.mark.parametrize("fn", [block_means_torch, pytest.param(block_means, marks=needs_triton)])
+def test_no_mask_and_a_slice_of_a_buffer_as_out(fn):
+    """``filled=None`` reads every row; ``out`` takes a slice of a larger buffer (AnnSA writes the
+    open chunk's blocks behind the sink's) and leaves the rest of it as it was."""
+    k, _ = _case(4, torch.bfloat16, view=True)
+    want_mean, want_count = block_means_torch(k, torch.ones(2, 3, 300, dtype=torch.bool), 64)
+    buf, counts = torch.full((2, 3, 7, 16), 7.0), torch.full((2, 3, 7), 7.0)
+    mean, count = fn(k, None, 64, out=(buf[:, :, 2:], counts[:, :, 2:]))
+    assert mean.data_ptr() == buf[:, :, 2:].data_ptr() and count.data_ptr() == counts[:, :, 2:].data_ptr()
+    torch.testing.assert_close(buf[:, :, 2:], want_mean, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts[:, :, 2:], want_count) and bool((buf[:, :, :2] == 7).all() and (counts[:, :, :2] == 7).all())
+    with pytest.raises(ValueError, match="out must be fp32"):
+        fn(k, None, 64, out=(buf[:, :, 3:], counts[:, :, 3:]))
