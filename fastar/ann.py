@@ -46,7 +46,7 @@ After 81 real frames on the sensitized testbed, floor 0.1 and keep_mass 0.95 kep
 mass at 0.33 of the history blocks, where a fixed 0.35 kept 0.931 (layer 9: 0.946 against
 0.900); inside the end-to-end fidelity run recall went from 0.919 to 0.945 and PSNR from 50.1 to
 51.4 dB, but on generated chunks, whose attention is more diffuse, the plan read more and a chunk
-took 1.06x as long (bench/NOTES.md). So top-p is opt-in: ``keep_mass=0`` (the default) is the
+took 1.05x as long (bench/NOTES.md). So top-p is opt-in: ``keep_mass=0`` (the default) is the
 fixed share, the ``keep_fraction`` blocks whose mean scores highest against any of the block's
 queries. Why quant is the default: on real-video queries it keeps more of the attention mass
 at a given density than buckets do (bench/results/ann_bench*.json). Its query blocks are runs of
@@ -268,7 +268,7 @@ class AnnSA:
         # keys read / keys of each layer's last plan, while ``record_density`` is on
         self.density = torch.ones(cache.num_layers, device=cache.device)
         self.reps: list = [None] * cache.num_layers  # 'quant': each layer's ``_block_means``
-        self.sink_reps: list = [None] * cache.num_layers  # 'quant' top-p: the sink's block means and counts
+        self.fixed: list = [None] * cache.num_layers  # 'quant' top-p: ``_fixed_blocks``
         self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
 
     @torch.no_grad()
@@ -295,8 +295,9 @@ class AnnSA:
                 # the sink as committed so far: a chunk's own sink frames are committed after this write,
                 # so the plans read them one chunk later (until then they count as empty)
                 filled = cache.log_count_bias[layer, :, :, :sink] > float("-inf")
-                self.sink_reps[layer] = _refresh(self.sink_reps[layer],
-                                                 block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK))
+                means, counts = self._fixed_blocks(layer, cache.chunk_rows())
+                ns = -(-sink // KEY_BLOCK)
+                block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK, out=(means[:, :, :ns], counts[:, :, :ns]))
 
     @staticmethod
     def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
@@ -328,7 +329,7 @@ class AnnSA:
             plan = self._replay(("lsh", *fixed.values()), lambda *a: self._lsh_plan(*a, **fixed),
                                 (q, self.lsh.planes[layer], self.offsets[layer]))
         else:
-            plan = self._quant_plan(q, self.reps[layer], self.sink_reps[layer], cache.k[layer, :, chunk],
+            plan = self._quant_plan(q, self.reps[layer], layer, cache.k[layer, :, chunk],
                                     rows=cache.sorted_rows(clean_pass=False), **fixed)
         if self.record_density:
             self.density[layer] = plan_density(plan[1], plan[2], chunk.stop)
@@ -381,7 +382,7 @@ class AnnSA:
         return (q_perm, *runs_to_ranges(sel, starts.expand_as(sel), ends.expand_as(sel), self.max_ranges, sink=sink,
                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
 
-    def _quant_plan(self, q, reps, sink_reps, chunk_keys, *, rows: slice, sink: int, chunk_start: int,
+    def _quant_plan(self, q, reps, layer: int, chunk_keys, *, rows: slice, sink: int, chunk_start: int,
                     chunk_stop: int):
         """The 'quant' plan: each block of ``block_q`` consecutive queries reads its best
         ``keep_fraction`` key blocks and, beyond them, top-p (``keep_mass``); a key block scores
@@ -392,8 +393,7 @@ class AnnSA:
         chunk's blocks counted in, averaged over the block. Picked blocks that touch in the
         sorted history fuse into one range (``kernels/quant_select.py``).
         ``reps``: the layer's ``_block_means`` (None before its first write: the plan is the sink
-        and the chunk); ``sink_reps``: the sink's block means and counts (None without a sink);
-        ``chunk_keys`` [B, n, H, D]: the open chunk's keys."""
+        and the chunk); ``chunk_keys`` [B, n, H, D]: the open chunk's keys."""
         cfg, bq = self.config, self.config.block_q
         b, n, h, d = q.shape
         if reps is None:
@@ -407,21 +407,28 @@ class AnnSA:
         if not cfg.keep_mass:
             score = quant_block_scores_auto(qt, k8, logit_scale, log_mass, bq)
             return (None, *quant_select_auto(score, held, top, **spans))
-        share, fixed_share = quant_block_shares_auto(qt, k8, logit_scale, log_mass,
-                                                     *self._fixed_reps(sink_reps, chunk_keys), bq)
+        means, counts = self._fixed_blocks(layer, slice(chunk_start, chunk_stop))
+        ns = -(-sink // KEY_BLOCK)
+        block_means_auto(chunk_keys, None, KEY_BLOCK, out=(means[:, :, ns:], counts[:, :, ns:]))
+        share, fixed_share = quant_block_shares_auto(qt, k8, logit_scale, log_mass, means, counts, bq)
         return (None, *quant_select_auto(share, held, top, mass=cfg.keep_mass, fixed=fixed_share, **spans))
 
-    @staticmethod
-    def _fixed_reps(sink_reps, chunk_keys):
-        """The int8 block means, logit scale and log key counts of the keys every plan reads (the
-        sink's blocks, made at write time, and the open chunk's ``chunk_keys`` [B, n, H, D])."""
-        b, n, h, d = chunk_keys.shape
-        mean, count = block_means_auto(chunk_keys, torch.ones(b, h, n, dtype=torch.bool, device=chunk_keys.device),
-                                       KEY_BLOCK)
-        if sink_reps is not None:
-            mean, count = torch.cat([sink_reps[0], mean], 2), torch.cat([sink_reps[1], count], 2)
-        k8, scale = _int8(mean)
-        return k8, scale.view(b, h) / math.sqrt(d), count.log()
+    def _fixed_blocks(self, layer: int, chunk: slice):
+        """The layer's blocks of the keys every plan reads, for top-p: (float means [B, H, ns + nc, D],
+        key counts [B, H, ns + nc]), the sink's ns blocks (written at index time; empty until then)
+        before the open chunk's nc (written per plan). One buffer, so the share kernel reads both
+        with no copy; made anew, the sink's part kept, when the chunk's length changes."""
+        cache = self.cache
+        ns, nc = -(-cache.sink_rows // KEY_BLOCK), -(-(chunk.stop - chunk.start) // KEY_BLOCK)
+        old = self.fixed[layer]
+        if old is None or old[0].shape[2] != ns + nc:
+            shape = (cache.batch, cache.num_heads, ns + nc)
+            means = torch.zeros(*shape, cache.head_dim, device=cache.device)
+            counts = torch.zeros(shape, device=cache.device)
+            if old is not None:
+                means[:, :, :ns], counts[:, :, :ns] = old[0][:, :, :ns], old[1][:, :, :ns]
+            self.fixed[layer] = (means, counts)
+        return self.fixed[layer]
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:

@@ -85,7 +85,9 @@ def test_quant_top_p_kernels_match_their_twins_on_the_gpu():
     scale = lambda: torch.rand(1, 12, device="cuda", generator=gen) * 1e-3
     bias = torch.randn(1, 12, nkb, device="cuda", generator=gen)
     bias[..., ::9] = float("-inf")
-    args = (q, int8(nkb), scale(), bias, int8(nf), scale(), torch.randn(1, 12, nf, device="cuda", generator=gen), 64)
+    counts = torch.randint(0, 129, (1, 12, nf), device="cuda", generator=gen).float()
+    fixed = torch.randn(1, 12, nf, 128, device="cuda", generator=gen) * 0.02
+    args = (q, int8(nkb), scale(), bias, fixed, counts, 64)
     share, fixed = quant_block_shares(*args)
     for got, want in zip((share, fixed), quant_block_shares_torch(*args)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

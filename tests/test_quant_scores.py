@@ -75,9 +75,10 @@ def test_kernel_matches_twin(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _shares_brute(q, means, logit_scale, bias, fmeans, fscale, fbias, block_q):
+def _shares_brute(q, means, logit_scale, bias, fmeans, fcounts, block_q):
     """Per query in float64 from its int8 levels: shares of every block over the query's logsumexp
-    across fixed and history blocks, averaged over the block's queries."""
+    across fixed and history blocks (float means read in fp16, log counts), averaged over the
+    block's queries."""
     b, h, lq, _ = q.shape
     nqb, nkb = -(-lq // block_q), means.shape[2]
     levels, inv = quantize_blocks(q, block_q)
@@ -87,7 +88,8 @@ def _shares_brute(q, means, logit_scale, bias, fmeans, fscale, fbias, block_q):
             for i in range(nqb):
                 rows = levels[bi, hi, i * block_q:min((i + 1) * block_q, lq)].double()
                 hist = rows @ means[bi, hi].double().T * (logit_scale[bi, hi].double() / inv[bi, hi, i]) + bias[bi, hi]
-                fixed = rows @ fmeans[bi, hi].double().T * (fscale[bi, hi].double() / inv[bi, hi, i]) + fbias[bi, hi]
+                fixed = (rows @ fmeans[bi, hi].half().double().T / (inv[bi, hi, i] * rows.shape[-1] ** 0.5)
+                         + fcounts[bi, hi].double().log())
                 lse = torch.cat([hist, fixed], -1).logsumexp(-1, keepdim=True)
                 out[bi, hi, i] = (hist - lse).exp().mean(0).log()
                 out_f[bi, hi, i] = (fixed.logsumexp(-1) - lse[:, 0]).exp().mean().log()
@@ -95,10 +97,10 @@ def _shares_brute(q, means, logit_scale, bias, fmeans, fscale, fbias, block_q):
 
 
 def _fixed_case(gen, b, h, d, nf):
-    means = torch.randint(-127, 128, (b, h, nf, d), generator=gen, dtype=torch.int8)
-    bias = torch.randn(b, h, nf, generator=gen)
-    bias[..., 0] = float("-inf")  # an empty fixed block (an unwritten sink block)
-    return means, torch.rand(b, h, generator=gen) * 1e-3 + 1e-4, bias
+    means = torch.randn(b, h, nf, d, generator=gen) * 0.05
+    counts = torch.randint(1, 129, (b, h, nf), generator=gen).float()
+    counts[..., 0] = 0  # an empty fixed block (an unwritten sink block)
+    return means, counts
 
 
 def test_shares_twin_matches_brute_force():
@@ -122,7 +124,7 @@ def test_shares_credit_each_cluster_of_a_mixed_block():
     means = torch.zeros(1, 1, 3, d, dtype=torch.int8)
     means[0, 0, 0, 0], means[0, 0, 1, 1] = 127, 127
     scale = torch.tensor([[40.0 / 127]])  # query 1.0 x mean 127 -> logit 40
-    fixed = (torch.zeros(1, 1, 1, d, dtype=torch.int8), torch.ones(1, 1), torch.zeros(1, 1, 1))
+    fixed = (torch.zeros(1, 1, 1, d), torch.ones(1, 1, 1))
     share, fixed_share = quant_block_shares_torch(q, means, scale, torch.zeros(1, 1, 3), *fixed, 2)
     assert share[0, 0, 0, 1].exp() > 0.4 and share[0, 0, 0, 0].exp() > 0.45
     top = quant_block_scores_torch(q, means, scale, torch.zeros(1, 1, 3), 2)[0, 0, 0]
