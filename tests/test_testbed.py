@@ -188,7 +188,7 @@ def test_frontier_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "frontier_smoke.json").read_text())
     names = ["fastar", "keep.25", "no_dense_step", "budget12", "no_dense_step+keep.25", "all_three", "top-p.95",
-             "top-p.9"]
+             "top-p.9", "top-p.95/.2"]
     assert list(result["settings"]) == names
     assert result["settings"]["fastar"]["vs_defaults"] == 1.0
     assert all(r["ms"] > 0 and 0 < r["density"] <= 1 for r in result["settings"].values())
