@@ -194,11 +194,11 @@ def main():
                 for b, p in (x.split(":") for x in args.lsh.split(",") if x)]
     settings += [AnnConfig(method="lsh", bits=8, probes=2, block_q=128),
                  AnnConfig(method="lsh", bits=8, probes=0, block_q=128)][:args.block_q128]
-    settings += [AnnConfig(method="quant", keep_fraction=float(f)) for f in args.quant_keep.split(",") if f]
-    settings += [AnnConfig(method="quant", keep_fraction=float(f), block_q=128)
+    settings += [AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0) for f in args.quant_keep.split(",") if f]
+    settings += [AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0, block_q=128)
                  for f in args.quant_keep_bq128.split(",") if f]
     settings = [(cfg, False) for cfg in settings]
-    settings += [(AnnConfig(method="quant", keep_fraction=float(f)), True) for f in args.quant_keep_sorted.split(",") if f]
+    settings += [(AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0), True) for f in args.quant_keep_sorted.split(",") if f]
     rows = []
     for cfg, sort_queries in settings:
         launches = [tuple(int(x) for x in c.split(":")) for c in args.launch_sweep.split(",") if c]

@@ -55,7 +55,7 @@ def main():
                 row["reachable"] = False
                 print(f"{frames:3d} frames d={d}: below the own chunk's share {CHUNK / (frames + CHUNK):.3f}")
             else:
-                r = measure(AnnConfig(keep_fraction=min(keep, 1.0)), kv, args.layer, clean_q, query_q, frames)
+                r = measure(AnnConfig(keep_fraction=min(keep, 1.0), keep_mass=0.0), kv, args.layer, clean_q, query_q, frames)
                 t, t_dense, ratio = r["call_graph_ms"], r["dense_graph_ms"], r["call_over_dense_graph"]
                 bound_ratio = 1.4 * r["density"] + 0.05  # the bound in units of T_cudnn
                 bound, within = bound_ratio * t_dense, ratio <= bound_ratio

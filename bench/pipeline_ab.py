@@ -34,14 +34,14 @@ model, ctx = testbed(size=size, device=dev)
 A, T = E.AnnConfig, E.TempCacheConfig
 E.SETTINGS.update({
     "lsh8/2": (T(), A(method="lsh")),
-    "quant.25": (T(), A(method="quant", keep_fraction=0.25)),
-    "quant.35": (T(), A(method="quant", keep_fraction=0.35)),
-    "quant.5": (T(), A(method="quant", keep_fraction=0.5)),
+    "quant.25": (T(), A(method="quant", keep_fraction=0.25, keep_mass=0.0)),
+    "quant.35": (T(), A(method="quant", keep_fraction=0.35, keep_mass=0.0)),
+    "quant.5": (T(), A(method="quant", keep_fraction=0.5, keep_mass=0.0)),
     "topp": (T(), A(method="quant", keep_fraction=0.1, keep_mass=0.95)),
 })
 RUNS = {"tempcache": ("tempcache", 0), "lsh8/2": ("lsh8/2", 0), "quant.25": ("quant.25", 0),
         "quant.35": ("quant.35", 0), "quant.5": ("quant.5", 0), "quant.35/kb64": ("quant.35", 64),
-        "topp": ("topp", 0)}
+        "topp": ("topp", 0), "fastar": ("fastar", 0)}
 names = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else \
     ["tempcache", "lsh8/2", "quant.25", "quant.35", "quant.5", "tempcache"]
 chunks = 4 if smoke else 14

@@ -104,7 +104,7 @@ class AnnSparsity(io.ComfyNode):
             inputs=[
                 io.Combo.Input("method", options=list(ANN_METHODS), default=d.method,
                                tooltip="lsh: sign-of-random-projection buckets; quant: int8 similarity of query "
-                                       "blocks to blocks of bucket-sorted keys (keeps keep_fraction of them)."),
+                                       "blocks to blocks of bucket-sorted keys (keep_fraction / keep_mass)."),
                 io.Int.Input("bits", default=d.bits, min=1, max=MAX_BITS, step=1,
                              tooltip="LSH hyperplanes per layer and head (2^bits buckets). More bits: sparser, "
                                      "faster, less exact. bits 1 with probes 1 is exactly dense."),
@@ -128,10 +128,11 @@ class AnnSparsity(io.ComfyNode):
                                tooltip="quant: share of history key blocks each query block reads (with keep_mass: "
                                        "at least)."),
                 io.Float.Input("keep_mass", default=d.keep_mass, min=0.0, max=1.0, step=0.01,
-                               tooltip="quant: 0 is off. Otherwise a query block also reads more history blocks "
-                                       "until, with the sink and its own chunk, they hold this share of its "
-                                       "estimated attention mass (top-p): higher recall where attention is "
-                                       "diffuse, at a data-driven cost (try keep_fraction 0.1, keep_mass 0.95)."),
+                               tooltip="quant: a query block also reads more history blocks until, with the sink "
+                                       "and its own chunk, they hold this share of its estimated attention mass "
+                                       "(top-p): diffuse attention reads more, local attention less. 0: only "
+                                       "keep_fraction of the blocks (faster where attention is diffuse, lower "
+                                       "recall there)."),
                 io.Int.Input("min_tokens", default=d.min_tokens, min=0, max=4096, step=1,
                              tooltip="AnnCA keeps at least this many prompt tokens per frame."),
                 io.Int.Input("seed", default=d.seed, min=0, max=2**31 - 1, step=1,

@@ -99,7 +99,7 @@ def fill(attn, chunks, gen, centers=None):
     return (t.to(cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
 
 
-QUANT_ALL = AnnConfig(method="quant", keep_fraction=1.0, dense_steps_fraction=0.0)
+QUANT_ALL = AnnConfig(method="quant", keep_fraction=1.0, keep_mass=0.0, dense_steps_fraction=0.0)
 TOP_P_ALL = AnnConfig(method="quant", keep_fraction=0.01, keep_mass=1.0, dense_steps_fraction=0.0)
 
 
@@ -155,7 +155,7 @@ def test_top_p_reads_what_the_mass_needs(cache_cfg):
 
 
 @pytest.mark.parametrize("cfg", [AnnConfig(method="lsh", bits=6, probes=1, dense_steps_fraction=0.0),
-                                 AnnConfig(method="quant", keep_fraction=0.4, dense_steps_fraction=0.0),
+                                 AnnConfig(method="quant", keep_fraction=0.4, keep_mass=0.0, dense_steps_fraction=0.0),
                                  AnnConfig(method="quant", keep_fraction=0.4, keep_mass=0.95, dense_steps_fraction=0.0)],
                          ids=["lsh", "quant", "top-p"])
 def test_annsa_plan_is_sparse_on_structured_inputs(cfg):

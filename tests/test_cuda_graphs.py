@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 @pytest.mark.parametrize("cache,ann", [
-    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.5)),
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.5, keep_mass=0.0)),
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.1, keep_mass=0.9)),
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(method="lsh", bits=4, probes=1, annca=True)),
     (TempCacheConfig(max_cache_frames=6, sink_frames=3), None),

@@ -250,7 +250,7 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
     TempCache from its budget on (AnnSA's block means then updated in place), a window cache once
     full, an unbounded cache never."""
     keys, reps = _chunk_keys(model, 7, cache=TempCacheConfig(max_cache_frames=3, sink_frames=1),
-                             ann=AnnConfig(method="quant", keep_fraction=0.5, dense_steps_fraction=0.5))
+                             ann=AnnConfig(method="quant", keep_fraction=0.5, keep_mass=0.0, dense_steps_fraction=0.5))
     assert keys[0] != keys[1]                # the sink frame's chunk writes no history
     assert len(set(keys[1:])) == 1
     assert all(r == reps[0] for r in reps)     # the same buffers, rewritten every chunk
