@@ -77,8 +77,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["H", "M"])
     def _block_means_kernel(k_ptr, filled_ptr, mean_ptr, count_ptr, H, M,
-                            stride_kb, stride_km, stride_kh, stride_kd, stride_mb, stride_mh, stride_mj,
-                            stride_cb, stride_ch, BLOCK: tl.constexpr, D: tl.constexpr, ALL_FILLED: tl.constexpr):
+                            stride_kb, stride_km, stride_kh, stride_kd, stride_mb, stride_mh, stride_mj, stride_md,
+                            stride_cb, stride_ch, stride_cj, BLOCK: tl.constexpr, D: tl.constexpr,
+                            ALL_FILLED: tl.constexpr):
         """One program: key block ``program_id(0)`` of head ``program_id(1)`` (= b * H + h)."""
         j = tl.program_id(0)
         bh = tl.program_id(1)
@@ -95,8 +96,8 @@ if HAS_TRITON:
         keys = tl.load(ptrs, mask=full[:, None], other=0.0).to(tl.float32)
         count = tl.sum(full.to(tl.float32), 0)
         mean = tl.sum(keys, 0) / tl.maximum(count, 1.0)
-        tl.store(mean_ptr + b * stride_mb + h * stride_mh + j * stride_mj + offs_d, mean)
-        tl.store(count_ptr + b * stride_cb + h * stride_ch + j, count)
+        tl.store(mean_ptr + b * stride_mb + h * stride_mh + j * stride_mj + offs_d * stride_md, mean)
+        tl.store(count_ptr + b * stride_cb + h * stride_ch + j * stride_cj, count)
 
 
 def block_means(k: Tensor, filled: Tensor | None, block: int, out=None) -> tuple[Tensor, Tensor]:
@@ -109,13 +110,11 @@ def block_means(k: Tensor, filled: Tensor | None, block: int, out=None) -> tuple
     check_triton_runs_on(k)
     mean, count = out if out is not None else (torch.empty(b, h, nkb, d, dtype=torch.float32, device=k.device),
                                                 torch.empty(b, h, nkb, dtype=torch.float32, device=k.device))
-    if mean.stride(-1) != 1:
-        raise ValueError(f"out's mean needs unit stride along D, got strides {mean.stride()}")
     if mean.numel() == 0:
         return mean, count.zero_()
     # without a mask the kernel never reads filled_ptr: any tensor stands in
     mask = filled.contiguous().view(torch.uint8) if filled is not None else count
-    _block_means_kernel[(nkb, b * h)](k, mask, mean, count, h, m, *k.stride(), *mean.stride()[:3], *count.stride()[:2],
+    _block_means_kernel[(nkb, b * h)](k, mask, mean, count, h, m, *k.stride(), *mean.stride(), *count.stride(),
                                       BLOCK=block, D=d, ALL_FILLED=filled is None, num_warps=4)
     return mean, count
 
@@ -123,6 +122,6 @@ def block_means(k: Tensor, filled: Tensor | None, block: int, out=None) -> tuple
 def block_means_auto(k: Tensor, filled: Tensor | None, block: int, out=None) -> tuple[Tensor, Tensor]:
     """The kernel where Triton runs and block and D are powers of two, else the twin."""
     d = k.shape[-1] if k.ndim == 4 else 0
-    fits = isinstance(block, int) and power_of_two(block) and power_of_two(d) and (out is None or out[0].stride(-1) == 1)
+    fits = isinstance(block, int) and power_of_two(block) and power_of_two(d)
     fn = block_means if triton_runs_on(k) and fits else block_means_torch
     return fn(k, filled, block, out)

@@ -85,5 +85,10 @@ def test_no_mask_and_a_slice_of_a_buffer_as_out(fn):
     assert mean.data_ptr() == buf[:, :, 2:].data_ptr() and count.data_ptr() == counts[:, :, 2:].data_ptr()
     torch.testing.assert_close(buf[:, :, 2:], want_mean, rtol=1e-5, atol=1e-6)
     assert torch.equal(counts[:, :, 2:], want_count) and bool((buf[:, :, :2] == 7).all() and (counts[:, :, :2] == 7).all())
+    # outputs strided every way (head-major buffers seen transposed) take the same values
+    tbuf, tcounts = torch.zeros(16, 5, 3, 2).permute(3, 2, 1, 0), torch.zeros(5, 3, 2).permute(2, 1, 0)
+    fn(k, None, 64, out=(tbuf, tcounts))
+    torch.testing.assert_close(tbuf, want_mean, rtol=1e-5, atol=1e-6)
+    assert torch.equal(tcounts, want_count)
     with pytest.raises(ValueError, match="out must be fp32"):
         fn(k, None, 64, out=(buf[:, :, 3:], counts[:, :, 3:]))
