@@ -44,6 +44,11 @@ def parse_args(argv):
     p.add_argument("--ann", choices=("none",) + ANN_METHODS, default="none",
                    help="AnnSA sparse attention with the default AnnConfig of that method (AnnCA off; experimental; "
                         "needs --cache tempcache or unbounded; default none: dense)")
+    p.add_argument("--keep-mass", type=float, help="--ann quant: each query block reads history blocks until they, the "
+                   "sink and its own chunk hold this share of its estimated attention mass; 0: --keep-fraction "
+                   f"alone (default {AnnConfig.keep_mass})")
+    p.add_argument("--keep-fraction", type=float, help="--ann quant: share of history blocks each query block reads "
+                   f"at least (default {AnnConfig.keep_fraction})")
     p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
                                                                 "(default tiny on CPU, 1.3B on GPU)")
     p.add_argument("--checkpoint", help="a Wan 2.1 T2V / causal .safetensors checkpoint to run instead")
@@ -111,7 +116,10 @@ def run(args) -> list[dict]:
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
-    ann = None if args.ann == "none" else AnnConfig(method=args.ann)
+    keep = {k: v for k, v in (("keep_mass", args.keep_mass), ("keep_fraction", args.keep_fraction)) if v is not None}
+    if keep and args.ann != "quant":
+        raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's quant plan: add --ann quant")
+    ann = None if args.ann == "none" else AnnConfig(method=args.ann, **keep)
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
                      cuda_graphs=not args.eager)

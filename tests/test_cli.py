@@ -68,6 +68,27 @@ def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
     assert "window cache" in capsys.readouterr().err
 
 
+def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
+    from comfyui_fastar.fastar import cli
+
+    seen = []
+
+    class Spy(cli.Rollout):
+        def __init__(self, *a, **kw):
+            seen.append(kw["ann"])
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(cli, "Rollout", Spy)
+    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--cache", "unbounded"]
+    assert main(args + ["--ann", "quant", "--keep-mass", "0", "--keep-fraction", "0.35"]) == 0
+    assert (seen[-1].keep_mass, seen[-1].keep_fraction) == (0.0, 0.35)
+    assert main(args + ["--ann", "quant", "--keep-mass", "1.5"]) == 2
+    assert "keep_mass must lie in [0, 1]" in capsys.readouterr().err
+    assert main(args + ["--keep-fraction", "0.5"]) == 2  # no AnnSA to set
+    assert "--keep-fraction sets AnnSA's quant plan" in capsys.readouterr().err
+    assert len(seen) == 1
+
+
 def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
     """--eager turns off CUDA graph replay (on a CPU the engine runs eagerly either way)."""
     from comfyui_fastar.fastar import cli
