@@ -1,6 +1,7 @@
-"""AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant at keeps 0.25 / 0.35 /
-0.5 (``--only`` picks among these, quant.35/kb64, quant over blocks of 64 keys, NAME/eager, a setting with
-its repeating chunks launched op by op instead of replayed from a CUDA graph, NAME/fullbias, AnnSA's kernel
+"""AnnSA inside the rollout, side by side: TempCache alone, + AnnSA lsh 8/2, + AnnSA quant's fixed share at keeps
+0.25 / 0.35 / 0.5 (``--only`` picks among these, the defaults (fastar), top-p over a 0.1 floor (topp),
+quant.35/kb64, quant over blocks of 64 keys, NAME/eager, a setting with its repeating chunks launched op by op
+instead of replayed from a CUDA graph, NAME/fullbias, AnnSA's kernel
 reading the log m bias on every range, the sink's and the open chunk's too, NAME/inline, the clean pass's history
 writes in line instead of on a side stream, NAME/bf16match, TempCache's match on bf16 instead of fp8 tensor
 cores, NAME/cudnnbias, the first step's biased dense attention on cuDNN with a mask instead of the
