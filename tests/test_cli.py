@@ -68,17 +68,23 @@ def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
     assert "window cache" in capsys.readouterr().err
 
 
-def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
+def _engine_kwargs(monkeypatch, key):
+    """The ``key`` keyword of every Rollout the CLI builds, in order."""
     from comfyui_fastar.fastar import cli
 
     seen = []
 
     class Spy(cli.Rollout):
         def __init__(self, *a, **kw):
-            seen.append(kw["ann"])
+            seen.append(kw[key])
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(cli, "Rollout", Spy)
+    return seen
+
+
+def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
+    seen = _engine_kwargs(monkeypatch, "ann")
     args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--cache", "unbounded"]
     assert main(args + ["--ann", "quant", "--keep-mass", "0", "--keep-fraction", "0.35"]) == 0
     assert (seen[-1].keep_mass, seen[-1].keep_fraction) == (0.0, 0.35)
@@ -91,16 +97,7 @@ def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeyp
 
 def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
     """--eager turns off CUDA graph replay (on a CPU the engine runs eagerly either way)."""
-    from comfyui_fastar.fastar import cli
-
-    seen = []
-
-    class Spy(cli.Rollout):
-        def __init__(self, *a, **kw):
-            seen.append(kw["cuda_graphs"])
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(cli, "Rollout", Spy)
+    seen = _engine_kwargs(monkeypatch, "cuda_graphs")
     args = ["--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     assert main(args) == 0 and main(args + ["--eager"]) == 0
     assert seen == [True, False]
