@@ -296,8 +296,7 @@ class AnnSA:
                 # the sink as committed so far: a chunk's own sink frames are committed after this write,
                 # so the plans read them one chunk later (until then they count as empty)
                 filled = cache.log_count_bias[layer, :, :, :sink] > float("-inf")
-                means, counts = self._fixed_blocks(layer, cache.chunk_rows())
-                ns = -(-sink // KEY_BLOCK)
+                means, counts, ns = self._fixed_blocks(layer, cache.chunk_rows())
                 block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK, out=(means[:, :, :ns], counts[:, :, :ns]))
 
     @staticmethod
@@ -408,15 +407,14 @@ class AnnSA:
         if not cfg.keep_mass:
             score = quant_block_scores_auto(qt, k8, logit_scale, log_mass, bq)
             return (None, *quant_select_auto(score, held, top, **spans))
-        means, counts = self._fixed_blocks(layer, slice(chunk_start, chunk_stop))
-        ns = -(-sink // KEY_BLOCK)
+        means, counts, ns = self._fixed_blocks(layer, slice(chunk_start, chunk_stop))
         block_means_auto(chunk_keys, None, KEY_BLOCK, out=(means[:, :, ns:], counts[:, :, ns:]))
         share, fixed_share = quant_block_shares_auto(qt, k8, logit_scale, log_mass, means, counts, bq)
         return (None, *quant_select_auto(share, held, top, mass=cfg.keep_mass, fixed=fixed_share, **spans))
 
     def _fixed_blocks(self, layer: int, chunk: slice):
         """The layer's blocks of the keys every plan reads, for top-p: (float means [B, H, ns + nc, D],
-        key counts [B, H, ns + nc]), the sink's ns blocks (written at index time; empty until then)
+        key counts [B, H, ns + nc], ns), the sink's ns blocks (written at index time; empty until then)
         before the open chunk's nc (written per plan). One buffer, so the share kernel reads both
         with no copy; made anew, the sink's part kept, when the chunk's length changes."""
         cache = self.cache
@@ -429,7 +427,7 @@ class AnnSA:
             if old is not None:
                 means[:, :, :ns], counts[:, :, :ns] = old[0][:, :, :ns], old[1][:, :, :ns]
             self.fixed[layer] = (means, counts)
-        return self.fixed[layer]
+        return (*self.fixed[layer], ns)
 
     @torch.no_grad()
     def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:
