@@ -75,7 +75,9 @@ def block_means_torch(k: Tensor, filled: Tensor | None, block: int, out=None) ->
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["H", "M"])
+    # The counts' strides follow the block count, which grows with an unbounded history: not
+    # specialised on, or each new divisibility by 16 would compile the kernel again mid-rollout.
+    @triton.jit(do_not_specialize=["H", "M", "stride_cb", "stride_ch"])
     def _block_means_kernel(k_ptr, filled_ptr, mean_ptr, count_ptr, H, M,
                             stride_kb, stride_km, stride_kh, stride_kd, stride_mb, stride_mh, stride_mj, stride_md,
                             stride_cb, stride_ch, stride_cj, BLOCK: tl.constexpr, D: tl.constexpr,

@@ -486,11 +486,12 @@ if HAS_TRITON:
         snapped = tl.sum(tl.where(inside, r_cum + (c - r_cum) // BLOCK_N * BLOCK_N, 0), 0)
         return tl.where(c >= total, total, snapped)
 
-    # Sizes are not specialised on (Triton would otherwise compile again whenever Lk's
-    # divisibility by 16 changes, i.e. as a KV cache grows); none of them sets an
-    # alignment the kernel could use: tiles start at unaligned range starts anyway.
+    # Sizes, and the plan's strides that follow R, are not specialised on (Triton would otherwise
+    # compile again whenever their divisibility by 16 changes, i.e. as an unbounded cache's plans
+    # grow: a second's stall mid-rollout); none of them sets an alignment the kernel could use:
+    # tiles start at unaligned range starts anyway, and a range's bounds are scalar loads.
     @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_qblocks", "n_whole",
-                                   "n_split"])
+                                   "n_split", "stride_rb", "stride_rh", "stride_rq"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
@@ -861,7 +862,10 @@ def block_sparse_attention(
     split_all = _check_splits(num_splits)
     if wave is not None and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 0):
         raise ValueError(f"wave must be an int >= 0 or None, got {wave!r}")
-    part = lse = q  # dummy pointers, never read without a split
+    # Without a split, fp32 stand-ins: never read, but typed as the split's buffers, so that the
+    # wave's warm-up compiles the very kernel a split launch runs.
+    part = lse = q.new_empty(0, dtype=torch.float32)
+    r_block = max(2, 1 << (R - 1).bit_length())  # a split program's ranges as one vector: compiles as R doubles
 
     def launch(n_whole: int, n_split: int, warmup: bool = False):
         splits = n_whole < n_items
@@ -874,7 +878,7 @@ def block_sparse_attention(
             *perm_strides,
             D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PERM=q_perm is not None,
             SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
-            R_BLOCK=max(2, 1 << (R - 1).bit_length()) if splits else 1,
+            R_BLOCK=r_block if splits else 1,
             num_warps=launch_cfg["num_warps"], num_stages=launch_cfg["num_stages"],
             **({"grid": (1,)} if warmup else {}),
         )
@@ -884,7 +888,7 @@ def block_sparse_attention(
     elif num_splits is None:  # the last wave's items split
         if wave is None:
             variant = (q.device, q.dtype, D, block_m, bn, launch_cfg["num_warps"], launch_cfg["num_stages"],
-                       key_bias is not None, q_perm is not None, R)
+                       key_bias is not None, q_perm is not None, r_block)
             wave = _device_wave(variant, lambda: launch(0, 2, warmup=True))
         n_whole, n_split = tail_split(n_items, wave)
     else:

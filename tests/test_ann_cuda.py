@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, KVCache, TempCacheConfig
+from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, KVCache, Rollout, TempCacheConfig
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
 
@@ -96,3 +96,45 @@ def test_quant_top_p_kernels_match_their_twins_on_the_gpu():
     held = bias > float("-inf")
     assert all(torch.equal(a, b) for a, b in zip(quant_select(share, held, 22, **kw),
                                                   quant_select_torch(share, held, 22, **kw)))
+
+
+@pytest.mark.parametrize("keep_mass", [0.95, 0.0], ids=["top-p", "fixed-share"])
+def test_a_growing_cache_compiles_kernels_again_only_for_larger_tiles(keep_mass):
+    """An unbounded cache's AnnSA plans grow every chunk. Triton specialises a kernel on its
+    integer arguments' divisibility by 16 unless told not to, and each new combination is a
+    compile: a second's stall in the middle of a rollout. After the first chunks, a kernel may
+    compile again only for new compile-time constants (a tile that grew with the history)."""
+    import triton
+
+    from comfyui_fastar.fastar.models import build_model
+
+    model = build_model("tiny", device="cuda", dtype=torch.bfloat16, seed=0)
+    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    compiled, repeats, chunk = {}, [], [0]
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        names, types = fn.jit_function.arg_names, compile["signature"]
+        aligned = {names[path[0]] for path, attrs in compile["configs"][0].items()
+                   if any(a[0] == "tt.divisibility" for a in attrs)}
+        consts = (fn.name, repr.split("](")[0], str(sorted(compile["constants"].items())))
+        if chunk[0] >= 3 and consts in compiled:  # same kernel, same constants: only a specialisation changed
+            first, before, was = compiled[consts]
+            repeats.append(f"chunk {chunk[0]}: {fn.name} again (first compiled at chunk {first}); divisible by 16 "
+                           f"now but not before: {sorted(aligned - before)}, before but not now: {sorted(before - aligned)}"
+                           f"; types changed: {sorted(n for n in types if types[n] != was.get(n))}")
+        compiled.setdefault(consts, (chunk[0], aligned, types))
+
+    def on_chunk(report):
+        chunk[0] = report.chunk + 1
+
+    # 256 tokens a frame: a 3-frame chunk adds six 128-key blocks, and plans grow by ~3 ranges a chunk
+    rollout = Rollout(model, ctx, frames=3 * 40, height=256, width=256, chunk_frames=3, cache=CacheConfig(),
+                      ann=AnnConfig(keep_mass=keep_mass))
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        rollout.run(on_chunk)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert rollout.cache.frames_held == 120  # the history was never bounded
+    assert not repeats, "\n".join(repeats)
