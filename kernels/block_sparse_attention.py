@@ -488,7 +488,7 @@ if HAS_TRITON:
 
     # Sizes, and the plan's strides that follow R, are not specialised on (Triton would otherwise
     # compile again whenever their divisibility by 16 changes, i.e. as an unbounded cache's plans
-    # grow: a second's stall mid-rollout); none of them sets an alignment the kernel could use:
+    # grow: a stall of seconds mid-rollout); none of them sets an alignment the kernel could use:
     # tiles start at unaligned range starts anyway, and a range's bounds are scalar loads.
     @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_qblocks", "n_whole",
                                    "n_split", "stride_rb", "stride_rh", "stride_rq"])

@@ -1,5 +1,5 @@
 """On a GPU: AnnSA's bucket plans replayed from a CUDA graph equal eager plans; the quant plan's
-kernels equal their twins.
+kernels equal their twins; an unbounded cache's growing plans compile kernels only for larger tiles.
 
 CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
 kernel tests switch Triton to its interpreter at import, so run this file on its own
@@ -102,7 +102,7 @@ def test_quant_top_p_kernels_match_their_twins_on_the_gpu():
 def test_a_growing_cache_compiles_kernels_again_only_for_larger_tiles(keep_mass):
     """An unbounded cache's AnnSA plans grow every chunk. Triton specialises a kernel on its
     integer arguments' divisibility by 16 unless told not to, and each new combination is a
-    compile: a second's stall in the middle of a rollout. After the first chunks, a kernel may
+    compile: a stall of seconds in the middle of a rollout. After the first chunks, a kernel may
     compile again only for new compile-time constants (a tile that grew with the history)."""
     import triton
 
