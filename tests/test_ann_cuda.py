@@ -108,6 +108,8 @@ def test_a_growing_cache_compiles_kernels_again_only_for_larger_tiles(keep_mass)
 
     from comfyui_fastar.fastar.models import build_model
 
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("this Triton has no post-compile hook (triton.knobs.runtime)")
     model = build_model("tiny", device="cuda", dtype=torch.bfloat16, seed=0)
     ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     compiled, repeats, chunk = {}, [], [0]
