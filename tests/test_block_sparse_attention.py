@@ -251,6 +251,26 @@ def test_key_splits_cut_at_tile_boundaries_of_many_ranges():
 
 
 @needs_triton
+def test_key_splits_of_a_plan_with_hundreds_of_ranges():
+    """An unbounded cache's plans hold hundreds of ranges a block: cuts that fall far down the
+    list, next to runs of empty ranges, give the unsplit result."""
+    gen = torch.Generator().manual_seed(11)
+    n = 293
+    lens = torch.randint(0, 5, (n,), generator=gen)
+    lens[127:131] = 0  # a run of empty ranges
+    ends = torch.cumsum(lens, 0) + torch.arange(n)  # one unread key between ranges
+    spans = torch.stack([ends - lens, ends], -1).to(torch.int32)
+    B, H, Lq, Lk, D = 1, 2, 16, int(ends[-1]) + 1, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
+    ranges = spans.expand(B, H, 1, n, 2).clone()
+    counts = torch.tensor([[[n], [n - 50]]], dtype=torch.int32)
+    ref = block_sparse_attention_torch(q, k, v, ranges, counts, block_q=16)
+    for splits in (2, 3, 7):
+        out = block_sparse_attention(q, k, v, ranges, counts, block_q=16, block_n=16, num_splits=splits)
+        assert rel_err(out, ref) <= 1e-5, splits
+
+
+@needs_triton
 @pytest.mark.parametrize("jump", [5.0, 9.0, 40.0])
 def test_running_max_jumps_late(jump):
     """Logits that jump up by ``jump`` (natural units) in a later tile of a range and, twice as
