@@ -152,6 +152,40 @@ def test_clean_pass_that_stops_at_the_last_kv_changes_nothing(model, cache):
         assert len(full.model.calls) == 3 * (len(short.sigmas) + 1)  # the clean pass ran to the end there
 
 
+def test_a_rollout_makes_the_text_projections_once(model, monkeypatch):
+    """The text conditions every forward of a rollout: its cross-attention K/V are made in the
+    first and kept (rollouts equal full-sequence forwards, which make their own: above)."""
+    made = []
+    real = model.cross_kv
+    monkeypatch.setattr(model, "cross_kv", lambda context: made.append(context) or real(context))
+    run = Rollout(model, torch.randn(1, 5, model.text_dim), frames=6, height=H, width=W, chunk_frames=2, seed=2)
+    run.run()
+    assert len(made) == 1 and made[0] is run.context
+
+
+def test_kept_text_projections_follow_the_context():
+    """Made again for another tensor, for the same one written in place, and every time for an
+    inference tensor (it counts no writes)."""
+    made = []
+
+    def make(context):
+        made.append(context)
+        return [(context * 2, context * 3)]
+
+    attention, ctx = FastARAttention(), torch.randn(1, 5, 8)
+    first = attention.cross_kv(ctx, make)
+    assert attention.cross_kv(ctx, make) is first and len(made) == 1
+    ctx.add_(1.0)
+    assert torch.equal(attention.cross_kv(ctx, make)[0][0], ctx * 2) and len(made) == 2
+    attention.cross_kv(ctx.clone(), make)
+    assert len(made) == 3
+    with torch.inference_mode():
+        frozen = torch.randn(1, 5, 8)
+        attention.cross_kv(frozen, make)
+        attention.cross_kv(frozen, make)
+    assert len(made) == 5
+
+
 def test_fill_cache_outside_a_clean_pass_names_the_problem(model):
     attention = FastARAttention()
     with pytest.raises(FastARError, match="clean pass"):

@@ -137,11 +137,13 @@ class WanAttention(nn.Module):
         """The K/V (and q, which the cache's writes read) into the cache; no attention output."""
         attention.fill_cache(layer, *self._qkv(x, freqs))
 
-    def cross_attention(self, x, context, attention, layer):
+    def text_kv(self, context):
+        """The cross-attention's K/V [B, L, H, D] of the embedded text ``context``."""
+        return self.heads(self.norm_k(self.k(context))), self.heads(self.v(context))
+
+    def cross_attention(self, x, text_kv, attention, layer):
         q = self.heads(self.norm_q(self.q(x)))
-        k = self.heads(self.norm_k(self.k(context)))
-        v = self.heads(self.v(context))
-        return self.o(attention.cross_attention(layer, q, k, v).flatten(2))
+        return self.o(attention.cross_attention(layer, q, *text_kv).flatten(2))
 
 
 class WanAttentionBlock(nn.Module):
@@ -164,8 +166,9 @@ class WanAttentionBlock(nn.Module):
         x, h = adaln_auto(x, e[1], e[0], y=y, gate=gate, eps=self.norm1.eps)
         return e, x, h.reshape(x.shape[0], -1, x.shape[-1])
 
-    def forward(self, x, e, freqs, context, attention, layer, residual=None):
-        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation; ``residual``
+    def forward(self, x, e, freqs, text_kv, attention, layer, residual=None):
+        """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation; ``text_kv``
+        this block's cross-attention K/V (``WanModel.cross_kv``); ``residual``
         the previous block's pending FFN update ``(y, gate)``. Returns ``(x, residual)``: this
         block's FFN update is left pending too, so that each residual update and the norm after
         it are one pass (``adaln_auto``): the next block's first norm, or the head's, adds it."""
@@ -176,7 +179,7 @@ class WanAttentionBlock(nn.Module):
                               eps=self.norm3.eps)
         else:
             x = h = torch.addcmul(x, y, e[2].unsqueeze(2))
-        y = self.cross_attn.cross_attention(h.reshape(x.shape[0], -1, x.shape[-1]), context, attention, layer)
+        y = self.cross_attn.cross_attention(h.reshape(x.shape[0], -1, x.shape[-1]), text_kv, attention, layer)
         x, h = adaln_auto(x, e[4], e[3], y=y.view_as(x), eps=self.norm2.eps)
         return x, (self.feed_forward(h), e[5])
 
@@ -287,6 +290,12 @@ class WanModel(nn.Module):
     def embed_context(self, context: torch.Tensor) -> torch.Tensor:
         return self.text_embedding(context.to(self.dtype))
 
+    def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every block's cross-attention K/V for the text ``context`` [B, L, text_dim]: a function of
+        the text alone, so a rollout's attention state keeps them (``FastARAttention.cross_kv``)."""
+        text = self.embed_context(context)
+        return [block.cross_attn.text_kv(text) for block in self.blocks]
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
                 frame_offset: int = 0, attention=None, fill_cache: bool = False) -> torch.Tensor | None:
         """Flow prediction for a chunk x [B, C, F, H, W] whose first frame is ``frame_offset``.
@@ -308,7 +317,7 @@ class WanModel(nn.Module):
         t = t.reshape(b, -1)
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(dtype)).unflatten(0, t.shape)
         e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
-        context = self.embed_context(context)
+        text_kv = attention.cross_kv(context, self.cross_kv)
         freqs = rope_frequencies(cfg.head_dim, (f, h, w), frame_offset, device=x.device)
 
         residual = None
@@ -316,7 +325,7 @@ class WanModel(nn.Module):
         for i, block in enumerate(self.blocks):
             if fill_cache and i == last:
                 return block.fill_cache(tokens, e0, freqs, attention, i, residual)
-            tokens, residual = block(tokens, e0, freqs, context, attention, i, residual)
+            tokens, residual = block(tokens, e0, freqs, text_kv[i], attention, i, residual)
         out = self.head(tokens, e, residual)  # [B, F, S, pt*ph*pw*C]
         return self.unpatchify(out, (f, h, w))
 
