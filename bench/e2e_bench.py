@@ -13,7 +13,8 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
             the measured chunk at the largest prefilled point + 150 x the measured change in one layer's
             self-attention time. The end-to-end speedup is the ratio of the areas under the per-chunk
             latency curves over the whole rollout (dense interpolated between its points).
-  floor     the linear layers alone (every nn.Linear of the 5 forwards at their real shapes), and the
+  floor     the linear layers alone (every nn.Linear of the blocks in the 5 forwards at their real shapes,
+            not the text's K/V, made once a rollout), and the
             forwards with attention removed.
   fidelity  continuing the real clip (bench/realvideo.py) after --horizons cached frames: PSNR / SSIM of
             the generated latents of each setting against dense bf16, beside the bf16 noise floor (dense
@@ -165,24 +166,17 @@ def self_attention_ms(model, q_tokens, k_tokens, device, reps):
     return statistics.median(wall_ms(lambda: attend(q, k, k), reps, device))
 
 
-def linear_floor_ms(model, tokens, text_tokens, device, reps):
-    """Every nn.Linear of one chunk (5 forwards) at its real input shape: the GEMM floor."""
-    calls = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and ".cross_attn." in name and name.endswith((".k", ".v")):
-            calls.append((mod, text_tokens))
-        elif isinstance(mod, torch.nn.Linear) and name.startswith("blocks."):
-            calls.append((mod, tokens))
-    inputs = {}
-    for mod, n in calls:
-        key = (n, mod.in_features)
-        if key not in inputs:
-            inputs[key] = torch.randn(1, n, mod.in_features, device=device, dtype=model.dtype)
+def linear_floor_ms(model, tokens, device, reps):
+    """Every nn.Linear of the blocks in one chunk (5 forwards) at its real input shape: the GEMM
+    floor. Not the cross-attention's K/V of the text: a rollout makes them once."""
+    mods = [mod for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
+            and name.startswith("blocks.") and not (".cross_attn." in name and name.endswith((".k", ".v")))]
+    inputs = {n: torch.randn(1, tokens, n, device=device, dtype=model.dtype) for n in {m.in_features for m in mods}}
 
     def chunk():
         for _ in range(FORWARDS):
-            for mod, n in calls:
-                mod(inputs[n, mod.in_features])
+            for mod in mods:
+                mod(inputs[mod.in_features])
     with torch.inference_mode():
         chunk()
         return statistics.median(wall_ms(chunk, reps, device))
@@ -353,7 +347,7 @@ def main():
             json.dump(result, f, indent=1)
         return
 
-    result["floor"] = {"linear_ms": linear_floor_ms(model, tokens, context.shape[1], device, args.reps)}
+    result["floor"] = {"linear_ms": linear_floor_ms(model, tokens, device, args.reps)}
     run = make_run(model, context, CHUNK, hw, "dense", NoAttention)
     with torch.inference_mode():
         run.cache.begin_chunk(0, CHUNK)

@@ -7,8 +7,9 @@ writes in line instead of on a side stream, NAME/bf16match, TempCache's match on
 cores, NAME/cudnnbias, the first step's biased dense attention on cuDNN with a mask instead of the
 block-sparse kernel on the all-keys plan, NAME/torchmeans, AnnSA's block means in eager torch instead of
 their kernel, NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
-alignment) by torch.gather instead of their kernel, and NAME/nolastwave, the block-sparse kernel's last wave run
-whole instead of split); 14 chunks each at the TempCache
+alignment) by torch.gather instead of their kernel, NAME/nolastwave, the block-sparse kernel's last wave run
+whole instead of split, and NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
+rollout); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -68,7 +69,8 @@ VARIANTS = {"eager": contextlib.nullcontext,
                                            lambda q, k, v, bias, window: E.fastar.attend(q, k, v, key_bias=bias)),
             "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch),
             "torchgather": torch_gather,
-            "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1))}
+            "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1)),
+            "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context))}
 
 
 out = {}
