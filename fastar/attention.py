@@ -129,7 +129,7 @@ class FastARAttention:
         self.mask = mask
         self.ann = ann
         self.annsa = self.annca = None
-        self._cross_kv = None              # (context, its version, every layer's cross-attention K/V)
+        self._cross_kv = None              # (context, its version, maker, every layer's cross-attention K/V)
         self.step: int | None = None       # denoising step of the running forward (clean pass: num_steps)
         self.num_steps: int | None = None
         if ann is not None:
@@ -215,17 +215,18 @@ class FastARAttention:
 
     def cross_kv(self, context: torch.Tensor, make):
         """Every layer's cross-attention K/V for the text ``context``: ``make(context)`` once, then
-        kept while the same tensor comes back unwritten. A rollout's text conditions every forward,
+        kept while the same tensor comes back unwritten to the same ``make`` (a model's bound method:
+        one state may serve two models). A rollout's text conditions every forward,
         and remaking its projections cost ~0.6 ms a forward at Wan 1.3B's shapes (bench/NOTES.md).
         Made every time: an inference tensor's (it counts no writes), and inside a CUDA-graph
         capture a context not kept already (its tensors would live in the graph's memory pool)."""
         version = _version(context)
         memo = self._cross_kv
-        if version is not None and memo is not None and memo[0] is context and memo[1] == version:
-            return memo[2]
+        if version is not None and memo is not None and memo[0] is context and memo[1:3] == (version, make):
+            return memo[3]
         kv = make(context)
         if not (context.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self._cross_kv = (context, version, kv)
+            self._cross_kv = (context, version, make, kv)
         return kv
 
     def cross_attention(self, layer: int, q, k, v):

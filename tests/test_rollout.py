@@ -164,8 +164,8 @@ def test_a_rollout_makes_the_text_projections_once(model, monkeypatch):
 
 
 def test_kept_text_projections_follow_the_context():
-    """Made again for another tensor, for the same one written in place, and every time for an
-    inference tensor (it counts no writes)."""
+    """Made again for another tensor, for the same one written in place, by another maker (one
+    state serving two models), and every time for an inference tensor (it counts no writes)."""
     made = []
 
     def make(context):
@@ -179,11 +179,16 @@ def test_kept_text_projections_follow_the_context():
     assert torch.equal(attention.cross_kv(ctx, make)[0][0], ctx * 2) and len(made) == 2
     attention.cross_kv(ctx.clone(), make)
     assert len(made) == 3
+    other = []
+    attention.cross_kv(ctx, lambda context: other.append(context) or [(context, context)])
+    assert len(other) == 1
+    attention.cross_kv(ctx, make)
+    assert len(made) == 4
     with torch.inference_mode():
         frozen = torch.randn(1, 5, 8)
         attention.cross_kv(frozen, make)
         attention.cross_kv(frozen, make)
-    assert len(made) == 5
+    assert len(made) == 6
 
 
 def test_fill_cache_outside_a_clean_pass_names_the_problem(model):
