@@ -287,13 +287,10 @@ class WanModel(nn.Module):
         if t.ndim not in (1, 2) or t.shape[0] != x.shape[0] or (t.ndim == 2 and t.shape[1] not in (1, x.shape[2])):
             raise FastARError(f"timestep must be [B] or [B, F] with B={x.shape[0]}, F={x.shape[2]}, got {tuple(t.shape)}")
 
-    def embed_context(self, context: torch.Tensor) -> torch.Tensor:
-        return self.text_embedding(context.to(self.dtype))
-
     def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every block's cross-attention K/V for the text ``context`` [B, L, text_dim]: a function of
         the text alone, so a rollout's attention state keeps them (``FastARAttention.cross_kv``)."""
-        text = self.embed_context(context)
+        text = self.text_embedding(context.to(self.dtype))
         return [block.cross_attn.text_kv(text) for block in self.blocks]
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
