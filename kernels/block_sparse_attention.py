@@ -199,6 +199,26 @@ def _check_bias_window(bias_window, Lk: int) -> tuple[int, int]:
     return min(lo, Lk), min(hi, Lk)
 
 
+def _check_prior(prior, q: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``prior`` = (out [B, H, Lq, D], lse [B, H, Lq] fp32): a softmax already taken over other keys."""
+    if prior is None:
+        return None
+    try:
+        o, lse = prior
+    except (TypeError, ValueError):
+        raise ValueError("prior must be a pair (out, lse) of tensors or None") from None
+    if not isinstance(o, Tensor) or not isinstance(lse, Tensor):
+        raise ValueError("prior must be a pair (out, lse) of tensors or None")
+    if o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"prior must be (out {list(q.shape)}, lse {list(q.shape[:3])}), "
+                         f"got ({list(o.shape)}, {list(lse.shape)})")
+    if lse.dtype != torch.float32 or not o.is_floating_point():
+        raise ValueError(f"prior: lse must be float32 and out floating point, got {lse.dtype} / {o.dtype}")
+    if o.device != q.device or lse.device != q.device:
+        raise ValueError(f"device mismatch: q on {q.device}, prior on {o.device} / {lse.device}")
+    return o, lse
+
+
 def _check_inputs(q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale):
     """Shape / dtype / device checks (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q, scale)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
@@ -326,6 +346,7 @@ def block_sparse_attention_torch(
     num_stages: int | None = None,
     num_splits: int | None = None,
     wave: int | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
 
@@ -333,10 +354,13 @@ def block_sparse_attention_torch(
     ``num_splits`` / ``wave`` are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
     shape, dtype and (where q is dense) memory layout. Validates the plan's values with
     :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
+    ``prior`` = (out, lse): attention over keys outside the plan (lse in natural log, -inf: none),
+    joined in, so the result is the softmax over both key sets.
     """
     B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
         q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
     )
+    prior = _check_prior(prior, q)
     validate_plan(ranges, range_counts, Lk, q_perm, key_bias)
     lo, hi = _check_bias_window(bias_window, Lk)
     if key_bias is not None and (lo, hi) != (0, Lk):
@@ -345,6 +369,7 @@ def block_sparse_attention_torch(
         key_bias = windowed
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, Lq, D, dtype=acc_dtype, device=q.device)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=acc_dtype, device=q.device)  # natural log
     if out.numel() and Lk:
         counts = range_counts.tolist()
         plan = ranges.tolist()
@@ -368,6 +393,15 @@ def block_sparse_attention_torch(
                     denom = p.sum(dim=-1, keepdim=True)
                     o = (p @ v[b, h, idx].to(acc_dtype)) / torch.where(denom > 0, denom, 1.0)
                     out[b, h, rows] = o
+                    lse[b, h, rows] = (mx + denom.log()).squeeze(-1)
+    if prior is not None:  # two softmaxes joined: weights exp(lse - max) of each part
+        p_out, p_lse = prior[0].to(acc_dtype), prior[1].to(acc_dtype)
+        top = torch.maximum(lse, p_lse)
+        top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+        w, p_w = (lse - top).exp(), (p_lse - top).exp()
+        den = w + p_w
+        out = (w[..., None] * out + p_w[..., None] * torch.where(p_w[..., None] > 0, p_out, 0.0)) / torch.where(
+            den > 0, den, 1.0)[..., None]
     result = torch.empty_like(q)
     result.copy_(out)
     return result
@@ -503,6 +537,8 @@ if HAS_TRITON:
         perm_ptr,
         part_ptr,  # SPLITS: [split items, n_split, BLOCK_M, D] fp32, each share's normalised output
         lse_ptr,  # SPLITS: [split items, n_split, BLOCK_M] fp32, each share's log2-sum-exp2 per row
+        prior_o_ptr,  # HAS_PRIOR: [B, H, Lq, D] output of a softmax over keys outside the plan
+        prior_lse_ptr,  # HAS_PRIOR: [B, H, Lq] fp32, its log-sum-exp (natural log)
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
         Lq,
@@ -541,11 +577,19 @@ if HAS_TRITON:
         stride_pb,
         stride_ph,
         stride_pl,
+        stride_pob,
+        stride_poh,
+        stride_pol,
+        stride_pod,
+        stride_plb,
+        stride_plh,
+        stride_pll,
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_PERM: tl.constexpr,
+        HAS_PRIOR: tl.constexpr,
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
@@ -630,6 +674,19 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        if HAS_PRIOR:
+            # The prior softmax as the online softmax's starting state: max = its log-sum-exp
+            # (base 2), sum = 1, accumulator = its output. A split item's first share takes it.
+            take = row_ok
+            if SPLITS:
+                take = take & (offs_i * 0 + pid_s == 0)
+            r64 = rows.to(tl.int64)
+            p_lse = tl.load(prior_lse_ptr + b * stride_plb + h * stride_plh + r64 * stride_pll, mask=take,
+                            other=float("-inf"))
+            m_i = p_lse * 1.4426950408889634
+            l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+            p_ptrs = prior_o_ptr + b * stride_pob + h * stride_poh + r64[:, None] * stride_pol + offs_d[None, :] * stride_pod
+            acc = tl.load(p_ptrs, mask=(l_i > 0)[:, None], other=0.0).to(tl.float32)
         for r in range(r_first, r_last):
             start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
             end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
@@ -789,6 +846,7 @@ def block_sparse_attention(
     num_stages: int | None = None,
     num_splits: int | None = None,
     wave: int | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Triton kernel with the twin's contract; one program per query block and head.
 
@@ -801,6 +859,8 @@ def block_sparse_attention(
     ``num_splits`` (1-16) splits every block's keys across programs; None (the default) splits
     only the last wave's blocks, a wave being ``wave`` programs (None: what the GPU holds at once
     for this launch; 0: no split); 1 never splits (module docstring).
+    ``prior`` = (out [B, H, Lq, D], lse [B, H, Lq] fp32, natural log) of attention over keys the plan
+    does not hold (e.g. cuDNN's over the keys every block reads) starts each block's online softmax.
     No host sync: plan values are clamped, not checked (see the module docstring).
     The result has q's shape, dtype and (where q is dense) memory layout.
     """
@@ -809,6 +869,7 @@ def block_sparse_attention(
     B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
         q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
     )
+    prior = _check_prior(prior, q)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"dtype {q.dtype} unsupported by the kernel (bf16/fp16/fp32)")
     if D < 16 or D > 256 or D & (D - 1):
@@ -831,7 +892,9 @@ def block_sparse_attention(
     if out.numel() == 0:
         return out
     if Lk == 0 or R == 0:
-        return out.zero_()
+        if prior is None:
+            return out.zero_()
+        return out.copy_(torch.where(torch.isneginf(prior[1])[..., None], 0.0, prior[0]))
 
     # tl.dot on fp32 operands is exact for bf16/fp16 products. Off-GPU, upcast tiles:
     # Triton's interpreter (3.x) multiplies bf16 dot operands as raw bits.
@@ -851,6 +914,8 @@ def block_sparse_attention(
         bias[..., hi:] = 0.0
     perm = q_perm if q_perm is not None else q  # dummy pointer, never read
     perm_strides = q_perm.stride() if q_perm is not None else (0, 0, 0)
+    prior_o, prior_lse = prior if prior is not None else (q, q)  # dummy pointers, never read
+    prior_strides = (*prior_o.stride(), *prior_lse.stride()) if prior is not None else (0,) * 7
     # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
     # elements. Always true for caches; a pathological view is copied instead.
     if not _tile_offsets_fit(k, bn):
@@ -872,11 +937,12 @@ def block_sparse_attention(
         kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
             (n_whole + (n_items - n_whole) * n_split,)]
         return kernel(
-            q, k, v, out, ranges, range_counts, bias, perm, part, lse, scale * _LOG2E,
+            q, k, v, out, ranges, range_counts, bias, perm, part, lse, prior_o, prior_lse, scale * _LOG2E,
             H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
-            *perm_strides,
+            *perm_strides, *prior_strides,
             D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PERM=q_perm is not None,
+            HAS_PRIOR=prior is not None,
             SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
             R_BLOCK=r_block if splits else 1,
             num_warps=launch_cfg["num_warps"], num_stages=launch_cfg["num_stages"],
@@ -888,7 +954,7 @@ def block_sparse_attention(
     elif num_splits is None:  # the last wave's items split
         if wave is None:
             variant = (q.device, q.dtype, D, block_m, bn, launch_cfg["num_warps"], launch_cfg["num_stages"],
-                       key_bias is not None, q_perm is not None, r_block)
+                       key_bias is not None, q_perm is not None, prior is not None, r_block)
             wave = _device_wave(variant, lambda: launch(0, 2, warmup=True))
         n_whole, n_split = tail_split(n_items, wave)
     else:
@@ -926,6 +992,7 @@ def block_sparse_attention_auto(
     num_stages: int | None = None,
     num_splits: int | None = None,
     wave: int | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
     and the dtype / head dim suit it, else the torch twin (same results)."""
@@ -950,4 +1017,5 @@ def block_sparse_attention_auto(
         num_stages=num_stages,
         num_splits=num_splits,
         wave=wave,
+        prior=prior,
     )

@@ -270,6 +270,56 @@ def test_key_splits_of_a_plan_with_hundreds_of_ranges():
         assert rel_err(out, ref) <= 1e-5, splits
 
 
+def _softmax_with_lse(q, k, v, scale=None):
+    """Dense fp64 attention and its natural log-sum-exp: a ``prior`` from outside the kernel."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = q.double() @ k.double().transpose(-1, -2) * scale
+    return (logits.softmax(-1) @ v.double()).to(q.dtype), logits.logsumexp(-1).float()
+
+
+@needs_triton
+@pytest.mark.parametrize("fn", ["kernel", "twin"])
+def test_prior_joins_a_softmax_over_other_keys(fn):
+    """A prior (out, lse) over keys the plan does not hold starts each block's softmax: the result
+    is attention over both key sets, with or without splits, permutation or bias; a query block
+    with no ranges returns the prior's rows; a prior of lse -inf adds nothing."""
+    for c in range(10):
+        seed = BASE_SEED + 31337 + c
+        q, k, v, ranges, counts, kw, block_n = random_case(seed)
+        kw.pop("bias_window", None)
+        B, H, Lq, _ = q.shape
+        Lf = 1 + c  # the prior's keys, prepended to the plan's
+        kf, vf = (torch.randn(B, H, Lf, q.shape[-1], generator=torch.Generator().manual_seed(seed)).to(q.dtype)
+                  for _ in range(2))
+        k_all, v_all = torch.cat([kf, k], 2), torch.cat([vf, v], 2)
+        shifted = ranges + Lf
+        union = torch.cat([torch.tensor([0, Lf], dtype=torch.int32).expand(*ranges.shape[:3], 1, 2), shifted], 3)
+        bias = kw.pop("key_bias")
+        bias_all = None if bias is None else torch.cat([torch.zeros(B, H, Lf), bias], 2)
+        prior = _softmax_with_lse(q, kf, vf, kw.get("scale"))
+        ref = oracle(q, k_all, v_all, union, counts + 1, key_bias=bias_all, **kw)
+        if fn == "kernel":
+            for split in ({}, {"num_splits": 3}, {"wave": 2}):
+                out = block_sparse_attention(q, k_all, v_all, shifted, counts, key_bias=bias_all, prior=prior,
+                                             block_n=block_n, bias_window=(Lf, Lf + k.shape[2]), **split, **kw)
+                assert rel_err(out, ref) <= TOL[q.dtype], f"seed={seed} {split}"
+        else:
+            out = block_sparse_attention_torch(q.float(), k_all.float(), v_all.float(), shifted, counts,
+                                               key_bias=bias_all, prior=(prior[0].float(), prior[1]), **kw)
+            assert rel_err(out, ref) <= TOL[q.dtype], f"seed={seed}"  # the prior's out is in q's dtype
+    gen = torch.Generator().manual_seed(BASE_SEED)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=gen) for L in (20, 30, 30))
+    ranges, counts = dense_ranges(1, 2, 20, 30, 16)
+    counts[0, 1] = 0  # head 1 reads no plan keys: its rows are the prior's
+    run = block_sparse_attention if fn == "kernel" else block_sparse_attention_torch
+    po, pl = _softmax_with_lse(q, k[:, :, :5], v[:, :, :5])
+    out = run(q, k, v, ranges, counts, block_q=16, prior=(po, pl))
+    assert rel_err(out[:, 1], po[:, 1]) <= 1e-6
+    none = torch.full_like(pl, NEG_INF)
+    assert rel_err(run(q, k, v, ranges, counts, block_q=16, prior=(po, none)),
+                   run(q, k, v, ranges, counts, block_q=16)) <= 1e-6
+
+
 @needs_triton
 @pytest.mark.parametrize("jump", [5.0, 9.0, 40.0])
 def test_running_max_jumps_late(jump):
@@ -738,10 +788,12 @@ for elem, D, block_q, bias, perm, launch in json.loads(sys.argv[1]):
     if launch is None:
         launch = bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
-                bias_ptr="fp32", perm_ptr="i64", part_ptr="fp32", lse_ptr="fp32")
+                bias_ptr="fp32", perm_ptr="i64", part_ptr="fp32", lse_ptr="fp32", prior_o_ptr=elem,
+                prior_lse_ptr="fp32")
     split = launch.pop("split", 1)
+    prior = launch.pop("prior", False)
     const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
-                 HAS_PERM=perm, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
+                 HAS_PERM=perm, HAS_PRIOR=prior, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
                  SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
                                  "stride_cq", "stride_pl")})
@@ -800,11 +852,12 @@ def _check_native(info):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "elem,D,block_q,bias,perm,split",
-    [("bf16", 128, 128, True, True, 1), ("fp16", 64, 64, False, False, 1), ("bf16", 128, 64, True, True, 2)],
+    "elem,D,block_q,bias,perm,split,prior",
+    [("bf16", 128, 128, True, True, 1, False), ("fp16", 64, 64, False, False, 1, False),
+     ("bf16", 128, 64, True, True, 2, False), ("bf16", 128, 64, True, False, 2, True)],
 )
-def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm, split):
-    launch = dict(bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split)
+def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm, split, prior):
+    launch = dict(bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split, prior=prior)
     (info,) = _aot_compile([[elem, D, block_q, bias, perm, launch]])
     _check_native(info)
 
