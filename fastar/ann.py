@@ -332,7 +332,7 @@ class AnnSA:
             plan = self._quant_plan(q, self.reps[layer], layer, cache.k[layer, :, chunk],
                                     rows=cache.sorted_rows(clean_pass=False), **fixed)
         if self.record_density:
-            self.density[layer] = plan_density(plan[1], plan[2], chunk.stop)
+            self.density[layer] = plan_density(plan[1], plan[2], cache.attended_rows())
         return plan
 
     def _replay(self, key, fn, inputs):

@@ -6,7 +6,8 @@ run under this protocol, driven by the rollout engine:
 
     begin_chunk(frame_start, frames)   where the chunk's own K/V will sit (the scratch slots)
     extend(layer, k, v)                every forward: write the chunk's K/V into the scratch
-                                       slots, return views of [sink | history | own chunk]
+                                       slots, return views of all attended rows: [history |
+                                       own chunk], with TempCache [sink | own chunk | history]
     after_attention(layer, q)          every forward, once the layer has attended
     begin_clean_pass()                 the next forward is the clean pass: it writes history
     commit()                           after the clean pass: the chunk becomes history
@@ -15,8 +16,10 @@ Denoising forwards overwrite the scratch without committing, so cached history i
 once, by the clean pass, and never changes afterwards. Keys and values are post-RoPE, so
 slot order is irrelevant to attention: the bounded mode is a ring over frame slots, and
 TempCache (``fastar.tempcache``) manages its history token by token, merging in
-``after_attention`` of the clean pass. Frame bookkeeping is in Python integers known from
-the schedule, TempCache's on the device: no host sync per layer. On CUDA the clean pass's
+``after_attention`` of the clean pass. TempCache's scratch sits right after the sink, so the
+keys every query reads dense and unbiased are one span (``fixed_rows``): one cuDNN call.
+Frame bookkeeping is in Python integers known from the schedule, TempCache's on the device:
+no host sync per layer. On CUDA the clean pass's
 history writes may run on a side stream (``write_stream``, set by ``FastARAttention``);
 ``join_writes`` (the engine's, before a chunk's CUDA graph ends) and ``commit`` wait for them.
 """
@@ -123,7 +126,8 @@ class KVCache:
             # frame of each token the open chunk's clean pass merges (a fixed buffer: a chunk's
             # forwards may be replayed from a CUDA graph, which reads it)
             self._new_frames_buf = torch.empty(chunk_frames * tokens_per_frame, dtype=torch.long, device=self.device)
-            self.log_count_bias[..., :config.max_cache_frames * tokens_per_frame] = float("-inf")  # empty
+            self.log_count_bias[..., self._tokens(0, config.sink_frames)] = float("-inf")  # empty
+            self.log_count_bias[..., self._history_rows()] = float("-inf")
 
     # -- buffers ---------------------------------------------------------------------------
     def _allocate(self, capacity_frames: int) -> None:
@@ -171,7 +175,7 @@ class KVCache:
         if not 1 <= frames <= self.chunk_frames:
             raise FastARError(f"a chunk has 1..{self.chunk_frames} frames, got {frames}")
         if self.tempcache is not None:
-            first = self.config.max_cache_frames  # scratch after sink + history, always attended whole
+            first = self.config.sink_frames  # scratch between sink and history, always attended whole
         else:
             first = self.frames_held
             if first + frames > self.capacity_frames:  # only unbounded: bounded capacity has room
@@ -197,8 +201,9 @@ class KVCache:
             raise FastARError(f"chunk K/V must be {list(expected)}, got {list(k.shape)} / {list(v.shape)}")
         self.k[layer, :, span] = k
         self.v[layer, :, span] = v
-        bias = self.log_count_bias[layer, ..., :span.stop] if self.has_bias else None
-        return self.k[layer, :, :span.stop], self.v[layer, :, :span.stop], bias
+        stop = self.attended_rows()
+        bias = self.log_count_bias[layer, ..., :stop] if self.has_bias else None
+        return self.k[layer, :, :stop], self.v[layer, :, :stop], bias
 
     def begin_clean_pass(self) -> None:
         """The next forward runs on the clean chunk: its K/V become history."""
@@ -211,11 +216,10 @@ class KVCache:
         if not (self._writing and self.tempcache is not None):
             return
         first, frames = self._scratch
-        sink, hist = self.config.sink_frames, self.config.history_frames
         new = self._tokens(first + self._sink_frames_in_chunk(), frames - self._sink_frames_in_chunk())
         if new.stop > new.start:
             self.tempcache.write(layer, self.k[layer], self.v[layer], self.log_count_bias[layer], q,
-                                 hist=self._tokens(sink, hist), new=new, new_frames=self._new_frames,
+                                 hist=self._history_rows(), new=new, new_frames=self._new_frames,
                                  dump=self.k.shape[2] - 1)
 
     def join_writes(self) -> None:
@@ -283,18 +287,40 @@ class KVCache:
         """Rows of the open chunk's own K/V (the scratch), attended dense."""
         return self._tokens(*self._scratch)
 
+    def attended_rows(self) -> int:
+        """How many rows the open chunk attends (``extend``'s keys): every slot up to the scratch's
+        end, with TempCache up to its history's end."""
+        return self._history_rows().stop if self.tempcache is not None else self.chunk_rows().stop
+
+    def _history_rows(self) -> slice:
+        """TempCache's history slots, after the sink and the scratch."""
+        cfg = self.config
+        return self._tokens(cfg.sink_frames + self.chunk_frames, cfg.history_frames)
+
     def bias_window(self) -> tuple[int, int]:
-        """Rows ``[lo, hi)`` outside which every key's bias is 0: TempCache's history, and the
-        sink until it is committed (its empty slots are -inf). The committed sink and the open
-        chunk hold unmerged keys, so attention may skip the bias there."""
-        lo = self.sink_rows if self.frames_held >= self.sink_frames else 0
-        return lo, self.chunk_rows().start
+        """Rows ``[lo, hi)`` outside which every key's bias is 0: TempCache's history, and from
+        row 0 until the sink is committed (its empty slots are -inf). The committed sink and the
+        open chunk hold unmerged keys, so attention may skip the bias there."""
+        if self.tempcache is None:
+            return 0, self.chunk_rows().start
+        hist = self._history_rows()
+        return (hist.start if self.frames_held >= self.sink_frames else 0), hist.stop
+
+    def fixed_rows(self) -> slice | None:
+        """The rows every query reads dense and without a bias (the sink and the open chunk) when
+        they are one span, else None: the committed sink and the scratch after it (TempCache), the
+        open chunk (other caches: their sink is history like any other frame)."""
+        if self._scratch is None:
+            return None
+        if self.tempcache is None:
+            return self.chunk_rows()
+        return slice(0, self.chunk_rows().stop) if self.frames_held >= self.sink_frames else None
 
     def sorted_rows(self, clean_pass: bool) -> slice:
         """History rows AnnSA keeps bucket-sorted: TempCache's history slots; in the unbounded
         cache every committed row, plus, in the clean pass, the chunk about to commit."""
         if self.tempcache is not None:
-            return self._tokens(self.config.sink_frames, self.config.history_frames)
+            return self._history_rows()
         stop = self._tokens(*self._scratch).stop if clean_pass else self.frames_held * self.tokens_per_frame
         return slice(0, stop)
 

@@ -68,8 +68,9 @@ def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly(grouping):
     count = kv.tempcache.count[0, 0]
     assert sorted(count[count > 0].flatten().tolist()) == [3.0] * (TPF * H)
     slots = kv.tempcache.last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
-    for head in range(H):  # with no sink the history starts at row 0, so a slot is its row
-        rows = slots[head]
+    first = kv.sorted_rows(clean_pass=False).start  # history slot 0's row
+    for head in range(H):
+        rows = first + slots[head]
         got_v = kv.v[0, 0, rows, head]
         assert rel(got_v, sum(v[0, :, head] for v in vals) / 3) <= 1e-6
         assert torch.equal(kv.k[0, 0, rows, head], base[0, :, head])
@@ -208,7 +209,8 @@ def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
 def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
     """What AnnSA's kernel relies on when it skips the bias: at every forward of every chunk,
     the keys outside ``bias_window()`` (a committed sink, the open chunk) have bias exactly 0,
-    and a sink still empty lies inside the window (its slots are -inf)."""
+    and a sink still empty lies inside the window (its slots are -inf); once it is committed,
+    the sink and the open chunk are the one span ``fixed_rows()`` before the window."""
     kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=sink_frames + 4, sink_frames=sink_frames),
                chunk_frames=chunk_frames)
     gen = torch.Generator().manual_seed(7)
@@ -223,9 +225,13 @@ def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
             _, _, bias = kv.extend(0, k, torch.randn_like(k))
             lo, hi = kv.bias_window()
             assert bool((bias[..., :lo] == 0).all()) and bool((bias[..., hi:] == 0).all())
-            assert hi == kv.chunk_rows().start
+            assert hi == bias.shape[-1] == kv.sorted_rows(clean_pass=False).stop
+            fixed = kv.fixed_rows()
             if kv.frames_cached < sink_frames:
                 assert lo == 0 and bool(torch.isneginf(bias[..., kv.frames_cached * TPF:sink_frames * TPF]).all())
+                assert fixed is None
+            else:
+                assert fixed == slice(0, lo) and lo == kv.chunk_rows().stop
             if clean:
                 kv.after_attention(0, k)
                 merged += int(kv.tempcache.merged.sum())
