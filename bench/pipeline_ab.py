@@ -8,8 +8,9 @@ cores, NAME/cudnnbias, the first step's biased dense attention on cuDNN with a m
 block-sparse kernel on the all-keys plan, NAME/torchmeans, AnnSA's block means in eager torch instead of
 their kernel, NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
 alignment) by torch.gather instead of their kernel, NAME/nolastwave, the block-sparse kernel's last wave run
-whole instead of split, and NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
-rollout); 14 chunks each at the TempCache
+whole instead of split, NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
+rollout, and NAME/noprior, the sink and the open chunk read by the block-sparse kernel with the history instead of
+by cuDNN beside it); 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -52,6 +53,14 @@ E.real_rollout(model, ctx, 2, hw, "quant.35")
 
 
 @contextlib.contextmanager
+def no_prior():
+    """The keys every query reads in the block-sparse kernel with the rest, not on cuDNN as its prior."""
+    with E.patched(E.fastar.ann, "attend_lse", lambda q, k, v: None), \
+            E.patched(E.fastar.attention, "attend_lse", lambda q, k, v: None):
+        yield
+
+
+@contextlib.contextmanager
 def torch_gather():
     """Both callers of the row-gather kernel (AnnSA's re-sort, TempCache's head alignment) on torch.gather."""
     with E.patched(E.fastar.kvcache, "gather_rows_auto", gather_rows_torch), \
@@ -70,7 +79,8 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "torchmeans": lambda: E.patched(E.fastar.ann, "block_means_auto", block_means_torch),
             "torchgather": torch_gather,
             "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1)),
-            "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context))}
+            "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context)),
+            "noprior": no_prior}
 
 
 out = {}

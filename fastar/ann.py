@@ -78,9 +78,10 @@ import torch
 
 from ..kernels import triton_runs_on
 from ..kernels.block_means import block_means_auto
-from ..kernels.block_sparse_attention import block_sparse_attention_auto
+from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
 from ..kernels.quant_select import quant_select_auto, runs_to_ranges
+from .attention import attend_lse
 from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
@@ -461,12 +462,21 @@ class AnnSA:
         return torch.cat(mass).mean()
 
     def attention(self, layer: int, q, keys, values, bias, plan=None):
-        """Sparse self-attention of q [B, n, H, D] over ``extend``'s keys/values [B, Lk, H, D]."""
+        """Sparse self-attention of q [B, n, H, D] over ``extend``'s keys/values [B, Lk, H, D].
+
+        Where the kernel runs and the plan's first two ranges (the sink, the open chunk) are the
+        cache's one unbiased span ``fixed_rows``, cuDNN attends that span and the kernel the rest of
+        the plan, starting from its softmax (``attend_lse``)."""
         q_perm, ranges, counts = plan if plan is not None else self.plan(layer, q)
         _warn_twin(q)
+        prior, fixed = None, self.cache.fixed_rows()
+        if fixed is not None and triton_runs_on(q) and kernel_supports(q, self.config.block_q):
+            prior = attend_lse(q, keys[:, fixed], values[:, fixed])
+            if prior is not None:
+                ranges, counts = ranges[:, :, :, 2:], counts - 2
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, q_perm=q_perm,
-                                          block_q=self.config.block_q,
+                                          block_q=self.config.block_q, prior=prior,
                                           bias_window=self.cache.bias_window() if bias is not None else None)
         return out.transpose(1, 2)
 

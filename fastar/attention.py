@@ -1,13 +1,17 @@
 """Attention dispatch: every self-/cross-attention call of a chunk forward lands here.
 
-``FastARAttention`` is the attention state a forward runs under. Self-attention reads
-``[sink | history | own chunk]`` from the KV cache (writing the chunk's own K/V into the
+``FastARAttention`` is the attention state a forward runs under. Self-attention reads the
+sink, the history and its own chunk from the KV cache (writing the chunk's own K/V into the
 cache's scratch slot first, so no concatenation is ever made); cross-attention attends the
 prompt tokens. Dense calls end in ``attend`` (cuDNN SDPA), or, with TempCache's log m as a key
-bias on a GPU, in the block-sparse kernel on the all-keys plan (``attend_biased``); where an
-``AnnConfig`` schedules sparsity they go to AnnSA / AnnCA (``fastar.ann``).
+bias on a GPU, in the block-sparse kernel (``attend_biased``); where an ``AnnConfig`` schedules
+sparsity they go to AnnSA / AnnCA (``fastar.ann``). In both kernel paths the keys every query
+reads unbiased (the sink, the open chunk) go to cuDNN, whose softmax the kernel starts from
+(``attend_lse``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,54 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.transpose(1, 2)
 
 
+_CUDNN_LSE: dict = {}
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Softmax attention of [B, L, H, D] tensors with its log-sum-exp, as the block-sparse kernel's
+    ``prior``: (out [B, H, Lq, D], lse [B, H, Lq] fp32, natural log), or None where it cannot be had.
+
+    On CUDA, cuDNN's fused attention (it returns the log-sum-exp), faster than the kernel on the
+    dense keys every query reads (bench/NOTES.md, "The sink and the open chunk on cuDNN, as the
+    kernel's prior"), for fp16 / bf16;
+    None where cuDNN does not give what fp32 math gives on a small case (checked once per device,
+    dtype and head dim, outside any CUDA-graph capture: called directly, the op accepts inputs it
+    computes wrongly, fp32 among them). Off CUDA fp32 math, for the kernel under Triton's
+    interpreter (small shapes).
+    """
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if not q.is_cuda:
+        return _attend_lse_math(qt, kt, vt)
+    key = (q.device, q.dtype, q.shape[-1])
+    if key not in _CUDNN_LSE:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _CUDNN_LSE[key] = q.dtype in (torch.float16, torch.bfloat16) and _cudnn_lse_agrees(*key)
+    if not _CUDNN_LSE[key]:
+        return None
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True)[:2]
+    return out, lse.reshape(lse.shape[:3])
+
+
+def _attend_lse_math(qt, kt, vt):
+    logits = qt.float() @ kt.float().transpose(-1, -2) / math.sqrt(qt.shape[-1])
+    return (logits.softmax(-1) @ vt.float()).to(qt.dtype), logits.logsumexp(-1)
+
+
+def _cudnn_lse_agrees(device, dtype, head_dim: int) -> bool:
+    """Whether cuDNN's attention and log-sum-exp match fp32 math on a small random case."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, head_dim, device=device, generator=g).to(dtype) for n in (80, 200, 200))
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    want, want_lse = _attend_lse_math(q, k, v)
+    lse = lse.reshape(want_lse.shape).float()
+    return bool(((out.float() - want.float()).norm() <= 1e-2 * want.float().norm()) &
+                ((lse - want_lse).abs().max() <= 1e-2 * want_lse.abs().max().clamp_min(1.0)))
+
+
 _DENSE_PLANS: dict = {}
 
 
@@ -49,18 +101,25 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: t
                   bias_window: tuple[int, int]) -> torch.Tensor:
     """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
 
-    On a GPU this is the block-sparse kernel on the all-keys plan, split in two along the keys:
-    cuDNN takes the bias as a full mask tensor and runs ~1.5x slower than without it, while the
-    kernel adds it per key tile and skips it outside the history (bench/NOTES.md, "Key splits").
+    On a GPU this is the block-sparse kernel on the all-keys plan: cuDNN takes the bias as a full
+    mask tensor and runs ~1.5x slower than without it, while the kernel adds it per key tile and
+    skips it outside the history (bench/NOTES.md, "Key splits"). Where the unbiased keys are one span
+    before the history (TempCache's committed sink and the open chunk), cuDNN attends them and the
+    kernel only the history, starting from that softmax; else the kernel reads all, split in two.
     """
     if not (HAS_TRITON and q.is_cuda and kernel_supports(q, 64)):
         return attend(q, k, v, key_bias=key_bias)
     B, Lq, H, _ = q.shape
-    shape = (B, H, Lq, k.shape[1], q.device)
+    lo, hi = bias_window
+    prior = attend_lse(q, k[:, :lo], v[:, :lo]) if 0 < lo and hi == k.shape[1] else None
+    first = lo if prior is not None else 0
+    shape = (B, H, Lq, first, k.shape[1], q.device)
     if shape not in _DENSE_PLANS:  # one per shape: a rollout at its budget meets one or two
-        _DENSE_PLANS[shape] = dense_ranges(*shape[:4], 64, device=q.device)
+        ranges, counts = dense_ranges(B, H, Lq, k.shape[1] - first, 64, device=q.device)
+        _DENSE_PLANS[shape] = (ranges + first, counts)
     out = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *_DENSE_PLANS[shape],
-                                 key_bias=key_bias, bias_window=bias_window, num_splits=2)
+                                 key_bias=key_bias, bias_window=bias_window, prior=prior,
+                                 num_splits=None if prior is not None else 2)
     return out.transpose(1, 2)
 
 

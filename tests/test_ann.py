@@ -351,6 +351,40 @@ def test_kernel_equals_twin_on_annsa_plans():
         assert rel(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("cache_cfg, method", [(CacheConfig(), "lsh"), (TempCacheConfig(max_cache_frames=6, sink_frames=2),
+                                                                    "quant"),
+                                               (TempCacheConfig(max_cache_frames=6, sink_frames=2), "lsh")],
+                         ids=["unbounded-lsh", "tempcache-quant", "tempcache-lsh"])
+def test_fixed_rows_go_through_a_prior(cache_cfg, method, monkeypatch):
+    """Where the sink and the open chunk are one span (``fixed_rows``), AnnSA attends it with
+    ``attend_lse`` (cuDNN on a GPU) and only the plan's other ranges in the kernel: the same result
+    as the twin on the whole plan. Before a TempCache sink is committed there is no such span."""
+    calls = []
+    real = ann_mod.attend_lse
+    monkeypatch.setattr(ann_mod, "attend_lse", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_torch
+    gen = torch.Generator().manual_seed(9)
+    attn = FastARAttention(make_cache(cache_cfg), ann=AnnConfig(method=method, bits=5, probes=2,
+                                                                 dense_steps_fraction=0.0))
+    assert attn.cache.fixed_rows() is None  # no chunk open
+    q, k, v = fill(attn, 3, gen)
+    keys, values, bias = attn.cache.extend(0, k, v)
+    fixed = attn.cache.fixed_rows()
+    q_perm, ranges, counts = plan = attn.annsa.plan(0, q)
+    chunk, sink = attn.cache.chunk_rows(), attn.cache.sink_rows  # the plan's first two ranges
+    assert [tuple(r) for r in ranges[0, 0, 0, :2].tolist()] == [(0, sink), (chunk.start, chunk.stop)]
+    assert (fixed.start, fixed.stop) == ((0, chunk.stop) if sink else (chunk.start, chunk.stop))
+    calls.clear()
+    out = attn.annsa.attention(0, q, keys, values, bias, plan)
+    ref = block_sparse_attention_torch(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), ranges,
+                                       counts, key_bias=bias, q_perm=q_perm, block_q=64).transpose(1, 2)
+    assert calls == [fixed.stop - fixed.start] and rel(out, ref) <= 1e-5
+    if isinstance(cache_cfg, TempCacheConfig):
+        fresh = make_cache(cache_cfg)
+        fresh.begin_chunk(0, CF)  # the sink's own frames: its slots are empty (-inf) until committed
+        assert fresh.fixed_rows() is None
+
+
 def test_calibration_makes_low_recall_layers_dense(model):
     ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
     settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, seed=3, schedule=FlowMatchSchedule((1000.0,)))

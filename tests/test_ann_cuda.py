@@ -1,5 +1,6 @@
 """On a GPU: AnnSA's bucket plans replayed from a CUDA graph equal eager plans; the quant plan's
-kernels equal their twins; an unbounded cache's growing plans compile kernels only for larger tiles.
+kernels equal their twins; an unbounded cache's growing plans compile kernels only for larger tiles;
+the sink and the open chunk on cuDNN give what the kernel alone gives.
 
 CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
 kernel tests switch Triton to its interpreter at import, so run this file on its own
@@ -11,6 +12,9 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, KVCache, Rollout, TempCacheConfig
+from comfyui_fastar.fastar import ann as ann_mod
+from comfyui_fastar.fastar import attention as attention_mod
+from comfyui_fastar.fastar.models import build_model
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
 
@@ -140,3 +144,36 @@ def test_a_growing_cache_compiles_kernels_again_only_for_larger_tiles(keep_mass)
         triton.knobs.runtime.jit_post_compile_hook = previous
     assert rollout.cache.frames_held == 120  # the history was never bounded
     assert not repeats, "\n".join(repeats)
+
+
+@pytest.mark.parametrize("cache_cfg, ann", [
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig()),
+    (CacheConfig(), AnnConfig(method="lsh", bits=4, probes=1, annca=True)),
+], ids=["tempcache+quant", "unbounded+lsh+annca"])
+def test_fixed_rows_on_cudnn_equal_the_kernel_alone(cache_cfg, ann, monkeypatch):
+    """A bf16 rollout with the sink and the open chunk attended by cuDNN (``attend_lse``, the
+    kernel's prior) equals one with every key in the kernel; an fp32 model gets no prior (cuDNN
+    computes fp32 wrongly when called directly), and its rollout stays finite."""
+    ctx = torch.randn(2, 5, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    settings = dict(frames=15, height=64, width=96, chunk_frames=3, cache=cache_cfg, ann=ann)
+    real, used = ann_mod.attend_lse, []
+
+    def counted(*args):
+        out = real(*args)
+        used.append(out is not None)
+        return out
+
+    for dtype in (torch.bfloat16, torch.float32):
+        model = build_model("tiny", device="cuda", dtype=dtype, seed=0)
+        used.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ann_mod, "attend_lse", counted)
+            with_prior = Rollout(model, ctx.to(dtype), **settings).run()
+        assert used and all(used) == (dtype == torch.bfloat16) and any(used) == (dtype == torch.bfloat16)
+        assert torch.isfinite(with_prior).all()
+        with monkeypatch.context() as m:
+            m.setattr(ann_mod, "attend_lse", lambda *a: None)
+            m.setattr(attention_mod, "attend_lse", lambda *a: None)
+            alone = Rollout(model, ctx.to(dtype), **settings).run()
+        err = ((with_prior.float() - alone.float()).norm() / alone.float().norm()).item()
+        assert err <= (3e-2 if dtype == torch.bfloat16 else 0.0), err

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from comfyui_fastar.fastar.attention import attend, attend_biased
+from comfyui_fastar.fastar.attention import attend, attend_biased, attend_lse
 from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
@@ -143,10 +143,12 @@ def test_gather_rows_equals_torch_gather_at_the_budget():
     assert torch.equal(gather_rows(part, perm), gather_rows_torch(part, perm))
 
 
-def test_attend_biased_equals_cudnn_with_the_mask():
-    """The first step's biased dense attention on the kernel equals cuDNN SDPA with the bias as a mask."""
+@pytest.mark.parametrize("lo, hi", [(1560, 4680), (3120, 6240)], ids=["window-inside", "history-last"])
+def test_attend_biased_equals_cudnn_with_the_mask(lo, hi):
+    """The first step's biased dense attention on the kernel equals cuDNN SDPA with the bias as a mask:
+    the kernel on all keys, or (window reaching the last key) cuDNN on the keys before it as a prior."""
     g = torch.Generator(device="cuda").manual_seed(6)
-    Lq, Lk, lo, hi = 1560, 6240, 1560, 4680
+    Lq, Lk = 1560, 6240
     q = torch.randn(1, Lq, 12, 128, device="cuda", generator=g).bfloat16()
     k, v = (torch.randn(1, Lk, 12, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
     bias = torch.zeros(1, 12, Lk, device="cuda")
@@ -156,6 +158,19 @@ def test_attend_biased_equals_cudnn_with_the_mask():
     want = attend(q, k, v, key_bias=bias).float()
     assert got.shape == want.shape == (1, Lq, 12, 128)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_attend_lse_is_cudnn_with_its_log_sum_exp():
+    """The prior cuDNN gives the kernel: its output and natural log-sum-exp, as fp32 math has them."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(1, 4680, 12, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, 9360, 12, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    out, lse = attend_lse(q, k, v)
+    logits = q.float().transpose(1, 2) @ k.float().permute(0, 2, 3, 1) / 128 ** 0.5
+    assert out.shape == (1, 12, 4680, 128) and lse.shape == (1, 12, 4680) and lse.dtype == torch.float32
+    assert (lse - logits.logsumexp(-1)).abs().max().item() < 2e-2
+    want = logits.softmax(-1) @ v.float().transpose(1, 2)
+    assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _fp8_gemm(torch.device("cuda")), reason="no fp8 tensor cores")
