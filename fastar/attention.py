@@ -55,11 +55,10 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
     On CUDA, cuDNN's fused attention (it returns the log-sum-exp), faster than the kernel on the
     dense keys every query reads (bench/NOTES.md, "The sink and the open chunk on cuDNN, as the
-    kernel's prior"), for fp16 / bf16;
-    None where cuDNN does not give what fp32 math gives on a small case (checked once per device,
-    dtype and head dim, outside any CUDA-graph capture: called directly, the op accepts inputs it
-    computes wrongly, fp32 among them). Off CUDA fp32 math, for the kernel under Triton's
-    interpreter (small shapes).
+    kernel's prior"), for fp16 / bf16; None where cuDNN does not give what fp32 math gives on a
+    small case (checked once per device, dtype and head dim, outside any CUDA-graph capture:
+    called directly, the op accepts inputs it computes wrongly, fp32 among them). Off CUDA fp32
+    math, for the kernel under Triton's interpreter (small shapes).
     """
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     if not q.is_cuda:

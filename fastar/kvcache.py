@@ -19,9 +19,9 @@ TempCache (``fastar.tempcache``) manages its history token by token, merging in
 ``after_attention`` of the clean pass. TempCache's scratch sits right after the sink, so the
 keys every query reads dense and unbiased are one span (``fixed_rows``): one cuDNN call.
 Frame bookkeeping is in Python integers known from the schedule, TempCache's on the device:
-no host sync per layer. On CUDA the clean pass's
-history writes may run on a side stream (``write_stream``, set by ``FastARAttention``);
-``join_writes`` (the engine's, before a chunk's CUDA graph ends) and ``commit`` wait for them.
+no host sync per layer. On CUDA the clean pass's history writes may run on a side stream
+(``write_stream``, set by ``FastARAttention``); ``join_writes`` (the engine's, before a
+chunk's CUDA graph ends) and ``commit`` wait for them.
 """
 from __future__ import annotations
 

@@ -22,11 +22,15 @@ query's *original* position, so ``q_perm`` never shows in the result's order.
   implementations alike), which is not attention over a set.
 - Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest are
   ignored and may hold anything.
-- A query block with no keys, and a query whose every key has bias ``-inf`` (empty
-  TempCache slots), outputs zeros, never NaN.
+- Without a prior, a query block with no keys, and a query whose every key has bias
+  ``-inf`` (empty TempCache slots), output zeros, never NaN.
 - ``bias_window=(lo, hi)``: the bias applies to keys ``[lo, hi)`` only, every other key's
   is 0 (TempCache's history window; the sink and the open chunk hold unmerged keys). A
   range wholly outside the window then runs without the bias's extra work per score.
+- ``prior=(out, lse)``: a softmax already taken over keys outside the plan (its output and
+  natural log-sum-exp per query; lse -inf: none), e.g. cuDNN's over the keys every block
+  reads. The result is the softmax over both key sets: the kernel starts each block's online
+  softmax from it, so it reads only the plan's keys and needs no combine pass.
 
 Validation of tensor *values* (range bounds, counts <= R, ``q_perm`` being a
 permutation, bias free of NaN/+inf) needs a host sync, which the kernel path must not
