@@ -9,8 +9,9 @@ block-sparse kernel on the all-keys plan, NAME/torchmeans, AnnSA's block means i
 their kernel, NAME/torchgather, the history's per-head row moves (AnnSA's re-sort, TempCache's head
 alignment) by torch.gather instead of their kernel, NAME/nolastwave, the block-sparse kernel's last wave run
 whole instead of split, NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
-rollout, and NAME/noprior, the sink and the open chunk read by the block-sparse kernel with the history instead of
-by cuDNN beside it); 14 chunks each at the TempCache
+rollout, NAME/noprior, the sink and the open chunk read by the block-sparse kernel with the history instead of
+by cuDNN beside it, and NAME/serialprior, that cuDNN call in line instead of on a side stream beside AnnSA's plan);
+14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
 
@@ -80,7 +81,8 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "torchgather": torch_gather,
             "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1)),
             "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context)),
-            "noprior": no_prior}
+            "noprior": no_prior,
+            "serialprior": lambda: E.patched(E.fastar.ann.AnnSA, "overlap_prior", False)}
 
 
 out = {}

@@ -70,6 +70,7 @@ sparsity to the ~70% of layers that are measurably sparse.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
 from ..kernels.quant_select import quant_select_auto, runs_to_ranges
-from .attention import attend_lse
+from .attention import attend_lse, side_stream
 from .errors import FastARError
 
 ANN_METHODS = ("lsh", "quant")
@@ -255,6 +256,9 @@ class AnnSA:
 
     graphs = True  # CUDA graphs for bucket plans (``_replay``); False runs them eagerly (to compare)
     record_density = False  # telemetry: keep each layer's plan density in ``density`` (a few small kernels a call)
+    # On CUDA the sink and open chunk's cuDNN call runs on a side stream beside the plan's kernels, which are
+    # latency-bound and leave most of the GPU idle; False runs it in line (to compare).
+    overlap_prior = True
 
     def __init__(self, config: AnnConfig, cache, lsh: LSH):
         if not cache.ann_sortable:
@@ -467,13 +471,21 @@ class AnnSA:
         Where the kernel runs and the plan's first two ranges (the sink, the open chunk) are the
         cache's one unbiased span ``fixed_rows``, cuDNN attends that span and the kernel the rest of
         the plan, starting from its softmax (``attend_lse``)."""
-        q_perm, ranges, counts = plan if plan is not None else self.plan(layer, q)
         _warn_twin(q)
-        prior, fixed = None, self.cache.fixed_rows()
+        prior, side, fixed = None, None, self.cache.fixed_rows()
         if fixed is not None and triton_runs_on(q) and kernel_supports(q, self.config.block_q):
-            prior = attend_lse(q, keys[:, fixed], values[:, fixed])
-            if prior is not None:
-                ranges, counts = ranges[:, :, :, 2:], counts - 2
+            if self.overlap_prior and q.is_cuda:
+                # the side stream waits for this layer's K/V, and waits again before its next call,
+                # which orders its reuse of the memory it allocates after the kernel that reads it
+                side = side_stream(q.device, "prior")
+                side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                prior = attend_lse(q, keys[:, fixed], values[:, fixed])
+        q_perm, ranges, counts = plan if plan is not None else self.plan(layer, q)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        if prior is not None:
+            ranges, counts = ranges[:, :, :, 2:], counts - 2
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, q_perm=q_perm,
                                           block_q=self.config.block_q, prior=prior,

@@ -130,15 +130,15 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-_WRITE_STREAMS: dict = {}
+_SIDE_STREAMS: dict = {}
 
 
-def _write_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the clean pass's history writes, kept for the process:
-    cuBLAS gives every stream it runs on a workspace of its own for the life of the process."""
-    if device not in _WRITE_STREAMS:
-        _WRITE_STREAMS[device] = torch.cuda.Stream(device)
-    return _WRITE_STREAMS[device]
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """One side stream per device and role (the clean pass's history writes, AnnSA's prior), kept
+    for the process: cuBLAS gives every stream it runs on a workspace of its own for its life."""
+    if (device, role) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device, role] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device, role]
 
 
 def frame_visibility(num_frames: int, chunk_frames: int, sink_frames: int | None = None,
@@ -264,7 +264,7 @@ class FastARAttention:
         # a side stream only where there is device work to overlap: a TempCache merge or a re-sort
         if not (self.overlap_writes and q.is_cuda and (self.cache.tempcache is not None or index)):
             return write()
-        side = _write_stream(q.device)
+        side = side_stream(q.device, "writes")
         side.wait_stream(torch.cuda.current_stream(q.device))  # the layer's K/V of this pass are ready
         q.record_stream(side)  # q is the only per-call tensor the writes read
         self.cache.write_stream = side
