@@ -184,6 +184,10 @@ class KVCache:
         self._scratch = (first, frames)
         self._writing = False
         if self.tempcache is not None:
+            # a short chunk leaves scratch rows between it and the history: empty (-inf) like unfilled slots
+            scratch = self.log_count_bias[..., self._tokens(first, self.chunk_frames)]
+            scratch.zero_()
+            scratch[..., frames * self.tokens_per_frame:] = float("-inf")
             first_new = frame_start + self._sink_frames_in_chunk()
             n = (frame_start + frames - first_new) * self.tokens_per_frame
             self._new_frames = self._new_frames_buf[:n]
@@ -298,13 +302,14 @@ class KVCache:
         return self._tokens(cfg.sink_frames + self.chunk_frames, cfg.history_frames)
 
     def bias_window(self) -> tuple[int, int]:
-        """Rows ``[lo, hi)`` outside which every key's bias is 0: TempCache's history, and from
-        row 0 until the sink is committed (its empty slots are -inf). The committed sink and the
-        open chunk hold unmerged keys, so attention may skip the bias there."""
+        """Rows ``[lo, hi)`` outside which every key's bias is 0: TempCache's history after the open
+        chunk (with a short chunk's unused scratch rows, which are -inf), and from row 0 until the
+        sink is committed (its empty slots are -inf). The committed sink and the open chunk hold
+        unmerged keys, so attention may skip the bias there."""
         if self.tempcache is None:
             return 0, self.chunk_rows().start
-        hist = self._history_rows()
-        return (hist.start if self.frames_held >= self.sink_frames else 0), hist.stop
+        lo = self.chunk_rows().stop if self.frames_held >= self.sink_frames else 0
+        return lo, self._history_rows().stop
 
     def fixed_rows(self) -> slice | None:
         """The rows every query reads dense and without a bias (the sink and the open chunk) when

@@ -237,3 +237,31 @@ def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
                 merged += int(kv.tempcache.merged.sum())
         kv.commit()
     assert merged > 0  # the window held log m > 0 too
+
+
+def test_a_short_chunk_attends_no_stale_scratch_rows():
+    """A chunk shorter than chunk_frames leaves scratch rows between it and the history, holding an
+    earlier chunk's K/V: they are empty (-inf) and inside the bias window, so attention over
+    ``extend``'s keys equals attention without them; the next full chunk's rows are unbiased again."""
+    g = torch.Generator().manual_seed(3)
+    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=7, sink_frames=1), chunk_frames=3)
+    for n in (3, 3, 1, 3):
+        kv.begin_chunk(kv.frames_cached, n)
+        k, v, q = (torch.randn(1, n * TPF, H, D, generator=g) for _ in range(3))
+        keys, values, bias = kv.extend(0, k, v)
+        chunk, hist = kv.chunk_rows(), kv.sorted_rows(clean_pass=False)
+        gap = slice(chunk.stop, hist.start)
+        lo, hi = kv.bias_window()
+        committed = kv.frames_cached >= 1  # the sink
+        assert kv.fixed_rows() == (slice(0, chunk.stop) if committed else None) and hi == keys.shape[1]
+        assert lo == (chunk.stop if committed else 0)
+        assert gap.stop - gap.start == (3 - n) * TPF and bool(torch.isneginf(bias[..., gap]).all())
+        assert bool((bias[..., :lo] == 0).all())
+        kept = torch.cat([torch.arange(gap.start), torch.arange(gap.stop, keys.shape[1])])
+        got = attend(q, keys, values, key_bias=bias)
+        want = attend(q, keys[:, kept], values[:, kept], key_bias=bias[..., kept])
+        assert rel(got, want) <= 1e-6
+        kv.begin_clean_pass()
+        kv.extend(0, k, v)
+        kv.after_attention(0, k)
+        kv.commit()
