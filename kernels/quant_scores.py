@@ -61,9 +61,9 @@ def quantize_blocks(q: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
     b, h, lq, d = q.shape
     nqb = -(-lq // block_q)
     x = torch.nn.functional.pad(q.float(), (0, 0, 0, nqb * block_q - lq))
-    amax = x.view(b, h, nqb, block_q * d).abs().amax(-1).clamp_min(1e-12)
+    amax = x.reshape(b, h, nqb, block_q * d).abs().amax(-1).clamp_min(1e-12)  # q may be a strided view
     inv = amax.new_full((), 127.0) / amax  # a true division (``127 / t`` multiplies by a reciprocal)
-    levels = torch.floor(x.view(b, h, nqb, block_q, d) * inv[..., None, None] + 0.5).clamp_(-127, 127)
+    levels = torch.floor(x.reshape(b, h, nqb, block_q, d) * inv[..., None, None] + 0.5).clamp_(-127, 127)
     return levels.view(b, h, nqb * block_q, d), inv
 
 

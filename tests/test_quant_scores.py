@@ -62,6 +62,20 @@ def test_each_query_block_spans_the_int8_range():
     assert (inv[..., 0] > 100 * inv[..., 1]).all()
 
 
+def test_twin_takes_the_cache_view_of_whole_blocks():
+    """Queries filling whole blocks come unpadded, as the strided [B, n, H, D] cache view: the
+    twin (the CPU path without Triton) scores them as it scores a contiguous copy."""
+    gen = torch.Generator().manual_seed(4)
+    q, means, logit_scale, bias = _case(gen, 1, 2, 12, 8, 5)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(quant_block_scores_torch(q, means, logit_scale, bias, 4),
+                               quant_block_scores_torch(q.contiguous(), means, logit_scale, bias, 4), rtol=0, atol=0)
+    fixed = _fixed_case(gen, 1, 2, 8, 3)
+    for got, want in zip(quant_block_shares_torch(q, means, logit_scale, bias, *fixed, 4),
+                         quant_block_shares_torch(q.contiguous(), means, logit_scale, bias, *fixed, 4)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_twin(dtype):
