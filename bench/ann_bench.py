@@ -179,7 +179,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
-        device, size, hw, args.history_frames, args.layers = torch.device("cpu"), "tiny", (64, 96), 6, "0,1"
+        device, size, hw, args.history_frames, args.layers = torch.device("cpu"), "tiny", (64, 96), 6, "0"
         args.tag += "_smoke"
     else:
         device, size, hw = torch.device("cuda"), "1.3B", (480, 832)

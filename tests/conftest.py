@@ -8,7 +8,16 @@ On a CUDA machine nothing changes: the CUDA-only tests need the native path.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    """The torch twins instead of the interpreted kernels, for tests of a policy (what a plan reads,
+    how much mass it keeps), not of a kernel: the twins define the kernels' semantics, and the kernel
+    tests hold the kernels to them. The interpreter runs such tests ~10x slower."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -126,7 +126,7 @@ def test_annsa_every_bucket_equals_dense(cache_cfg, cfg):
 
 @pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=10, sink_frames=2)],
                          ids=["unbounded", "tempcache"])
-def test_top_p_reads_what_the_mass_needs(cache_cfg):
+def test_top_p_reads_what_the_mass_needs(cache_cfg, twins):
     """Diffuse attention (random q and k): top-p reads most history blocks and keeps about
     keep_mass of the mass; queries matching their own chunk's keys, which are alike within each
     block of 128 (a smooth region): it reads only its floor."""
@@ -158,7 +158,7 @@ def test_top_p_reads_what_the_mass_needs(cache_cfg):
                                  AnnConfig(method="quant", keep_fraction=0.4, keep_mass=0.0, dense_steps_fraction=0.0),
                                  AnnConfig(method="quant", keep_fraction=0.4, keep_mass=0.95, dense_steps_fraction=0.0)],
                          ids=["lsh", "quant", "top-p"])
-def test_annsa_plan_is_sparse_on_structured_inputs(cfg):
+def test_annsa_plan_is_sparse_on_structured_inputs(cfg, twins):
     gen = torch.Generator().manual_seed(1)
     centers = torch.nn.functional.normalize(torch.randn(8, H, D, generator=gen), dim=-1) * 10
     attn = FastARAttention(make_cache(CacheConfig(), tpf=2 * ann_mod.KEY_BLOCK), ann=cfg)  # 16 quant blocks
@@ -181,7 +181,7 @@ def test_annsa_plan_is_sparse_on_structured_inputs(cfg):
     assert (ranges[..., 1][used] <= keys.shape[1]).all() and (ranges[..., 0][used] <= ranges[..., 1][used]).all()
 
 
-def test_default_plan_holds_both_extremes_the_fixed_share_fails_one():
+def test_default_plan_holds_both_extremes_the_fixed_share_fails_one(twins):
     """Why top-p over a floor is the default: on diffuse attention (random q, k) a fixed share of
     blocks keeps about that share of the mass, while top-p reads what the mass needs; on sharply
     clustered keys, where mean keys undercount mixed blocks, the 0.2 floor keeps most of it."""

@@ -106,7 +106,8 @@ def test_kernel_equals_twin_on_random_rows(ties):
     for case in range(8):
         nkb = int(torch.randint(1, 70, (1,), generator=gen))
         top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
-        score, held = _case(gen, 2, 2, 3, nkb, ties)
+        # two batches or two heads: each stride is walked, at a third of the interpreter's time of both
+        score, held = _case(gen, *((2, 1, 2), (1, 2, 2))[case // 2 % 2], nkb, ties)
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, **kw)
         for chunk in (16, None):
@@ -156,7 +157,7 @@ def test_mass_kernel_equals_twin_on_random_rows(ties):
     for case, mass in enumerate((0.93, 0.5, 0.0, 1.0, 0.8, 0.99)):
         nkb = int(torch.randint(1, 70, (1,), generator=gen))
         top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
-        score, held, fixed = _mass_case(gen, 1, 2, 3, nkb, ties)
+        score, held, fixed = _mass_case(gen, 1, 2, 2, nkb, ties)
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, mass=mass, fixed=fixed, **kw)
         for chunk in (16, None):
