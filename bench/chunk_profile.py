@@ -66,7 +66,7 @@ def profile_chunk(model, ctx, hw, name, chunks, device):
     groups = collections.defaultdict(float)
     for k, (ms, _) in kernels.items():
         groups[group(k)] += ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:60]
     return {"wall_ms": wall[chunks - 1], "wall_previous_ms": wall[chunks - 2], "gpu_ms": sum(groups.values()),
             "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": k[:160], "ms": ms, "calls": n} for k, (ms, n) in top]}

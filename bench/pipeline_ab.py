@@ -10,7 +10,8 @@ their kernel, NAME/torchgather, the history's per-head row moves (AnnSA's re-sor
 alignment) by torch.gather instead of their kernel, NAME/nolastwave, the block-sparse kernel's last wave run
 whole instead of split, NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
 rollout, NAME/noprior, the sink and the open chunk read by the block-sparse kernel with the history instead of
-by cuDNN beside it, and NAME/serialprior, that cuDNN call in line instead of on a side stream beside AnnSA's plan);
+by cuDNN beside it, NAME/serialprior, that cuDNN call in line instead of on a side stream beside AnnSA's plan, and
+NAME/copiedkv, the model's K/V made in fresh tensors and copied into the cache instead of computed in its rows);
 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
@@ -82,7 +83,8 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "nolastwave": lambda: E.patched(bsa, "tail_split", lambda n_items, wave: (n_items, 1)),
             "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context)),
             "noprior": no_prior,
-            "serialprior": lambda: E.patched(E.fastar.ann.AnnSA, "overlap_prior", False)}
+            "serialprior": lambda: E.patched(E.fastar.ann.AnnSA, "overlap_prior", False),
+            "copiedkv": lambda: E.patched(E.fastar.FastARAttention, "kv_rows", lambda self, layer: None)}
 
 
 out = {}

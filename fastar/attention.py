@@ -198,6 +198,11 @@ class FastARAttention:
             self.dense_layers = set(ann.dense_layers)  # grows by calibration
             self.recall: dict[int, float] = {}         # calibration: AnnSA recall per layer
 
+    def kv_rows(self, layer: int):
+        """Where a self-attention call's K/V end up (the cache's rows of the open chunk,
+        ``KVCache.scratch``), for a model to compute them there; None without a cache."""
+        return self.cache.scratch(layer) if self.cache is not None else None
+
     def graph_key(self):
         """The cache's ``graph_key`` plus the Python-level state that routes this state's calls
         (dense layers, calibrated layers, AnnSA's written layers): equal keys, equal kernels."""

@@ -6,7 +6,8 @@ run under this protocol, driven by the rollout engine:
 
     begin_chunk(frame_start, frames)   where the chunk's own K/V will sit (the scratch slots)
     extend(layer, k, v)                every forward: write the chunk's K/V into the scratch
-                                       slots, return views of all attended rows: [history |
+                                       slots (``scratch(layer)``: a model may compute them
+                                       there), return views of all attended rows: [history |
                                        own chunk], with TempCache [sink | own chunk | history]
     after_attention(layer, q)          every forward, once the layer has attended
     begin_clean_pass()                 the next forward is the clean pass: it writes history
@@ -194,17 +195,25 @@ class KVCache:
             self._new_frames.copy_(torch.arange(first_new, frame_start + frames, device=self.device)
                                    .repeat_interleave(self.tokens_per_frame, output_size=n))
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write the open chunk's k/v [B, n, H, D]; return (keys, values, key_bias or None)."""
+    def scratch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows where ``extend`` puts the open chunk's K/V of ``layer`` ([B, n, H, D] views):
+        a model that computes its K/V into them spares ``extend`` a copy of each."""
         if self._scratch is None:
-            raise FastARError("KVCache.extend called outside a chunk: call begin_chunk first")
-        first, frames = self._scratch
-        span = self._tokens(first, frames)
-        expected = (self.batch, span.stop - span.start, self.num_heads, self.head_dim)
+            raise FastARError("the open chunk's K/V rows (KVCache.extend, .scratch) need an open chunk: "
+                              "call begin_chunk first")
+        span = self._tokens(*self._scratch)
+        return self.k[layer, :, span], self.v[layer, :, span]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write the open chunk's k/v [B, n, H, D] (unless they are ``scratch``'s views already);
+        return (keys, values, key_bias or None)."""
+        rows = self.scratch(layer)
+        expected = tuple(rows[0].shape)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise FastARError(f"chunk K/V must be {list(expected)}, got {list(k.shape)} / {list(v.shape)}")
-        self.k[layer, :, span] = k
-        self.v[layer, :, span] = v
+        for dst, src in zip(rows, (k, v)):
+            if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+                dst.copy_(src)
         stop = self.attended_rows()
         bias = self.log_count_bias[layer, ..., :stop] if self.has_bias else None
         return self.k[layer, :, :stop], self.v[layer, :, :stop], bias

@@ -7,7 +7,8 @@ copy of q (and of k) in every layer; at 4680 tokens x 1536 channels that is ~60 
 Semantics (the twin defines them): x ``[B, L, C]`` with ``C = H * D``; in fp32, each row
 is RMS-normalised over all C channels and scaled by ``weight`` (``weight`` None: no norm),
 then each head's adjacent channel pairs ``(2j, 2j+1)`` are rotated by ``freqs[l, j] =
-(cos, sin)``. The result ``[B, L, H, D]`` is rounded once, to x's dtype.
+(cos, sin)``. The result ``[B, L, H, D]`` is rounded once, to x's dtype, and written to ``out``
+where given: the KV cache's rows of the open chunk, so that k needs no copy into the cache.
 
 Kernel layout: grid ``(ceil(B * L / ROWS),)``, ROWS token rows per program, each read and
 written as one contiguous ``[ROWS, C]`` tile (C padded to a power of two) and split into its
@@ -45,23 +46,38 @@ def _check(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int) -> i
     return d
 
 
-def qk_norm_rope_torch(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6) -> Tensor:
+def _check_out(out: Tensor | None, x: Tensor, num_heads: int, d: int) -> None:
+    """``out``: where the result goes (e.g. the KV cache's rows), [B, L, H, D] in x's dtype with
+    each row's H x D channels contiguous."""
+    if out is None:
+        return
+    want = (x.shape[0], x.shape[1], num_heads, d)
+    if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be {x.dtype} {list(want)} on {x.device}, got {out.dtype} {list(out.shape)} "
+                         f"on {out.device}")
+    if out.stride(3) != 1 or out.stride(2) != d:
+        raise ValueError(f"out's heads and channels must be contiguous, got strides {out.stride()}")
+
+
+def qk_norm_rope_torch(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
+                       out: Tensor | None = None) -> Tensor:
     """Reference twin (and the fallback where Triton cannot run)."""
     d = _check(x, weight, freqs, num_heads)
+    _check_out(out, x, num_heads, d)
     xf = x.float()
     if weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     xf = xf.unflatten(-1, (num_heads, d // 2, 2))
     cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
     x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).to(x.dtype)
+    return y if out is None else out.copy_(y)
 
 
 if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_rows", "L"])
-    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, n_rows, L, stride_xb, stride_xl, eps,
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, n_rows, L, stride_xb, stride_xl, stride_ob, stride_ol, eps,
                              C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
                              HAS_NORM: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -82,10 +98,12 @@ if HAS_TRITON:
         cos = tl.load(f_row, mask=ok_pair, other=0.0)
         sin = tl.load(f_row + 1, mask=ok_pair, other=0.0)
         out = tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (ROWS, BLOCK_C))
-        tl.store(o_ptr + rows[:, None] * C + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
+        tl.store(o_ptr + (b * stride_ob + l * stride_ol)[:, None] + cols[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=ok)
 
 
-def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6) -> Tensor:
+def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
+                 out: Tensor | None = None) -> Tensor:
     """Triton kernel with the twin's contract (x in bf16 / fp16 / fp32)."""
     if not HAS_TRITON:
         raise RuntimeError("qk_norm_rope needs triton, which is not importable")
@@ -93,20 +111,24 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int
     if x.dtype not in _DTYPES:
         raise ValueError(f"dtype {x.dtype} unsupported by the kernel (bf16/fp16/fp32)")
     check_triton_runs_on(x)
+    _check_out(out, x, num_heads, d)
     b, length, c = x.shape
-    out = torch.empty(b, length, num_heads, d, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(b, length, num_heads, d, dtype=x.dtype, device=x.device)
     if out.numel():
         if x.stride(2) != 1:
             x = x.contiguous()
         _qk_norm_rope_kernel[(triton.cdiv(b * length, ROWS),)](
             x, weight if weight is not None else x, freqs.contiguous(), out, b * length, length, x.stride(0),
-            x.stride(1), float(eps), C=c, HALF=d // 2, BLOCK_C=triton.next_power_of_2(c), ROWS=ROWS,
+            x.stride(1), out.stride(0), out.stride(1), float(eps), C=c, HALF=d // 2,
+            BLOCK_C=triton.next_power_of_2(c), ROWS=ROWS,
             HAS_NORM=weight is not None, num_warps=8 if c >= 1024 else 4)
     return out
 
 
-def qk_norm_rope_auto(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6) -> Tensor:
+def qk_norm_rope_auto(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
+                      out: Tensor | None = None) -> Tensor:
     """The kernel on CUDA, else the twin. Not under the CPU interpreter: whole-model forwards
     there would crawl (the tests call the kernel)."""
     fn = qk_norm_rope if HAS_TRITON and x.is_cuda and x.dtype in _DTYPES else qk_norm_rope_torch
-    return fn(x, weight, freqs, num_heads, eps)
+    return fn(x, weight, freqs, num_heads, eps, out=out)

@@ -76,6 +76,25 @@ def test_kernel_reads_strided_rows():
 
 
 @needs_triton
+def test_kernel_and_twin_write_into_the_cache_rows_given():
+    """``out`` as the KV cache's rows of an open chunk: a [B, n, H, D] slice of a longer buffer
+    (batch stride past n rows); rows outside it stay untouched."""
+    gen = torch.Generator().manual_seed(6)
+    x, weight, freqs = _case(gen, 2, 5, 3, 8, torch.float32, offset=2)
+    want = qk_norm_rope_torch(x, weight, freqs, 3)
+    for fn in (qk_norm_rope, qk_norm_rope_torch):
+        cache = torch.full((2, 9, 3, 8), 7.0)
+        rows = cache[:, 2:7]
+        assert fn(x, weight, freqs, 3, out=rows) is rows
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+        assert cache[:, :2].eq(7).all() and cache[:, 7:].eq(7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        qk_norm_rope(x, weight, freqs, 3, out=torch.empty(2, 5, 3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        qk_norm_rope_torch(x, weight, freqs, 3, out=torch.empty(2, 5, 8, 3).transpose(2, 3))
+
+
+@needs_triton
 def test_kernel_takes_any_even_head_dim():
     gen = torch.Generator().manual_seed(4)
     x, weight, freqs = _case(gen, 1, 9, 3, 12, torch.float32)  # D/2 = 6, C = 36: neither a power of two

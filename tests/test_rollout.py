@@ -152,6 +152,43 @@ def test_clean_pass_that_stops_at_the_last_kv_changes_nothing(model, cache):
         assert len(full.model.calls) == 3 * (len(short.sigmas) + 1)  # the clean pass ran to the end there
 
 
+class CopiedKV(FastARAttention):
+    """No cache rows offered: the model makes K/V in fresh tensors and ``extend`` copies them in."""
+
+    def kv_rows(self, layer):
+        return None
+
+
+class WhereKV(FastARAttention):
+    """Records whether each self-attention call's K/V already are the cache's rows."""
+
+    def __init__(self, cache, ann=None):
+        super().__init__(cache, ann=ann)
+        self.in_place = []
+
+    def self_attention(self, layer, q, k, v):
+        k_rows, v_rows = self.cache.scratch(layer)
+        self.in_place.append((k.data_ptr() == k_rows.data_ptr(), v.data_ptr() == v_rows.data_ptr()))
+        return super().self_attention(layer, q, k, v)
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(), TempCacheConfig(max_cache_frames=4, sink_frames=1)],
+                         ids=["unbounded", "tempcache"])
+def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(model, cache, twins):
+    """The model computes k and v straight into the cache's rows of the open chunk (no copy per
+    forward): latents and every cached K/V equal those of K/V copied in by ``extend``. Guided
+    (two batches) the v rows are not one block, and v alone is copied."""
+    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    ann = AnnConfig(dense_steps_fraction=0.0)
+    for guide, want in (({}, (True, True)), ({"negative_context": neg, "cfg": 2.0}, (True, False))):
+        kw = dict(frames=8, height=H, width=W, chunk_frames=2, cache=cache, seed=4, ann=ann, **guide)
+        direct, copied = Rollout(model, ctx, **kw), Rollout(model, ctx, **kw)
+        direct.attention, copied.attention = WhereKV(direct.cache, ann), CopiedKV(copied.cache, ann=ann)
+        assert torch.equal(direct.run(), copied.run())
+        assert torch.equal(direct.cache.k, copied.cache.k) and torch.equal(direct.cache.v, copied.cache.v)
+        assert set(direct.attention.in_place) == {want}
+
+
 def test_a_rollout_makes_the_text_projections_once(model, monkeypatch):
     """The text conditions every forward of a rollout: its cross-attention K/V are made in the
     first and kept (rollouts equal full-sequence forwards, which make their own: above)."""

@@ -122,20 +122,28 @@ class WanAttention(nn.Module):
     def heads(self, x):
         return x.unflatten(-1, (self.num_heads, self.head_dim))
 
-    def _norm_rope(self, norm, x, freqs):
+    def _norm_rope(self, norm, x, freqs, out=None):
         weight = norm.weight if isinstance(norm, RMSNorm) else None
-        return qk_norm_rope_auto(x, weight, freqs, self.num_heads, norm.eps if weight is not None else 0.0)
+        return qk_norm_rope_auto(x, weight, freqs, self.num_heads, norm.eps if weight is not None else 0.0, out=out)
 
-    def _qkv(self, x, freqs):
-        return (self._norm_rope(self.norm_q, self.q(x), freqs), self._norm_rope(self.norm_k, self.k(x), freqs),
-                self.heads(self.v(x)))
+    def _qkv(self, x, freqs, attention, layer):
+        """q, k, v [B, L, H, D]; k and v computed straight into the KV cache's rows of the open chunk
+        (``FastARAttention.kv_rows``) where their layout allows: no copy per forward into the cache."""
+        rows = attention.kv_rows(layer)
+        k_rows, v_rows = rows if rows is not None and rows[0].dtype == x.dtype else (None, None)
+        q = self._norm_rope(self.norm_q, self.q(x), freqs)
+        k = self._norm_rope(self.norm_k, self.k(x), freqs, out=k_rows)
+        if v_rows is None or not v_rows.is_contiguous() or self.v.bias is None:  # several batches: copied
+            return q, k, self.heads(self.v(x))
+        torch.addmm(self.v.bias, x.reshape(-1, x.shape[-1]), self.v.weight.t(), out=v_rows.view(-1, x.shape[-1]))
+        return q, k, v_rows
 
     def self_attention(self, x, freqs, attention, layer):
-        return self.o(attention.self_attention(layer, *self._qkv(x, freqs)).flatten(2))
+        return self.o(attention.self_attention(layer, *self._qkv(x, freqs, attention, layer)).flatten(2))
 
     def fill_cache(self, x, freqs, attention, layer):
         """The K/V (and q, which the cache's writes read) into the cache; no attention output."""
-        attention.fill_cache(layer, *self._qkv(x, freqs))
+        attention.fill_cache(layer, *self._qkv(x, freqs, attention, layer))
 
     def text_kv(self, context):
         """The cross-attention's K/V [B, L, H, D] of the embedded text ``context``."""
