@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from comfyui_fastar.fastar import AnnConfig, CacheConfig, Rollout, TempCacheConfig
+from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import build_model
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -53,3 +53,25 @@ def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs):
     for a, b in ((side.cache.k, inline.cache.k), (side.cache.v, inline.cache.v),
                  (side.cache.tempcache.count, inline.cache.tempcache.count)):
         torch.testing.assert_close(a[:, :, :-1], b[:, :, :-1], rtol=1e-5, atol=1e-5)  # all but the dump row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
+def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(cuda_graphs, dtype):
+    """On the GPU path (the q-k prologue kernel writing k into the cache's rows, addmm v): the
+    rollout and its cache match those of K/V made in fresh tensors and copied in by ``extend``."""
+    model = build_model("tiny", device="cuda", dtype=dtype, seed=0)
+    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+    settings = dict(frames=27, height=64, width=96, chunk_frames=3, cuda_graphs=cuda_graphs,
+                    cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig())
+    direct, copied = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
+    in_place = []
+    real = FastARAttention.kv_rows
+    direct.attention.kv_rows = lambda layer: in_place.append(layer) or real(direct.attention, layer)
+    copied.attention.kv_rows = lambda layer: None
+    got, want = direct.run(), copied.run()
+    assert in_place and (direct.graph_replays >= 5) == cuda_graphs
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for a, b in ((direct.cache.k, copied.cache.k), (direct.cache.v, copied.cache.v)):
+        torch.testing.assert_close(a[:, :, :-1].float(), b[:, :, :-1].float(), rtol=tol, atol=tol)  # not the dump row
