@@ -201,7 +201,7 @@ class KVCache:
         if self._scratch is None:
             raise FastARError("the open chunk's K/V rows (KVCache.extend, .scratch) need an open chunk: "
                               "call begin_chunk first")
-        span = self._tokens(*self._scratch)
+        span = self.chunk_rows()
         return self.k[layer, :, span], self.v[layer, :, span]
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -317,8 +317,8 @@ class KVCache:
         unmerged keys, so attention may skip the bias there."""
         if self.tempcache is None:
             return 0, self.chunk_rows().start
-        lo = self.chunk_rows().stop if self.frames_held >= self.sink_frames else 0
-        return lo, self._history_rows().stop
+        fixed = self.fixed_rows()  # the committed sink and the open chunk, before the window
+        return (fixed.stop if fixed is not None else 0), self._history_rows().stop
 
     def fixed_rows(self) -> slice | None:
         """The rows every query reads dense and without a bias (the sink and the open chunk) when
