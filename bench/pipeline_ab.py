@@ -11,7 +11,11 @@ alignment) by torch.gather instead of their kernel, NAME/nolastwave, the block-s
 whole instead of split, NAME/remaketext, the text's cross-attention K/V made in every forward instead of once a
 rollout, NAME/noprior, the sink and the open chunk read by the block-sparse kernel with the history instead of
 by cuDNN beside it, NAME/serialprior, that cuDNN call in line instead of on a side stream beside AnnSA's plan, and
-NAME/copiedkv, the model's K/V made in fresh tensors and copied into the cache instead of computed in its rows);
+NAME/copiedkv, the model's K/V made in fresh tensors and copied into the cache instead of computed in its rows;
+and bounds, not exact: NAME/freesparse, AnnSA's calls reading the sink and the open chunk on cuDNN and no
+history (no plan; the writes run as always), NAME/freefirst, the first step's dense calls likewise, and
+NAME/cudnnfirst, the first step's dense calls on cuDNN without TempCache's log m bias; variants join with +,
+e.g. fastar/freesparse+freefirst, the history read at no cost);
 14 chunks each at the TempCache
 budget (reached after 8), median latency of the last 5 chunks and AnnSA's density in the last. Writes
 pipeline_ab.json.
@@ -70,6 +74,18 @@ def torch_gather():
         yield
 
 
+def fixed_only(self, layer, q, keys, values, bias, plan=None):
+    """AnnSA's call reading the cache's fixed span (the sink, the open chunk) alone, on cuDNN: no plan, no history."""
+    fixed = self.cache.fixed_rows() or slice(None)  # before the sink is committed: every key
+    return E.fastar.attend(q, keys[:, fixed], values[:, fixed])
+
+
+def unbiased_only(q, k, v, bias, window):
+    """The first step's dense call reading the keys before the biased history alone."""
+    lo = window[0] or k.shape[1]
+    return E.fastar.attend(q, k[:, :lo], v[:, :lo])
+
+
 # NAME/variant -> the context it runs in; fullbias: the bias window spanning every key, so AnnSA's kernel reads the
 # bias on every range
 VARIANTS = {"eager": contextlib.nullcontext,
@@ -84,15 +100,24 @@ VARIANTS = {"eager": contextlib.nullcontext,
             "remaketext": lambda: E.patched(E.fastar.FastARAttention, "cross_kv", lambda self, context, make: make(context)),
             "noprior": no_prior,
             "serialprior": lambda: E.patched(E.fastar.ann.AnnSA, "overlap_prior", False),
-            "copiedkv": lambda: E.patched(E.fastar.FastARAttention, "kv_rows", lambda self, layer: None)}
+            "copiedkv": lambda: E.patched(E.fastar.FastARAttention, "kv_rows", lambda self, layer: None),
+            "freesparse": lambda: E.patched(E.fastar.ann.AnnSA, "attention", fixed_only),
+            "freefirst": lambda: E.patched(E.fastar.attention, "attend_biased", unbiased_only),
+            "cudnnfirst": lambda: E.patched(E.fastar.attention, "attend_biased",
+                                            lambda q, k, v, bias, window: E.fastar.attend(q, k, v))}
 
 
 out = {}
 for name in names:
     base, _, variant = name.partition("/")
-    setting, kb = RUNS[base if variant in VARIANTS else name]
-    with E.key_block(kb) if kb else contextlib.nullcontext(), \
-            VARIANTS[variant]() if variant in VARIANTS else contextlib.nullcontext():
+    parts = variant.split("+") if variant else []
+    known = bool(parts) and all(p in VARIANTS for p in parts)  # else the whole name is a RUNS entry
+    setting, kb = RUNS[base if known else name]
+    with contextlib.ExitStack() as stack:
+        if kb:
+            stack.enter_context(E.key_block(kb))
+        for part in parts if known else []:
+            stack.enter_context(VARIANTS[part]())
         rows = E.real_rollout(model, ctx, chunks, hw, setting, log_every=100, cuda_graphs=not name.endswith("/eager"))
     key = name if name not in out else f"{name}#{sum(k.split('#')[0] == name for k in out) + 1}"  # A B A B: keep both
     out[key] = E.steady_state(rows)

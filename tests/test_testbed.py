@@ -131,6 +131,17 @@ def test_pipeline_ab_smoke(tmp_path):
     assert all(0 < r["density"] < 1 for k, r in rows.items() if k not in plain)
 
 
+def test_pipeline_ab_bounds_smoke(tmp_path):
+    """Variants join with +; the free-history bound plans nothing (AnnSA's density stays at its 1.0)."""
+    only = "fastar,fastar/freesparse+freefirst,fastar/cudnnfirst"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "pipeline_ab.py"), "--smoke", "--only", only,
+                           "--out", str(tmp_path)], env=TWINS, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "pipeline_ab.json").read_text())
+    assert list(rows) == only.split(",")
+    assert rows["fastar/freesparse+freefirst"]["density"] == 1.0
+    assert 0 < rows["fastar"]["density"] < 1 and 0 < rows["fastar/cudnnfirst"]["density"] < 1
+
 def test_real_prompt_context():
     from safetensors import safe_open
 
