@@ -1,7 +1,8 @@
 """``fastar``: run a long autoregressive rollout and report latency and cache size per chunk.
 
-With no arguments it runs an embedded default: a tiny random Wan model on the CPU, or the
-Wan 2.1 1.3B shapes (480x832, bf16, random weights) when a GPU is present.
+With no arguments it runs an embedded default, all of FAST-AR (TempCache + AnnSA) on a tiny
+random Wan model on the CPU, or on the Wan 2.1 1.3B shapes (480x832, bf16, random weights) when
+a GPU is present.
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def parse_args(argv):
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
-    p.add_argument("--ann", choices=("none",) + ANN_METHODS, default="none",
-                   help="AnnSA sparse attention with the default AnnConfig of that method (AnnCA off; experimental; "
-                        "needs --cache tempcache or unbounded; default none: dense)")
+    p.add_argument("--ann", choices=("none",) + ANN_METHODS,
+                   help="AnnSA sparse attention with the default AnnConfig of that method (AnnCA off; needs --cache "
+                        "tempcache or unbounded); default quant with tempcache (all of FAST-AR), none with the "
+                        "unbounded and window baselines")
     p.add_argument("--keep-mass", type=float, help="--ann quant: each query block reads history blocks until they, the "
                    "sink and its own chunk hold this share of its estimated attention mass; 0: --keep-fraction "
                    f"alone (default {AnnConfig.keep_mass})")
@@ -116,6 +118,8 @@ def run(args) -> list[dict]:
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
+    if args.ann is None:  # the default cache runs all of FAST-AR; the baselines stay dense
+        args.ann = "quant" if args.cache == "tempcache" else "none"
     keep = {k: v for k, v in (("keep_mass", args.keep_mass), ("keep_fraction", args.keep_fraction)) if v is not None}
     if keep and args.ann != "quant":
         raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's quant plan: add --ann quant")
@@ -146,14 +150,15 @@ def run(args) -> list[dict]:
     with torch.inference_mode():
         latents = engine.run(on_chunk)
     bar.close()
-    plot_rollout({args.cache: rows}, args.plot,
+    plot_rollout({args.cache + (f" + AnnSA {args.ann}" if ann is not None else ""): rows}, args.plot,
                  f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
                  f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     print(f"fastar: plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "model": label, "frames": frames, "height": height, "width": width,
-                       "chunk_frames": args.chunk_frames, "cache": args.cache, "chunks": rows}, f, indent=1)
+                       "chunk_frames": args.chunk_frames, "cache": args.cache, "ann": args.ann, "chunks": rows}, f,
+                      indent=1)
     if args.save_latents:
         from safetensors.torch import save_file
         save_file({"latent": latents.cpu().contiguous()}, args.save_latents)

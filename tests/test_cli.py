@@ -83,6 +83,23 @@ def _engine_kwargs(monkeypatch, key):
     return seen
 
 
+def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys, monkeypatch):
+    """No --ann: AnnSA quant on the default TempCache cache; the unbounded and window baselines dense."""
+    from comfyui_fastar.fastar import AnnConfig
+
+    seen = _engine_kwargs(monkeypatch, "ann")
+    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    table = tmp_path / "t.json"
+    assert main(args + ["--json", str(table)]) == 0
+    assert seen[-1] == AnnConfig(method="quant") and json.loads(table.read_text())["ann"] == "quant"
+    assert "quant sparse attention" in capsys.readouterr().out
+    for cache in ("unbounded", "window"):
+        assert main(args + ["--cache", cache]) == 0
+        assert seen[-1] is None
+    assert main(args + ["--ann", "none"]) == 0 and seen[-1] is None
+    assert main(args + ["--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9  # the default cache's quant plan
+
+
 def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
     seen = _engine_kwargs(monkeypatch, "ann")
     args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--cache", "unbounded"]
