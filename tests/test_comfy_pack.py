@@ -39,3 +39,22 @@ def test_example_workflows_are_wired():
     modes = {p.stem: {n["type"]: n["mode"] for n in json.loads(p.read_text())["nodes"]} for p in paths}
     assert modes["fastar_long_t2v_wan21_dense_baseline"]["FastARPatchModel"] == 4  # bypassed
     assert modes["fastar_long_t2v_wan21_self_forcing"]["FastARPatchModel"] == 0
+
+
+def test_fastar_workflow_runs_all_of_fastar_at_the_defaults():
+    """The FAST-AR template feeds TempCache and ANN Sparsity, at the library's defaults, into the patch."""
+    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
+
+    wf = json.loads((REPO / "example_workflows" / "fastar_long_t2v_wan21_self_forcing.json").read_text())
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    patch = next(n for n in nodes.values() if n["type"] == "FastARPatchModel")
+    feeds = {i["name"]: nodes[next(l[1] for l in wf["links"] if l[0] == i["link"])]["type"]
+             for i in patch["inputs"] if i["link"] is not None}
+    assert feeds == {"model": "UNETLoader", "tempcache": "FastARTempCacheSettings", "ann": "FastARAnnSparsity"}
+    a, t = AnnConfig(), TempCacheConfig()
+    by_type = {n["type"]: n["widgets_values"] for n in nodes.values()}
+    assert by_type["FastARAnnSparsity"] == [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
+                                            ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction,
+                                            a.keep_mass, a.min_tokens, a.seed]
+    assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames,
+                                                  t.matching, t.grouping]
