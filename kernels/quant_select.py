@@ -27,7 +27,8 @@ block whose sink and own chunk hold most of its mass reads few history blocks, a
 many, so every query block keeps about the same recall (bench/NOTES.md).
 
 Output: ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and ``counts [B, H, nqb]`` (int32), the plan
-format of ``kernels/block_sparse_attention.py``.
+format of ``kernels/block_sparse_attention.py``; with ``reads`` (int32 [B, H, nqb]) also each query block's keys
+read, its ranges' lengths summed (``range_reads``): AnnSA's density telemetry, at no extra launch.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "runs_to_ranges", "slots"]
+__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "range_reads", "runs_to_ranges", "slots"]
 
 
 def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sink: int, chunk_start: int,
@@ -60,6 +61,18 @@ def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sin
     ranges[..., 0, 1] = sink
     ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
     return ranges[..., :slots, :], (2 + first.sum(-1)).to(torch.int32)
+
+
+def range_reads(ranges: Tensor, counts: Tensor) -> Tensor:
+    """Keys each query block of a plan reads: its first ``counts`` ranges' lengths summed (int32 [B, H, nqb])."""
+    used = torch.arange(ranges.shape[-2], device=ranges.device) < counts[..., None]
+    return ((ranges[..., 1] - ranges[..., 0]).clamp_min(0) * used).sum(-1, dtype=torch.int32)
+
+
+def _check_reads(reads, shape):
+    if reads is not None and (tuple(reads.shape) != shape or reads.dtype != torch.int32 or not reads.is_contiguous()):
+        raise ValueError(f"reads must be a contiguous int32 {list(shape)}, got {reads.dtype} {tuple(reads.shape)}"
+                         f"{'' if reads.is_contiguous() else ' (strided)'}")
 
 
 def slots(top: int, nkb: int, mass: float | None) -> int:
@@ -90,9 +103,10 @@ def _check(score, held, top, key_block, mass=None, fixed=None):
 
 def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int,
                        sink: int, chunk_start: int, chunk_stop: int, mass: float | None = None,
-                       fixed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       fixed: Tensor | None = None, reads: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Reference twin: (ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2], counts [B, H, nqb]), int32."""
     b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)
+    _check_reads(reads, (b, h, nqb))
     ranked, order = torch.sort(score + 0.0, dim=-1, descending=True, stable=True)  # + 0.0: -0.0 == 0.0
     run = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order[..., :top], True) & held[:, :, None]
     if mass is not None:
@@ -109,8 +123,11 @@ def quant_select_torch(score: Tensor, held: Tensor, top: int, *, key_block: int,
         run = torch.where(use, held_row & (score + 0.0 >= t_mass), run)
     start = rows_start + torch.arange(nkb, device=score.device, dtype=torch.int32) * key_block
     end = torch.clamp(start + key_block, max=rows_stop)
-    return runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + slots(top, nkb, mass), sink=sink,
-                          chunk_start=chunk_start, chunk_stop=chunk_stop)
+    ranges, counts = runs_to_ranges(run, start.expand_as(score), end.expand_as(score), 2 + slots(top, nkb, mass),
+                                    sink=sink, chunk_start=chunk_start, chunk_stop=chunk_stop)
+    if reads is not None:
+        reads.copy_(range_reads(ranges, counts))
+    return ranges, counts
 
 
 if HAS_TRITON:
@@ -123,9 +140,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["H", "NQB", "NKB", "TOP", "key_block", "rows_start", "rows_stop", "sink",
                                    "chunk_start", "chunk_stop", "mass", "SLOTS"])
-    def _quant_select_kernel(s_ptr, held_ptr, f_ptr, r_ptr, c_ptr, H, NQB, NKB, TOP, key_block, rows_start, rows_stop,
-                             sink, chunk_start, chunk_stop, mass, SLOTS, CHUNK: tl.constexpr, WHOLE_ROW: tl.constexpr,
-                             MASS: tl.constexpr):
+    def _quant_select_kernel(s_ptr, held_ptr, f_ptr, r_ptr, c_ptr, rd_ptr, H, NQB, NKB, TOP, key_block, rows_start,
+                             rows_stop, sink, chunk_start, chunk_stop, mass, SLOTS, CHUNK: tl.constexpr,
+                             WHOLE_ROW: tl.constexpr, MASS: tl.constexpr, READS: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         row = pid_bh.to(tl.int64) * NQB + pid_m
         s_row = s_ptr + row * NKB
@@ -200,6 +217,7 @@ if HAS_TRITON:
         r_row = r_ptr + row * (2 + SLOTS) * 2
         eq_before = tl.zeros([], dtype=tl.int32)  # ties at t in earlier chunks
         runs = tl.zeros([], dtype=tl.int32)       # runs started in earlier chunks
+        n_read = tl.zeros([], dtype=tl.int32)     # history keys in the runs
         for j0 in range(0, NKB, CHUNK):
             j = j0 + offs
             ok = j < NKB
@@ -227,16 +245,20 @@ if HAS_TRITON:
             tl.store(r_row + slot * 2 + 1, tl.minimum(start + key_block, rows_stop), mask=last)
             runs += tl.sum(first.to(tl.int32), 0)
             eq_before += tl.sum(eq, 0)
+            if READS:
+                n_read += tl.sum(tl.where(run, tl.minimum(start + key_block, rows_stop) - start, 0), 0)
         tl.store(r_row, 0)
         tl.store(r_row + 1, sink)
         tl.store(r_row + 2, chunk_start)
         tl.store(r_row + 3, chunk_stop)
         tl.store(c_ptr + row, 2 + runs)
+        if READS:
+            tl.store(rd_ptr + row, n_read + sink + chunk_stop - chunk_start)
 
 
 def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int, sink: int,
                  chunk_start: int, chunk_stop: int, mass: float | None = None, fixed: Tensor | None = None,
-                 chunk: int | None = None) -> tuple[Tensor, Tensor]:
+                 reads: Tensor | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """Triton kernel with the twin's contract; one program per query block. ``chunk``: key blocks
     held in registers at a time (a power of two; any row length works). By default a row of up
     to 4096 key blocks (240 cached frames of 128-key blocks) is held whole, so the selection's
@@ -244,6 +266,7 @@ def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_
     if not HAS_TRITON:
         raise RuntimeError("quant_select needs triton, which is not importable")
     b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)
+    _check_reads(reads, (b, h, nqb))
     check_triton_runs_on(score)
     ranges = torch.zeros(b, h, nqb, 2 + slots(top, nkb, mass), 2, dtype=torch.int32, device=score.device)
     counts = torch.empty(b, h, nqb, dtype=torch.int32, device=score.device)
@@ -251,10 +274,11 @@ def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_
         chunk = max(16, triton.next_power_of_2(nkb)) if nkb <= 4096 else 1024
     if counts.numel():
         f = fixed.contiguous() if mass is not None else counts  # not read without MASS
-        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().view(torch.int8), f, ranges, counts, h,
-                                           nqb, nkb, top, key_block, rows_start, rows_stop, sink, chunk_start,
-                                           chunk_stop, float(mass or 0.0), slots(top, nkb, mass), CHUNK=chunk,
-                                           WHOLE_ROW=nkb <= chunk, MASS=mass is not None, num_warps=4)
+        _quant_select_kernel[(nqb, b * h)](score.contiguous(), held.contiguous().view(torch.int8), f, ranges, counts,
+                                           reads if reads is not None else counts, h, nqb, nkb, top, key_block,
+                                           rows_start, rows_stop, sink, chunk_start, chunk_stop, float(mass or 0.0),
+                                           slots(top, nkb, mass), CHUNK=chunk, WHOLE_ROW=nkb <= chunk,
+                                           MASS=mass is not None, READS=reads is not None, num_warps=4)
     return ranges, counts
 
 

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
-from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, slots  # noqa: E402
+from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, range_reads, slots  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
 NEG_INF = float("-inf")
@@ -86,6 +86,23 @@ def _fixed(nkb, key_block=64):
                 chunk_start=rows_start + nkb * key_block, chunk_stop=rows_start + nkb * key_block + 40)
 
 
+def test_range_reads_and_the_twins_reads():
+    """Keys read are the used ranges' lengths summed; the twin writes them into ``reads`` when given one."""
+    ranges = torch.tensor([[[[[0, 7], [20, 60], [100, 164], [5, 9]], [[0, 0], [20, 60], [9, 3], [0, 0]]]]],
+                          dtype=torch.int32)
+    assert range_reads(ranges, torch.tensor([[[3, 3]]], dtype=torch.int32)).tolist() == [[[111, 40]]]
+    gen = torch.Generator().manual_seed(5)
+    score, held = _case(gen, 1, 2, 3, 21, False)
+    kw = _fixed(21)
+    reads = torch.zeros(1, 2, 3, dtype=torch.int32)
+    ranges, counts = quant_select_torch(score, held, 6, reads=reads, **kw)
+    want = _brute(score, held, 6, **kw)
+    assert torch.equal(reads, range_reads(*want))
+    for bad in (torch.zeros(1, 2, 4, dtype=torch.int32), torch.zeros(1, 2, 3), torch.zeros(1, 3, 2, dtype=torch.int32).mT):
+        with pytest.raises(ValueError, match="reads"):
+            quant_select_torch(score, held, 6, reads=bad, **kw)
+
+
 @pytest.mark.parametrize("ties", [True, False])
 def test_twin_matches_brute_force(ties):
     gen = torch.Generator().manual_seed(1 + ties)
@@ -111,9 +128,11 @@ def test_kernel_equals_twin_on_random_rows(ties):
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, **kw)
         for chunk in (16, None):
-            got = quant_select(score, held, top, chunk=chunk, **kw)
+            reads = torch.full(want[1].shape, -1, dtype=torch.int32)
+            got = quant_select(score, held, top, chunk=chunk, reads=reads, **kw)
             assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
             assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
+            assert torch.equal(reads, range_reads(*want)), (case, nkb, top, chunk)
 
 
 def _mass_case(gen, b, h, nqb, nkb, ties):
@@ -161,9 +180,11 @@ def test_mass_kernel_equals_twin_on_random_rows(ties):
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, mass=mass, fixed=fixed, **kw)
         for chunk in (16, None):
-            got = quant_select(score, held, top, mass=mass, fixed=fixed, chunk=chunk, **kw)
+            reads = torch.full(want[1].shape, -1, dtype=torch.int32)
+            got = quant_select(score, held, top, mass=mass, fixed=fixed, chunk=chunk, reads=reads, **kw)
             assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
             assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
+            assert torch.equal(reads, range_reads(*want)), (case, nkb, top, chunk)
 
 
 @needs_triton
