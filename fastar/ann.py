@@ -81,7 +81,7 @@ from ..kernels import triton_runs_on
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
-from ..kernels.quant_select import quant_select_auto, runs_to_ranges
+from ..kernels.quant_select import quant_select_auto, range_reads, runs_to_ranges
 from .attention import attend_lse, side_stream
 from .errors import FastARError
 
@@ -255,7 +255,6 @@ class AnnSA:
     """Bucket-sorted history of a KV cache and the per-step block plans over it."""
 
     graphs = True  # CUDA graphs for bucket plans (``_replay``); False runs them eagerly (to compare)
-    record_density = False  # telemetry: keep each layer's plan density in ``density`` (a few small kernels a call)
     # On CUDA the sink and open chunk's cuDNN call runs on a side stream beside the plan's kernels, which are
     # latency-bound and leave most of the GPU idle; False runs it in line (to compare).
     overlap_prior = True
@@ -271,8 +270,10 @@ class AnnSA:
         # history row where each bucket starts, and its end: [L, B, H, nb + 1] (empty before any write)
         self.offsets = torch.full((cache.num_layers, cache.batch, cache.num_heads, nb + 1), start,
                                   dtype=torch.int32, device=cache.device)
-        # keys read / keys of each layer's last plan, while ``record_density`` is on
-        self.density = torch.ones(cache.num_layers, device=cache.device)
+        # telemetry, written by every plan (``density``): keys each query block of the layer's last plan reads
+        # [B, H, nqb], and the keys that plan's call attends
+        self.reads: list = [None] * cache.num_layers
+        self.attended: list = [0] * cache.num_layers
         self.reps: list = [None] * cache.num_layers  # 'quant': each layer's ``_block_means``
         self.fixed: list = [None] * cache.num_layers  # 'quant' top-p: ``_fixed_blocks``
         self._graph = None  # CUDA: (signature, graph, static inputs, outputs) of the plan (``_replay``)
@@ -330,15 +331,36 @@ class AnnSA:
         cfg, cache = self.config, self.cache
         sink, chunk = cache.sink_rows, cache.chunk_rows()
         fixed = dict(sink=sink, chunk_start=chunk.start, chunk_stop=chunk.stop)
+        reads = self._reads(layer, q)
         if cfg.method == "lsh":
             plan = self._replay(("lsh", *fixed.values()), lambda *a: self._lsh_plan(*a, **fixed),
                                 (q, self.lsh.planes[layer], self.offsets[layer]))
+            reads.copy_(range_reads(plan[1], plan[2]))
         else:
             plan = self._quant_plan(q, self.reps[layer], layer, cache.k[layer, :, chunk],
-                                    rows=cache.sorted_rows(clean_pass=False), **fixed)
-        if self.record_density:
-            self.density[layer] = plan_density(plan[1], plan[2], cache.attended_rows())
+                                    rows=cache.sorted_rows(clean_pass=False), reads=reads, **fixed)
+        self.attended[layer] = cache.attended_rows()
         return plan
+
+    def _reads(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The layer's keys-read buffer for plans over q [B, n, H, D], made anew when the query
+        blocks change (a first chunk, a shorter one: op by op, never inside a graph capture), so a
+        replayed chunk's plans write into the buffer ``density`` reads."""
+        shape = (q.shape[0], q.shape[2], -(-q.shape[1] // self.config.block_q))
+        if self.reads[layer] is None or tuple(self.reads[layer].shape) != shape:
+            self.reads[layer] = torch.zeros(shape, dtype=torch.int32, device=q.device)
+        return self.reads[layer]
+
+    @property
+    def density(self) -> torch.Tensor:
+        """Keys read / keys attended by each layer's last plan (1 before its first), [num_layers]:
+        telemetry from the plans' own output, no kernel in the hot path (the quant selection
+        kernel writes each query block's keys read; lsh plans add one reduction)."""
+        out = torch.ones(len(self.reads), device=self.cache.device)
+        for layer, (reads, keys) in enumerate(zip(self.reads, self.attended)):
+            if reads is not None:
+                out[layer] = reads.float().mean() / max(keys, 1)
+        return out
 
     def _replay(self, key, fn, inputs):
         """``fn(*inputs)``; on CUDA captured once per signature as a CUDA graph and replayed.
@@ -388,7 +410,7 @@ class AnnSA:
                                         chunk_start=chunk_start, chunk_stop=chunk_stop))
 
     def _quant_plan(self, q, reps, layer: int, chunk_keys, *, rows: slice, sink: int, chunk_start: int,
-                    chunk_stop: int):
+                    chunk_stop: int, reads: torch.Tensor):
         """The 'quant' plan: each block of ``block_q`` consecutive queries reads its best
         ``keep_fraction`` key blocks and, beyond them, top-p (``keep_mass``); a key block scores
         the best int8 dot product of its mean key with any of the block's queries (a block mixing
@@ -398,17 +420,19 @@ class AnnSA:
         chunk's blocks counted in, averaged over the block. Picked blocks that touch in the
         sorted history fuse into one range (``kernels/quant_select.py``).
         ``reps``: the layer's ``_block_means`` (None before its first write: the plan is the sink
-        and the chunk); ``chunk_keys`` [B, n, H, D]: the open chunk's keys."""
+        and the chunk); ``chunk_keys`` [B, n, H, D]: the open chunk's keys; ``reads`` [B, H, nqb] receives
+        each query block's keys read."""
         cfg, bq = self.config, self.config.block_q
         b, n, h, d = q.shape
         if reps is None:
             none = torch.zeros(b, h, -(-n // bq), 0, dtype=torch.int32, device=q.device)
-            return (None, *runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start,
-                                          chunk_stop=chunk_stop))
+            plan = runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start, chunk_stop=chunk_stop)
+            reads.copy_(range_reads(*plan))
+            return (None, *plan)
         k8, logit_scale, log_mass, held = reps
         top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])
         qt, spans = q.transpose(1, 2), dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=sink,
-                                            chunk_start=chunk_start, chunk_stop=chunk_stop)
+                                            chunk_start=chunk_start, chunk_stop=chunk_stop, reads=reads)
         if not cfg.keep_mass:
             score = quant_block_scores_auto(qt, k8, logit_scale, log_mass, bq)
             return (None, *quant_select_auto(score, held, top, **spans))
@@ -543,9 +567,7 @@ class AnnCA:
 
 def plan_density(ranges: torch.Tensor, counts: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Mean fraction of the ``num_keys`` keys a query block reads (device scalar; telemetry)."""
-    used = torch.arange(ranges.shape[-2], device=ranges.device) < counts[..., None]
-    length = (ranges[..., 1] - ranges[..., 0]).clamp_min(0) * used
-    return length.sum(-1).float().mean() / max(num_keys, 1)
+    return range_reads(ranges, counts).float().mean() / max(num_keys, 1)
 
 
 def build_ann(config: AnnConfig, cache) -> tuple[AnnSA | None, AnnCA | None]:

@@ -209,8 +209,7 @@ class FastARAttention:
         ann = None
         if self.ann is not None:
             reps = tuple(r is None for r in self.annsa.reps) if self.annsa is not None else None
-            ann = (tuple(sorted(self.dense_layers)), tuple(sorted(self.recall)), reps,
-                   self.annsa is not None and self.annsa.record_density)
+            ann = (tuple(sorted(self.dense_layers)), tuple(sorted(self.recall)), reps)
         return self.cache.graph_key(), ann
 
     def _sparse(self, layer: int) -> bool:
