@@ -92,10 +92,14 @@ def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys,
     table = tmp_path / "t.json"
     assert main(args + ["--json", str(table)]) == 0
     assert seen[-1] == AnnConfig(method="quant") and json.loads(table.read_text())["ann"] == "quant"
-    assert "quant sparse attention" in capsys.readouterr().out
+    rows = json.loads(table.read_text())["chunks"]
+    assert all(0 < r["annsa_density"] <= 1 for r in rows) and rows[-1]["annsa_density"] < 1  # sparse at the end
+    out = capsys.readouterr().out
+    assert "quant sparse attention" in out and "AnnSA reads" in out
     for cache in ("unbounded", "window"):
         assert main(args + ["--cache", cache]) == 0
         assert seen[-1] is None
+    assert "AnnSA reads" not in capsys.readouterr().out
     assert main(args + ["--ann", "none"]) == 0 and seen[-1] is None
     assert main(args + ["--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9  # the default cache's quant plan
 
