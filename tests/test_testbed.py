@@ -143,6 +143,7 @@ def test_pipeline_ab_bounds_smoke(tmp_path):
     assert rows["fastar/freesparse+freefirst"]["density"] == 1.0
     assert 0 < rows["fastar"]["density"] < 1 and 0 < rows["fastar/cudnnfirst"]["density"] < 1
 
+
 def test_real_prompt_context():
     from safetensors import safe_open
 
