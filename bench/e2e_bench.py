@@ -111,14 +111,12 @@ def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=Tru
     rows = []
     run = make_run(model, context, chunks * CHUNK, hw, name, cuda_graphs=cuda_graphs)
 
-    annsa = run.attention.annsa
-
     def on_chunk(r):
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
                      "held_gb": held_gb(device),
                      "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
-        if annsa is not None and r.chunk + 1 == r.num_chunks:  # keys read / keys of each layer's clean-pass plan
-            rows[-1]["annsa_density"] = annsa.density.mean().item()
+        if r.annsa_density is not None and r.chunk + 1 == r.num_chunks:  # the clean pass's plans, every layer
+            rows[-1]["annsa_density"] = r.annsa_density
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if r.chunk % log_every == 0 or r.chunk + 1 == r.num_chunks:

@@ -137,20 +137,18 @@ def run(args) -> list[dict]:
     rows = []
     bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
 
-    annsa = engine.attention.annsa
-
     def on_chunk(r):
         rows.append({"chunk": r.chunk, "frames": r.frames_done, "latency_ms": 1e3 * r.latency_s,
                      "cache_tokens": r.cache.tokens_held, "cache_gb": r.cache.held_gb,
                      "allocated_gb": r.cache.gb, "dense_gb": r.cache.dense_gb, "merged": r.cache.merged,
                      "evicted": r.cache.evicted})
-        if annsa is not None:  # keys the clean pass's plans read / keys they could: AnnSA's density
-            rows[-1]["annsa_density"] = annsa.density.mean().item()
+        if r.annsa_density is not None:
+            rows[-1]["annsa_density"] = r.annsa_density
         bar.update(r.latent.shape[2])
         tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
                    f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
                    f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)"
-                   + (f" | AnnSA reads {rows[-1]['annsa_density']:4.0%}" if annsa is not None else ""))
+                   + (f" | AnnSA reads {r.annsa_density:4.0%}" if r.annsa_density is not None else ""))
 
     with torch.inference_mode():
         latents = engine.run(on_chunk)

@@ -59,6 +59,7 @@ class ChunkReport:
     latency_s: float
     cache: CacheStats
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
+    annsa_density: float | None = None  # keys AnnSA's clean-pass plans read / keys they attend (None: no AnnSA)
 
 
 def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,8 +213,11 @@ class Rollout:
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
-                                     time.perf_counter() - tic, self.cache.stats(), x0))
+                latency = time.perf_counter() - tic
+                annsa = self.attention.annsa
+                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames, latency,
+                                     self.cache.stats(), x0,
+                                     None if annsa is None else annsa.density.mean().item()))
         return out
 
 

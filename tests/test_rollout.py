@@ -125,6 +125,18 @@ def test_window_memory_stops_growing(model):
     assert [s.dense_tokens for s in seen] == [TPF * n for n in range(1, 11)]
 
 
+def test_chunk_reports_carry_annsa_density(model, twins):
+    """With AnnSA each report carries the share of the keys its clean-pass plans read; without, None."""
+    ctx = torch.randn(1, 5, model.text_dim)
+    settings = dict(frames=6, height=H, width=W, chunk_frames=1, cache=TempCacheConfig(max_cache_frames=4, sink_frames=1))
+    sparse, dense = [], []
+    rollout(model, ctx, ann=AnnConfig(keep_fraction=0.1, keep_mass=0.0, block_q=64), **settings,
+            on_chunk=lambda r: sparse.append(r.annsa_density))
+    rollout(model, ctx, **settings, on_chunk=lambda r: dense.append(r.annsa_density))
+    assert dense == [None] * 6
+    assert all(0 < d <= 1 for d in sparse) and min(sparse) < 1
+
+
 def test_window_keeps_older_frames_out(model):
     """A bounded rollout differs from the unbounded one once frames leave the window."""
     ctx = torch.randn(1, 5, model.text_dim)
