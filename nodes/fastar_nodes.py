@@ -291,6 +291,7 @@ class CacheEvents:
             "gb": s.gb, "held_gb": s.held_gb, "dense_gb": s.dense_gb,
             "relative": (s.tokens_held / s.dense_tokens) if s.dense_tokens else 1.0,
             "latency_s": r.latency_s, "chunks_per_s": (r.chunk + 1) / elapsed,
+            "annsa_density": r.annsa_density,  # None without AnnSA
         }
         self._send(self.last)
 

@@ -141,7 +141,7 @@ def server(tmp_path_factory):
         log.close()
 
 
-def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, seed=3):
+def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=False, seed=3):
     graph = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "fastar_tiny.safetensors", "weight_dtype": "default"}},
         "2": {"class_type": "FastARTestConditioning", "inputs": {"seed": 1, "tokens": 16, "width": 4096}},
@@ -157,6 +157,12 @@ def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, seed=3)
             "enabled": True, "merge_threshold": 0.5, "max_cache_frames": 4, "sink_frames": 1,
             "matching": "key", "grouping": "head"}}
         graph["3"]["inputs"]["tempcache"] = ["6", 0]
+    if ann:  # ANN Sparsity at its defaults
+        graph["7"] = {"class_type": "FastARAnnSparsity", "inputs": {
+            "method": "quant", "bits": 8, "probes": 2, "block_q": "64", "dense_steps_fraction": 0.3,
+            "dense_layers": "", "annsa": True, "annca": False, "keep_fraction": 0.2, "keep_mass": 0.95,
+            "min_tokens": 64, "seed": 0}}
+        graph["3"]["inputs"]["ann"] = ["7", 0]
     return graph
 
 
@@ -226,6 +232,7 @@ def test_prompt_runs_and_streams_cache_events(server):
     assert [c["chunk"] for c in running] == [1, 2, 3]
     assert [c["frames_done"] for c in running] == [1, 2, 3] and running[-1]["total_frames"] == 3
     assert all(isinstance(c["gb"], float) and isinstance(c["tokens"], int) for c in running)
+    assert all(c["annsa_density"] is None for c in running)  # no AnnSA in this graph
     assert cache[-1]["status"] == "done" and cache[0]["node"] == "4"
     progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "4"]
     assert progress and progress[-1]["value"] == progress[-1]["max"] == 3
@@ -238,6 +245,15 @@ def test_prompt_runs_and_streams_cache_events(server):
 def test_tempcache_prompt_runs(server):
     prompt_id, events = asyncio.run(_run(server["url"], server["port"], _graph(length=21, chunk="3", tempcache=True)))
     assert _latent_of(server, prompt_id).shape == (1, 16, 6, 4, 4)
+
+
+def test_all_of_fastar_prompt_runs_and_reports_annsa_density(server):
+    graph = _graph(length=21, chunk="3", tempcache=True, ann=True)
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], graph))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 6, 4, 4)
+    running = [e["data"] for e in events if e["type"] == "fastar.cache" and e["data"]["status"] == "running"
+               and e["data"].get("chunk")]
+    assert len(running) == 2 and all(0 < c["annsa_density"] <= 1 for c in running)
 
 
 def test_invalid_input_gets_a_node_error(server):
@@ -388,7 +404,7 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             if os.environ.get("FASTAR_WIDGET_SCREENSHOT"):  # for the README
                 page.screenshot(path=os.environ["FASTAR_WIDGET_SCREENSHOT"])
             texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
-                     ("tokens", "gb", "relative", "frames", "rate")}
+                     ("tokens", "gb", "relative", "frames", "rate", "annsa")}
             canvas_ink = page.evaluate("""() => {
                 const c = document.querySelector('.fastar-cache canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -401,4 +417,5 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     assert texts["tokens"] == "12"                # (1 sink + 2 window) frames x 4 tokens, formatted here
     assert texts["relative"].startswith("25 %")   # of the 48 tokens a dense cache would hold
     assert texts["rate"].endswith("chunks/s") and texts["gb"] == "49.2 KB (alloc 65.8 KB)"
+    assert texts["annsa"] == "off"                # a window cache without AnnSA
     assert canvas_ink > 0                         # the history graph was drawn

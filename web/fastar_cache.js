@@ -1,7 +1,8 @@
 // FAST-AR cache widget: live KV-cache size on the Autoregressive Long Sampler node.
 //
 // The sampler sends `fastar.cache` events (PromptServer.send_sync) after every chunk with plain
-// numbers: tokens, GB, dense-equivalent size, frames done / total, chunk latency. Everything shown
+// numbers: tokens, GB, dense-equivalent size, frames done / total, chunk latency, AnnSA's density (the
+// share of the cached keys its plans read; null without AnnSA). Everything shown
 // is formatted here from numbers; no string from the server is ever inserted as HTML.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -58,7 +59,7 @@ class CacheView {
     const grid = el("div", "display: grid; grid-template-columns: auto 1fr; column-gap: 8px;");
     this.fields = {};
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
-                                ["frames", "frames"], ["rate", "speed"]]) {
+                                ["frames", "frames"], ["rate", "speed"], ["annsa", "AnnSA reads"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -83,6 +84,8 @@ class CacheView {
     this.fields.relative.textContent = formatPercent(d.relative) + " of " + formatGB(d.dense_gb);
     this.fields.frames.textContent = (Number.isFinite(done) ? done : "–") + " / " + (Number.isFinite(total) ? total : "–");
     this.fields.rate.textContent = formatRate(d.chunks_per_s);
+    // null: the rollout runs without AnnSA; absent: no chunk reported yet
+    this.fields.annsa.textContent = d.annsa_density === null ? "off" : formatPercent(d.annsa_density);
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
       if (num(d.chunk) === 1) this.history = [];
       this.history.push({ held: num(d.held_gb), dense: Number.isFinite(num(d.dense_gb)) ? num(d.dense_gb) : 0 });
@@ -126,7 +129,7 @@ app.registerExtension({
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 140 });
+                                       { serialize: false, getMinHeight: () => 156 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);
