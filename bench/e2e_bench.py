@@ -115,7 +115,7 @@ def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=Tru
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
                      "held_gb": held_gb(device),
                      "cache_gb": r.cache.gb, "tokens_held": r.cache.tokens_held, "source": "rollout"})
-        if r.annsa_density is not None and r.chunk + 1 == r.num_chunks:  # the clean pass's plans, every layer
+        if r.chunk + 1 == r.num_chunks and r.annsa_density is not None:  # the clean pass's plans, every layer
             rows[-1]["annsa_density"] = r.annsa_density
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

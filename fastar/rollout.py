@@ -14,12 +14,13 @@ chunk is ~150 layer forwards whose Python launches otherwise set the pace, not t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Protocol
 
 import torch
 
-from .ann import AnnConfig
+from .ann import AnnConfig, AnnSA
 from .attention import FastARAttention
 from .errors import FastARError
 from .kvcache import CacheConfig, CacheStats, KVCache
@@ -59,7 +60,14 @@ class ChunkReport:
     latency_s: float
     cache: CacheStats
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
-    annsa_density: float | None = None  # keys AnnSA's clean-pass plans read / keys they attend (None: no AnnSA)
+    annsa: AnnSA | None = field(default=None, repr=False)
+
+    @cached_property
+    def annsa_density(self) -> float | None:
+        """Keys AnnSA's plans of this chunk's clean pass read / keys they attend (None: no AnnSA).
+        Read when first asked, inside ``on_chunk`` (the next chunk's plans overwrite what it reads):
+        a report nobody asks costs no host sync."""
+        return None if self.annsa is None else self.annsa.density.mean().item()
 
 
 def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,11 +221,8 @@ class Rollout:
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                latency = time.perf_counter() - tic
-                annsa = self.attention.annsa
-                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames, latency,
-                                     self.cache.stats(), x0,
-                                     None if annsa is None else annsa.density.mean().item()))
+                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
+                                     time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa))
         return out
 
 
