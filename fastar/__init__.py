@@ -7,11 +7,11 @@ from .ann import AnnCA, AnnConfig, AnnSA
 from .attention import FastARAttention, attend, block_causal_mask, frame_visibility
 from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig, CacheStats, KVCache
-from .rollout import ChunkModel, ChunkReport, Rollout, rollout
+from .rollout import ChunkModel, ChunkReport, Rollout, pad_context, rollout
 from .schedule import FlowMatchSchedule
 from .tempcache import TempCache, TempCacheConfig
 
 __all__ = [
     "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport", "FastARAttention", "FastARError",
-    "FlowMatchSchedule", "KVCache", "Rollout", "TempCache", "TempCacheConfig", "attend", "block_causal_mask", "frame_visibility", "rollout",
+    "FlowMatchSchedule", "KVCache", "Rollout", "TempCache", "TempCacheConfig", "attend", "block_causal_mask", "frame_visibility", "pad_context", "rollout",
 ]

@@ -17,13 +17,13 @@ from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig
 from .models import WAN_CONFIGS, build_model, load_wan
 from .plot import plot_rollout
-from .rollout import Rollout
+from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
 from .tempcache import TempCacheConfig
 
 # (model size, pixel height, width, latent frames, dtype) of the embedded defaults
 DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
-TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with
+TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with (a random prompt fills it)
 
 
 def parse_args(argv):
@@ -109,6 +109,7 @@ def run(args) -> list[dict]:
     else:
         g = torch.Generator().manual_seed(args.seed)
         context = torch.randn(1, TEXT_TOKENS, model.text_dim, generator=g).to(device, dtype)
+    context = pad_context(context, model.text_len)
     if args.cache == "tempcache":
         cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames,
                                 sink_frames=args.sink_frames)

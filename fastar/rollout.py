@@ -13,6 +13,7 @@ chunk is ~150 layer forwards whose Python launches otherwise set the pace, not t
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -114,7 +115,7 @@ class Rollout:
                  chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, noise: Callable | None = None):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
         self.guided = cfg != 1.0
         if self.guided:
@@ -125,6 +126,9 @@ class Rollout:
                                   f"context {tuple(context.shape)}")
             context = torch.cat([context, negative_context.to(context)])
         self.model, self.context, self.cfg, self.seed = model, context, cfg, seed
+        # noise(chunk, step, shape, device, out=None): step 0 starts the chunk, step s > 0 re-noises
+        # after step s - 1. Drawn outside any CUDA graph (into its buffers), so any generator works.
+        self.noise = noise or functools.partial(chunk_noise, seed)
         self.frames, self.chunk_frames, self.context_noise = frames, chunk_frames, context_noise
         self.device = context.device
         self.sigmas = (schedule or FlowMatchSchedule()).sigmas()
@@ -172,7 +176,7 @@ class Rollout:
         key = self.attention.graph_key() if self.cuda_graphs and self.attention.graph_safe else None
         repeat, self._last_key = key is not None and key == self._last_key, key
         if not repeat:
-            noise = [chunk_noise(self.seed, c, s, self.chunk_shape, self.device) for s in range(len(self.sigmas))]
+            noise = [self.noise(c, s, self.chunk_shape, self.device) for s in range(len(self.sigmas))]
             return self._denoise(noise, start)
         if self._graph is None or self._graph[0] != key:
             self._graph = None  # free the old graph's memory before capturing
@@ -187,7 +191,7 @@ class Rollout:
             self.attention.step = len(self.sigmas)
         _, graph, noise, offset, x0 = self._graph
         for s, buf in enumerate(noise):
-            chunk_noise(self.seed, c, s, self.chunk_shape, self.device, out=buf)
+            self.noise(c, s, self.chunk_shape, self.device, out=buf)
         offset.fill_(start)
         graph.replay()
         self.graph_replays += 1
@@ -226,6 +230,16 @@ class Rollout:
         return out
 
 
+def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:
+    """The prompt's features padded with zero rows to the model's text length, as Wan pads umT5's
+    output: the model attends those rows too, so an unpadded prompt is a different prompt."""
+    if text_len is None or context.shape[1] == text_len:
+        return context
+    if context.shape[1] > text_len:
+        raise FastARError(f"the prompt has {context.shape[1]} tokens; this model takes at most {text_len}")
+    return torch.nn.functional.pad(context, (0, 0, 0, text_len - context.shape[1]))
+
+
 def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[ChunkReport], None] | None = None,
             **settings) -> torch.Tensor:
     """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
@@ -234,6 +248,10 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     context_noise (0), negative_context, cfg (1: off), ann (an ``AnnConfig``; None: dense) and
     cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it).
     ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
+    ``context`` and ``negative_context`` are padded to the model's ``text_len`` where it has one.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
     """
-    return Rollout(model, context, **settings).run(on_chunk)
+    text_len = getattr(model, "text_len", None)
+    if settings.get("negative_context") is not None:
+        settings["negative_context"] = pad_context(settings["negative_context"], text_len)
+    return Rollout(model, pad_context(context, text_len), **settings).run(on_chunk)

@@ -39,6 +39,12 @@ class FlowMatchSchedule:
             raise FastARError(f"timesteps must be comma-separated numbers, got {text!r}") from None
         return cls(ts, shift, warp)
 
+    @classmethod
+    def from_sigmas(cls, sigmas) -> "FlowMatchSchedule":
+        """The steps of a ComfyUI SIGMAS list (noise levels in (0, 1], the model's own shift already
+        applied), without the final 0 that ends it."""
+        return cls(tuple(1000.0 * float(s) for s in sigmas), shift=1.0, warp=False)
+
     def sigmas(self) -> list[float]:
         """Noise level of each step, sigma in (0, 1]; the model's timestep is 1000*sigma."""
         out = []

@@ -20,8 +20,10 @@ management, latents in and out through the model's latent format.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -43,30 +45,46 @@ STATE_KEY = "fastar_rollout"      # transformer_options key present only inside 
 CALL_KEY = "fastar_forward"       # per-forward attention bookkeeping (set by the wrapper)
 SETTINGS_KEY = "fastar"           # model_options key holding the Patch Model node's settings
 
-_WAN_CLASSES = ("WanModel", "CausalWanModel")
+# The parts every Wan 2.1 T2V DiT ComfyUI builds has, under the names its checkpoints use: the stock
+# ``WanModel`` and core's ``CausalWanModel`` (a plain ``nn.Module`` in one version, a ``WanModel``
+# subclass in a later one) alike. Recognised by these, not by class name.
+_WAN_PARTS = ("patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks", "head")
+_WAN_BLOCK_PARTS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
+                    "cross_attn.v", "cross_attn.o", "ffn", "modulation")
 
 
-# -- model checks -------------------------------------------------------------------------
-def wan_diffusion_model(model):
-    """The stock Wan 2.1 T2V DiT inside a ComfyUI MODEL, or one clear error naming what it is."""
+def _has(module, dotted: str) -> bool:
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+    return True
+
+
+def _is_wan_t2v(dm) -> bool:
+    if dm is None or not all(_has(dm, p) for p in _WAN_PARTS) or len(dm.blocks) == 0:
+        return False
+    if not all(_has(dm.blocks[0], p) for p in _WAN_BLOCK_PARTS):
+        return False
+    # image-to-video, VACE, camera... variants carry more inputs than a text-to-video rollout feeds
+    return getattr(dm, "model_type", "t2v") == "t2v" and getattr(dm, "img_emb", None) is None and \
+        not hasattr(dm, "vace_blocks")
+
+
+def wan_diffusion_model(model, node: str = "FAST-AR Patch Model"):
+    """The Wan 2.1 T2V DiT inside a ComfyUI MODEL, or one clear error naming what it is."""
     base = getattr(model, "model", None)
     dm = getattr(base, "diffusion_model", None)
     what = type(dm).__name__ if dm is not None else type(base if base is not None else model).__name__
     family = type(base).__name__ if base is not None else type(model).__name__
-    try:
-        from comfy.ldm.wan.model import WanModel
-    except ImportError:  # pragma: no cover - every supported ComfyUI has it
-        WanModel = None
-    ok = (WanModel is not None and isinstance(dm, WanModel) and type(dm).__name__ in _WAN_CLASSES
-          and getattr(dm, "model_type", None) == "t2v")
-    if not ok:
+    if not _is_wan_t2v(dm):
         detail = f"{family} / {what}"
-        if WanModel is not None and isinstance(dm, WanModel):
+        if getattr(dm, "model_type", "t2v") != "t2v":
             detail += f" (model_type={getattr(dm, 'model_type', '?')!r})"
-        raise FastARError(f"FAST-AR needs a Wan 2.1 text-to-video diffusion model (a causal Wan 2.1 checkpoint "
-                          f"loaded with Load Diffusion Model); the MODEL connected is {detail}")
+        raise FastARError(f"{node}: the model input needs a Wan 2.1 text-to-video diffusion model (a causal Wan 2.1 "
+                          f"checkpoint loaded with Load Diffusion Model); the MODEL connected is {detail}")
     if tuple(dm.patch_size)[0] != 1:
-        raise FastARError(f"FAST-AR needs a temporal patch size of 1, the model has {tuple(dm.patch_size)}")
+        raise FastARError(f"{node}: FAST-AR needs a temporal patch size of 1, the model has {tuple(dm.patch_size)}")
     return dm
 
 
@@ -232,6 +250,11 @@ class ComfyChunkModel:
         current = options.get("optimized_attention_override")
         if not hasattr(current, "fastar_previous"):  # an override set after FAST-AR Patch Model: chain it
             options = dict(options, optimized_attention_override=_make_attention_override(current))
+        kind = comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
+        wrappers = options.get("wrappers") or {}
+        if WRAPPER_KEY not in (wrappers.get(kind) or {}):  # a model FAST-AR Patch Model never saw
+            wrappers = dict(wrappers, **{kind: {**(wrappers.get(kind) or {}), WRAPPER_KEY: [_diffusion_model_wrapper]}})
+            options = dict(options, wrappers=wrappers)
         self.transformer_options = options
         self.cond_or_uncond = [0]
 
@@ -274,6 +297,105 @@ class ComfyChunkModel:
         s = sigma.view(-1, *([1] * (x.ndim - 1)))
         v = torch.where(s > 0, (x.to(torch.float64) - x0.to(torch.float64)) / s.clamp_min(1e-30), 0.0)
         return v.to(torch.float32)
+
+
+# -- the engine ---------------------------------------------------------------------------
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Engine:
+    """What runs a rollout's forwards: ``fused`` (the library's Wan forward and per-chunk CUDA graphs
+    over the ComfyUI model's own parameter tensors) or ``comfy`` (ComfyUI's forward, attention routed
+    through FAST-AR by the override). ``reason``: why the fused engine could not run."""
+    name: str
+    model: object
+    reason: str | None = None
+
+
+def _fused_blocker(patcher, dm, options: dict, model_options: dict) -> str | None:
+    """Why the fused forward would not compute what ComfyUI's forward computes, or None."""
+    ms = patcher.model.model_sampling
+    if not isinstance(ms, comfy.model_sampling.CONST) or float(getattr(ms, "multiplier", 0.0)) != 1000.0:
+        return f"the model samples with {type(ms).__name__} (multiplier {getattr(ms, 'multiplier', '?')})"
+    if patcher.model.manual_cast_dtype is not None:
+        return (f"its weights are stored in {patcher.model.get_dtype()} and cast to "
+                f"{patcher.model.manual_cast_dtype} on every call")
+    device = torch.device(patcher.load_device)
+    for name, p in dm.named_parameters():
+        if p.device != device or p.device.type == "meta":
+            return f"its weights are not all on {device} ({name} is on {p.device}: offloaded or partly loaded)"
+        if p.dtype not in _FUSED_DTYPES:
+            return f"its weights are stored in {p.dtype} ({name})"
+    for name, m in dm.named_modules():
+        if getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None) or \
+                getattr(m, "bias_function", None):
+            return f"{name or 'the model'} casts or patches its weights on every call (low-VRAM loading)"
+    patched = sorted(k for k in patcher.object_patches if k.startswith("diffusion_model"))
+    if patched:
+        return f"another node replaced {patched[0]} (an object patch)"
+    if (options.get("patches_replace") or {}).get("dit"):
+        return "another node replaces some of its blocks (patches_replace)"
+    if model_options.get("model_function_wrapper") is not None:
+        return "another node wraps its apply_model (model_function_wrapper)"
+    for kind in (comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.patcher_extension.WrappersMP.APPLY_MODEL):
+        others = sorted(k for k, w in (options.get("wrappers", {}).get(kind) or {}).items() if k != WRAPPER_KEY and w)
+        if others:
+            return f"another node wraps its {kind} ({others[0]})"
+    override = options.get("optimized_attention_override")
+    previous = getattr(override, "fastar_previous", override)
+    if previous is not None:
+        return f"another node overrides its attention ({getattr(previous, '__name__', type(previous).__name__)})"
+    return None
+
+
+def fused_wan(dm) -> "WanModel":
+    """The library's Wan forward over ``dm``'s own parameter tensors (no copy: the state-dict names
+    match). Built per rollout: ComfyUI swaps a parameter's tensor when it patches or moves weights."""
+    from ..fastar.models import WanModel, infer_config
+
+    state = {k: v for k, v in dm.state_dict().items()}
+    config = infer_config(state, num_heads=int(dm.num_heads))
+    eps = float(getattr(dm, "eps", config.eps))
+    config = dataclasses.replace(config, eps=eps, text_len=int(getattr(dm, "text_len", config.text_len)))
+    with torch.device("meta"):
+        wan = WanModel(config)
+    wan.load_state_dict(state, strict=True, assign=True)
+    return wan.eval().requires_grad_(False)
+
+
+def choose_engine(patcher, options: dict, model_options: dict, node: str) -> Engine:
+    """The fused engine wherever it computes what ComfyUI's forward would; ComfyUI's own otherwise."""
+    dm = wan_diffusion_model(patcher, node)
+    reason = _fused_blocker(patcher, dm, options, model_options)
+    if reason is None:
+        try:
+            return Engine("fused", fused_wan(dm))
+        except (FastARError, RuntimeError, KeyError) as exc:  # a structure the library's Wan does not have
+            reason = f"its parameters do not map onto the Wan 2.1 forward ({str(exc).splitlines()[0]})"
+    from comfy.ldm.wan.model import WanModel
+
+    if not isinstance(dm, WanModel):  # only ComfyUI's WanModel passes transformer_options to its blocks
+        raise FastARError(f"{node}: this {type(dm).__name__} runs only on FAST-AR's fused engine, which cannot "
+                          f"run here: {reason}")
+    return Engine("comfy", ComfyChunkModel(patcher, options), reason)
+
+
+_last_engine_message = None
+
+
+def log_engine(engine: Engine, node: str) -> None:
+    """Say which engine runs, once for each change (not once per run)."""
+    global _last_engine_message
+    if engine.name == "fused":
+        message, level = f"{node}: engine fused (FAST-AR's forward and CUDA graphs over the model's weights)", \
+            logging.INFO
+    else:
+        message, level = f"{node}: engine comfy (ComfyUI's forward, FAST-AR attention): {engine.reason}", \
+            logging.WARNING
+    if message != _last_engine_message:
+        _last_engine_message = message
+        logging.log(level, message)
 
 
 def _transformer_options(model, model_options: dict, prepared: bool = False) -> dict:
@@ -343,16 +465,25 @@ def latent_frames(video_frames: int) -> int:
     return (video_frames - 1) // 4 + 1
 
 
-def sample(model, positive, negative, settings: SampleSettings,
-           on_chunk: Callable | None = None, preview: bool = True) -> dict:
-    """Run a FAST-AR rollout on a ComfyUI MODEL; returns a LATENT dict (samples in the VAE's space)."""
+def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
+           preview: bool = True, on_engine: Callable[[Engine], None] | None = None,
+           node: str = "Autoregressive Long Sampler") -> dict:
+    """Run a FAST-AR rollout on a ComfyUI MODEL; returns a LATENT dict (samples in the VAE's space).
+
+    Runs under ``torch.inference_mode()`` however it is called (ComfyUI's executor does the same):
+    a rollout never needs autograd, and with it on every chunk's activations would be kept."""
+    with torch.inference_mode():
+        return _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node)
+
+
+def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node) -> dict:
     if not is_patched(model):
         model = patch_model(model)
     schedule = FlowMatchSchedule.parse(settings.timesteps, shift=settings.shift)
     device = model.load_device
     guided = settings.cfg != 1.0
     if guided and negative is None:
-        raise FastARError(f"cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
+        raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     b = settings.batch_size
     latent_shape = (b, model.model.latent_format.latent_channels, settings.frames,
                     settings.height // 8, settings.width // 8)
@@ -372,9 +503,13 @@ def sample(model, positive, negative, settings: SampleSettings,
         if guided:
             negative_context = conditioning_context(model, negative, noise_like, device, "negative")
             context, negative_context = _match_tokens(context, negative_context)
-        chunk_model = ComfyChunkModel(model, _transformer_options(model, model_options, prepared=True))
-        chunk_model.cond_or_uncond = [0, 1] if guided else [0]
-        rollout = Rollout(chunk_model, context.to(device), frames=settings.frames, height=settings.height,
+        engine = choose_engine(model, _transformer_options(model, model_options, prepared=True), model_options, node)
+        log_engine(engine, node)
+        if on_engine is not None:
+            on_engine(engine)
+        if engine.name == "comfy":
+            engine.model.cond_or_uncond = [0, 1] if guided else [0]
+        rollout = Rollout(engine.model, context.to(device), frames=settings.frames, height=settings.height,
                           width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
                           cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
                           negative_context=None if negative_context is None else negative_context.to(device),
@@ -396,6 +531,138 @@ def sample(model, positive, negative, settings: SampleSettings,
         model.cleanup()
         comfy.sampler_helpers.cleanup_models(conds, loaded)
         comfy.model_management.soft_empty_cache()
+
+
+# -- core's autoregressive graph: a SAMPLER for SamplerCustom / SamplerCustomAdvanced -------------
+def _processed_context(conds, batch: int, device, node: str, name: str) -> torch.Tensor:
+    """The text context of a guider's processed conditioning (one prompt)."""
+    if not conds or len(conds) != 1:
+        raise FastARError(f"{node}: the {name} conditioning must be one prompt (a single entry), got "
+                          f"{len(conds or [])}; combined or area conditioning is not supported")
+    model_conds = conds[0].get("model_conds", {})
+    unsupported = sorted(k for k in model_conds if k != "c_crossattn")
+    if unsupported:
+        raise FastARError(f"{node}: the {name} conditioning carries {', '.join(unsupported)}, which the "
+                          f"text-to-video autoregressive sampler does not use")
+    if "c_crossattn" not in model_conds:
+        raise FastARError(f"{node}: the {name} conditioning has no text embedding")
+    return model_conds["c_crossattn"].process_cond(batch_size=batch, device=device).cond
+
+
+def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int) -> Callable:
+    """Noise as core's ``sample_ar_video`` draws it: a chunk starts from the graph's noisy latent, and
+    the re-noise after step i of chunk c comes from ``torch.manual_seed(seed + 1000 * c + i)``."""
+    def noise(c, s, shape, device, out=None):
+        if s == 0:
+            n = x[:, :, c * chunk_frames:(c + 1) * chunk_frames]
+        else:
+            torch.manual_seed(seed + c * 1000 + s - 1)
+            n = torch.randn(shape, device=device)
+        if out is None:
+            return n.to(device=device, dtype=torch.float32).clone()
+        return out.copy_(n)
+    return noise
+
+
+class ARVideoSampler(comfy.samplers.Sampler):
+    """FAST-AR's rollout as the SAMPLER of core's autoregressive video graph (where ``SamplerARVideo``
+    sits): the graph's noise, sigmas and seed, chunks of ``chunk_frames`` latent frames, and the bounded
+    cache (TempCache / AnnSA from FAST-AR Patch Model's settings on the model, else ``cache``)."""
+
+    node = "FAST-AR AR Video"
+
+    def __init__(self, chunk_frames: int, cache: CacheConfig, events=None):
+        """``events``: gets ``start(frames, chunks)``, ``engine(Engine)``, a ``ChunkReport`` per chunk
+        (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``)."""
+        self.chunk_frames, self.cache, self.events = int(chunk_frames), cache, events
+
+    def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
+               disable_pbar=False):
+        with torch.inference_mode():
+            try:
+                out = self._sample(model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask)
+            except BaseException:
+                if self.events is not None:
+                    self.events.finish("stopped")
+                raise
+        if self.events is not None:
+            self.events.finish("done")
+        return out
+
+    def _check(self, model_wrap, sigmas, noise, denoise_mask, options) -> list[float]:
+        node = self.node
+        if noise.ndim != 5:
+            raise FastARError(f"{node}: the latent must be a video latent [B, C, T, H, W] (Empty AR Video Latent), "
+                              f"got {list(noise.shape)}")
+        if denoise_mask is not None:
+            raise FastARError(f"{node}: a latent noise mask is not supported by the autoregressive sampler")
+        if (options.get("ar_config") or {}).get("initial_latent") is not None:
+            raise FastARError(f"{node}: image-to-video (AR Video I2V's start image) is not supported yet; "
+                              f"use Sampler AR Video for it")
+        s = [float(v) for v in sigmas]
+        if len(s) < 2 or s[-1] != 0.0 or any(a <= b for a, b in zip(s, s[1:])) or s[0] > 1.0:
+            raise FastARError(f"{node}: sigmas must fall strictly from at most 1 to 0 (a full denoise), got "
+                              f"{[round(v, 4) for v in s]}")
+        frames = noise.shape[2]
+        if frames % self.chunk_frames:
+            lo, hi = (frames // self.chunk_frames) * self.chunk_frames, (frames // self.chunk_frames + 1) * self.chunk_frames
+            lengths = [(n - 1) * 4 + 1 for n in (lo, hi) if n >= 1]
+            raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
+                              f"{self.chunk_frames}; set Empty AR Video Latent's length to "
+                              f"{' or '.join(map(str, lengths))}")
+        return s[:-1]
+
+    def _sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask):
+        patcher, base, node = model_wrap.model_patcher, model_wrap.inner_model, self.node
+        model_options = extra_args.get("model_options", {})
+        options = _transformer_options(patcher, model_options, prepared=True)
+        steps = self._check(model_wrap, sigmas, noise, denoise_mask, options)
+        settings = patcher.model_options.get(SETTINGS_KEY, {})
+        device = patcher.load_device
+        batch = noise.shape[0]
+        if latent_image is None:
+            latent_image = torch.zeros_like(noise)
+        x = base.model_sampling.noise_scaling(sigmas[0], noise, latent_image, self.max_denoise(model_wrap, sigmas))
+        context = _processed_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
+        cfg = float(getattr(model_wrap, "cfg", 1.0))
+        negative = None
+        if cfg != 1.0 and model_wrap.conds.get("negative"):
+            negative = _processed_context(model_wrap.conds["negative"], batch, device, node, "negative")
+            context, negative = _match_tokens(context, negative)
+        else:
+            cfg = 1.0
+        if self.events is not None:
+            self.events.start(x.shape[2], x.shape[2] // self.chunk_frames)
+        engine = choose_engine(patcher, options, model_options, node)
+        log_engine(engine, node)
+        if self.events is not None:
+            self.events.engine(engine)
+        if engine.name == "comfy":
+            engine.model.cond_or_uncond = [0, 1] if negative is not None else [0]
+        _, _, h, w = x.shape[1:]
+        rollout = Rollout(engine.model, context.to(device), frames=x.shape[2], height=h * 8, width=w * 8,
+                          chunk_frames=self.chunk_frames, schedule=FlowMatchSchedule.from_sigmas(steps),
+                          cache=settings.get("tempcache") or self.cache, seed=int(extra_args.get("seed", 0)),
+                          negative_context=None if negative is None else negative.to(device), cfg=cfg,
+                          noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
+                          **({"ann": settings["ann"]} if settings.get("ann") is not None else {}))
+        done = torch.zeros_like(x)
+        total = len(sigmas) - 1
+
+        def report(r):
+            start = r.frames_done - r.latent.shape[2]
+            done[:, :, start:r.frames_done] = r.latent.to(done)
+            if callback is not None:
+                callback(max((r.chunk + 1) * total // r.num_chunks - 1, 0), done, done, total)
+            if self.events is not None:
+                self.events(r)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        try:
+            out = rollout.run(report)
+        finally:
+            del rollout
+        return base.model_sampling.inverse_noise_scaling(sigmas[-1], out.to(x))
 
 
 # -- UI glue ----------------------------------------------------------------------------

@@ -251,11 +251,10 @@ class AutoregressiveLongSampler(io.ComfyNode):
         settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
                              context_noise, cache_mode, sink_frames, window_frames, cfg, fastar.get("tempcache"))
         settings.ann = fastar.get("ann")
-        node = getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) is not None else None
-        events = CacheEvents(node, settings)
-        events.start()
+        events = CacheEvents(_node_id(cls))
+        events.start(settings.frames, settings.frames // settings.chunk_frames)
         try:
-            latent = bridge.sample(model, positive, negative, settings, on_chunk=events)
+            latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:
             events.finish("stopped")
             raise
@@ -263,23 +262,66 @@ class AutoregressiveLongSampler(io.ComfyNode):
         return io.NodeOutput(latent)
 
 
+def _node_id(cls):
+    return getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) is not None else None
+
+
+class ARVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="FastARARVideo",
+            display_name="FAST-AR AR Video",
+            category=CATEGORY,
+            description="FAST-AR's autoregressive sampler as a SAMPLER for SamplerCustom / SamplerCustomAdvanced: "
+                        "put it where Sampler AR Video sits in ComfyUI's autoregressive video graph (Empty AR "
+                        "Video Latent, the graph's sigmas and seed). The KV cache stays bounded (sink + window, or "
+                        "TempCache and ANN Sparsity from FAST-AR Patch Model) instead of growing with the video.",
+            inputs=[
+                io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
+                             tooltip="Latent frames per autoregressive block (chunk). 1 = framewise, 3 = chunkwise; "
+                                     "must match the checkpoint."),
+                io.Combo.Input("cache_mode", options=list(CACHE_MODES), default="window",
+                               tooltip="unbounded keeps every frame (memory grows with the video); window keeps "
+                                       "the sink frames and the most recent window frames (flat memory). A "
+                                       "TempCache setting on the model overrides this."),
+                io.Int.Input("sink_frames", default=3, min=0, max=64,
+                             tooltip="window mode: first latent frames always kept (LongLive uses 3)."),
+                io.Int.Input("window_frames", default=12, min=1, max=1024,
+                             tooltip="window mode: most recent latent frames kept before the block."),
+            ],
+            outputs=[io.Sampler.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, num_frame_per_block, cache_mode, sink_frames, window_frames) -> io.NodeOutput:
+        cache = CacheConfig(cache_mode, int(sink_frames), int(window_frames))
+        return io.NodeOutput(bridge.ARVideoSampler(int(num_frame_per_block), cache, events=CacheEvents(_node_id(cls))))
+
+
 class CacheEvents:
     """``fastar.cache`` events for the cache widget: plain numbers only (the widget formats them)."""
 
-    def __init__(self, node, settings: bridge.SampleSettings):
+    def __init__(self, node):
         self.node = None if node is None else str(node)
-        self.total = settings.frames
-        self.chunks = settings.frames // settings.chunk_frames
+        self.total, self.chunks = 0, 0
         self.t0 = time.perf_counter()
         self.last = None
+        self.engine_name, self.engine_reason = None, None
 
     def _send(self, data: dict) -> None:
-        bridge.send_event(CACHE_EVENT, {"node": self.node, **data})
+        bridge.send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name,
+                                        "engine_reason": self.engine_reason, **data})
 
-    def start(self) -> None:
+    def start(self, total_frames: int, chunks: int) -> None:
+        self.total, self.chunks, self.last = total_frames, chunks, None
         self.t0 = time.perf_counter()
         self._send({"status": "running", "frames_done": 0, "total_frames": self.total, "chunk": 0,
                     "chunks": self.chunks})
+
+    def engine(self, engine) -> None:
+        self.engine_name, self.engine_reason = engine.name, engine.reason
 
     def __call__(self, r) -> None:
         s = r.cache
@@ -299,4 +341,4 @@ class CacheEvents:
         self._send({**(self.last or {"frames_done": 0, "total_frames": self.total}), "status": status})
 
 
-NODES = [PatchModel, TempCacheSettings, AnnSparsity, AutoregressiveLongSampler]
+NODES = [PatchModel, TempCacheSettings, AnnSparsity, AutoregressiveLongSampler, ARVideo]

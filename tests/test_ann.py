@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, KVCache,
-                                   Rollout, TempCacheConfig, attend, rollout)
+                                   Rollout, TempCacheConfig, attend, pad_context, rollout)
 from comfyui_fastar.fastar import ann as ann_mod
 from comfyui_fastar.fastar.ann import LSH, build_ann, plan_density
 from comfyui_fastar.fastar.models import build_model
@@ -308,7 +308,7 @@ def model():
 @pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=3, sink_frames=1)],
                          ids=["unbounded", "tempcache"])
 def test_rollout_with_ann(model, cache_cfg, monkeypatch):
-    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
+    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
     settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, cache=cache_cfg, seed=3,
                     schedule=FlowMatchSchedule((1000.0, 500.0)))
     dense = rollout(model, ctx, **settings)
@@ -386,7 +386,7 @@ def test_fixed_rows_go_through_a_prior(cache_cfg, method, monkeypatch):
 
 
 def test_calibration_makes_low_recall_layers_dense(model):
-    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4))
+    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
     settings = dict(frames=3, height=H_PX, width=W_PX, chunk_frames=1, seed=3, schedule=FlowMatchSchedule((1000.0,)))
     dense = rollout(model, ctx, **settings)
     sparse = AnnConfig(method="lsh", bits=6, probes=0, annca=False, dense_steps_fraction=0.0)

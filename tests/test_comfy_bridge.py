@@ -24,7 +24,7 @@ TOL = 1e-4
 # text width as 4096, so the smallest model it builds has two heads of 128.
 TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
 H = W = 32          # pixels: 4x4 latent, 2x2 tokens per frame
-TOKENS = 16         # prompt tokens
+TOKENS = 512        # prompt tokens: Wan's text length, as ComfyUI's umT5 encoder pads them
 
 
 class _MissingTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -314,7 +314,8 @@ def test_nodes(comfy, models, bridge):
 
     ext = asyncio.run(comfy_entrypoint())
     nodes = asyncio.run(ext.get_node_list())
-    expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAnnSparsity", "FastARAutoregressiveSampler"}
+    expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAnnSparsity", "FastARAutoregressiveSampler",
+                "FastARARVideo"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()
@@ -345,3 +346,127 @@ def test_nodes(comfy, models, bridge):
     with pytest.raises(FastARError, match="needs a negative prompt"):
         AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3",
                                           0.0, "unbounded", 3, 12, 2.0)
+
+
+# -- the engine ---------------------------------------------------------------------------
+def _engine(bridge, model):
+    patched = model if bridge.is_patched(model) else bridge.patch_model(model)
+    options = bridge._transformer_options(patched, patched.model_options)
+    return bridge.choose_engine(patched, options, patched.model_options, "test node")
+
+
+def test_fused_engine_runs_over_the_models_own_tensors(models, bridge):
+    comfy_model, _ = models
+    engine = _engine(bridge, comfy_model)
+    assert (engine.name, engine.reason) == ("fused", None)
+    theirs = dict(comfy_model.model.diffusion_model.named_parameters())
+    ours = dict(engine.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert [n for n in ours if ours[n].data_ptr() != theirs[n].data_ptr()] == []  # no second copy
+
+
+def test_fused_forward_equals_comfyuis_forward(models, bridge):
+    comfy_model, _ = models
+    dm = comfy_model.model.diffusion_model
+    engine = _engine(bridge, comfy_model)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 16, 3, H // 8, W // 8, generator=g)
+    t = torch.tensor([620.0])
+    context = _prompt(5)
+    with torch.inference_mode():
+        ref = dm(x, t, context)            # ComfyUI's own forward: the chunk attends to itself
+        out = engine.model(x, t, context)  # the fused forward, no cache
+    assert _rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("cache", ["tempcache", "window"])
+def test_fused_and_comfy_engines_sample_alike(models, bridge, monkeypatch, cache):
+    from comfyui_fastar.fastar import CacheConfig, TempCacheConfig
+
+    comfy_model, _ = models
+    config = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1) if cache == "tempcache" \
+        else CacheConfig("window", sink_frames=1, window_frames=2)
+    settings = bridge.SampleSettings(width=W, height=H, frames=6, seed=4, chunk_frames=1, cache=config)
+    pos = _prompt(9)
+    seen = []
+    fused = bridge.sample(comfy_model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    comfy = bridge.sample(comfy_model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    assert [(e.name, e.reason) for e in seen] == [("fused", None), ("comfy", "forced for the test")]
+    assert _rel(fused, comfy) <= 1e-5
+
+
+def test_engine_falls_back_to_comfyui_and_says_why_once(comfy, models, bridge, caplog):
+    import logging
+
+    comfy_model, core = models
+    other = comfy_model.clone()
+    other.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
+        lambda func, *args, **kwargs: func(*args, **kwargs)
+    engine = _engine(bridge, other)
+    assert engine.name == "comfy" and "overrides its attention" in engine.reason
+
+    pos = _prompt(1)
+    settings = bridge.SampleSettings(width=W, height=H, frames=2, chunk_frames=1, seed=3)
+    with caplog.at_level(logging.INFO):
+        out = [bridge.sample(other, [[pos, {}]], None, settings)["samples"] for _ in range(2)]
+    said = [r.getMessage() for r in caplog.records if "engine comfy" in r.getMessage()]
+    assert len(said) == 1 and "overrides its attention" in said[0]
+    ref = _core_rollout(core, pos, frames=2, chunk=1, seed=3)
+    assert _rel(out[1], comfy_model.model.process_latent_out(ref)) <= TOL  # still correct
+
+
+def test_weights_patched_per_call_run_on_comfyuis_forward(models, bridge):
+    comfy_model, _ = models
+    q = comfy_model.model.diffusion_model.blocks[0].self_attn.q
+    q.weight_function = [lambda w: w]  # what ComfyUI sets on a module when it loads it in low-VRAM mode
+    try:
+        engine = _engine(bridge, comfy_model)
+    finally:
+        q.weight_function = []
+    assert engine.name == "comfy" and "blocks.0.self_attn.q" in engine.reason
+
+
+def test_rollout_runs_without_autograd_however_it_is_called(models, bridge):
+    comfy_model, _ = models
+    modes = []
+    settings = bridge.SampleSettings(width=W, height=H, frames=2, chunk_frames=1)
+    assert not torch.is_inference_mode_enabled()
+    out = bridge.sample(comfy_model, [[_prompt(1), {}]], None, settings,
+                        on_chunk=lambda r: modes.append(torch.is_inference_mode_enabled()))
+    assert modes == [True, True] and not out["samples"].requires_grad
+
+
+class _PlainWan(torch.nn.Module):
+    """A Wan 2.1 T2V DiT as a plain ``nn.Module`` with Wan's parts and names, as core's first
+    ``CausalWanModel`` was: no ``WanModel`` base class, no ``forward_orig``."""
+
+    def __init__(self, wan):
+        super().__init__()
+        for name in ("patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks", "head"):
+            setattr(self, name, getattr(wan, name))
+        self.dim, self.num_heads, self.patch_size, self.eps = wan.dim, wan.num_heads, wan.patch_size, wan.eps
+        self.dtype = wan.dtype  # BaseModel.get_dtype reads it
+        self.model_type = "t2v"
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the fused engine does not call the model's own forward")
+
+
+def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, bridge):
+    import copy
+
+    import comfy.model_patcher
+
+    comfy_model, core = models
+    base = copy.copy(comfy_model.model)
+    base.diffusion_model = _PlainWan(comfy_model.model.diffusion_model)
+    patcher = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
+    patched = bridge.patch_model(patcher)
+    pos = _prompt(2)
+    seen = []
+    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=3, seed=6)
+    out = bridge.sample(patched, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    assert [e.name for e in seen] == ["fused"]
+    ref = _core_rollout(core, pos, frames=3, chunk=3, seed=6)
+    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL

@@ -31,7 +31,9 @@ def test_example_workflows_are_wired():
     for path in paths:
         wf = json.loads(path.read_text())
         nodes = {n["id"]: n for n in wf["nodes"]}
-        assert {"FastARPatchModel", "FastARAutoregressiveSampler"} <= {n["type"] for n in nodes.values()}
+        types = {n["type"] for n in nodes.values()}
+        sampler = "FastARARVideo" if "SamplerCustom" in types else "FastARAutoregressiveSampler"
+        assert {"FastARPatchModel", sampler} <= types
         for link_id, origin, slot, target, target_slot, type_ in wf["links"]:
             assert nodes[origin]["outputs"][slot]["type"] == type_
             assert link_id in nodes[origin]["outputs"][slot]["links"]
@@ -39,13 +41,19 @@ def test_example_workflows_are_wired():
     modes = {p.stem: {n["type"]: n["mode"] for n in json.loads(p.read_text())["nodes"]} for p in paths}
     assert modes["fastar_long_t2v_wan21_dense_baseline"]["FastARPatchModel"] == 4  # bypassed
     assert modes["fastar_long_t2v_wan21_self_forcing"]["FastARPatchModel"] == 0
+    assert modes["fastar_core_ar_video_wan21"]["FastARARVideo"] == 0
+    assert "SamplerARVideo" not in modes["fastar_core_ar_video_wan21"]  # ours in its place
 
 
 def test_fastar_workflow_runs_all_of_fastar_at_the_defaults():
-    """The FAST-AR template feeds TempCache and ANN Sparsity, at the library's defaults, into the patch."""
+    """The FAST-AR templates feed TempCache and ANN Sparsity, at the library's defaults, into the patch."""
+    for name in ("fastar_long_t2v_wan21_self_forcing", "fastar_core_ar_video_wan21"):
+        _check_all_of_fastar_at_the_defaults(json.loads((REPO / "example_workflows" / f"{name}.json").read_text()))
+
+
+def _check_all_of_fastar_at_the_defaults(wf):
     from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
 
-    wf = json.loads((REPO / "example_workflows" / "fastar_long_t2v_wan21_self_forcing.json").read_text())
     nodes = {n["id"]: n for n in wf["nodes"]}
     patch = next(n for n in nodes.values() if n["type"] == "FastARPatchModel")
     feeds = {i["name"]: nodes[next(l[1] for l in wf["links"] if l[0] == i["link"])]["type"]

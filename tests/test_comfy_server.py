@@ -102,14 +102,19 @@ def server(tmp_path_factory):
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
     model = WanModel(WanConfig(**TINY)).init_random(seed=7)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(models / "fastar_tiny.safetensors"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(models / "fastar_tiny.safetensors"))
+    # the metadata that makes core ComfyUI's loader pick its causal model (WAN21_CausalAR)
+    save_file(state, str(models / "fastar_tiny_causal.safetensors"),
+              metadata={"config": json.dumps({"transformer": {"causal_ar": True}})})
     stub = base / "stub"
     stub.mkdir()
     (stub / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
     port = _free_port()
     paths = [str(stub), os.environ.get("PYTHONPATH", "")]
-    common = ["--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
+    common = ["--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+              "--database-url", f"sqlite:///{base / 'comfyui.db'}"]  # not the tree's own user/ folder
     if Path(COMFYUI_PATH, "server.py").is_file():  # a classic checkout: main.py with a base directory
         cmd = [sys.executable, "main.py", *common, "--base-directory", str(base)]
     else:  # the pip-installable layout: the package's entry point, working directory = base
@@ -217,8 +222,9 @@ def _latent_of(server, prompt_id):
     from safetensors.torch import load_file
 
     history = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]
-    errors = [m[1].get("exception_message") for m in history["status"]["messages"] if m[0] == "execution_error"]
-    assert history["status"]["status_str"] == "success", errors
+    errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
+    assert history["status"]["status_str"] == "success", [(e.get("node_type"), e.get("exception_message"))
+                                                          for e in errors] or history["status"]["messages"]
     files = sorted((server["base"] / "output").glob("**/*.latent"), key=os.path.getmtime)
     return load_file(str(files[-1]))["latent_tensor"]
 
@@ -264,7 +270,9 @@ def test_invalid_input_gets_a_node_error(server):
 
 
 # -- example workflows ------------------------------------------------------------------------
-WORKFLOWS = sorted((REPO / "example_workflows").glob("*.json"))
+# core's autoregressive nodes (Empty AR Video Latent, SamplerCustom's AR graph) exist from 2026 on
+CORE_AR = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file()
+WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or "core_ar" not in p.stem]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
 
 
@@ -325,8 +333,9 @@ def test_example_workflow_validates(server, path):
     workflow = json.loads(path.read_text())
     prompt = _to_api_prompt(workflow, info)
     types = {n["class_type"] for n in prompt.values()}
-    assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "FastARAutoregressiveSampler", "VAEDecode",
-            "SaveVideo"} <= types
+    sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if "core_ar" in path.stem \
+        else {"FastARAutoregressiveSampler"}
+    assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "VAEDecode", "SaveVideo"} | sampler <= types
     status, body = _post(server["url"] + "/prompt", {"prompt": prompt})
     # The only complaints allowed are the model files this machine does not have.
     assert status == 400, body
@@ -335,6 +344,33 @@ def test_example_workflow_validates(server, path):
     for node_id, errors in body.get("node_errors", {}).items():
         for e in errors["errors"]:
             assert e["type"] == "value_not_in_list" and e["extra_info"]["input_name"] in FILE_INPUTS, (node_id, e)
+
+
+@pytest.mark.skipif(not CORE_AR, reason="this ComfyUI has no autoregressive video nodes")
+def test_core_ar_workflow_runs_to_a_latent(server):
+    """The core AR template as a prompt, on the test checkpoint that loads as WAN21_CausalAR: the
+    text encoder is the test conditioning, and the LATENT is saved instead of decoded."""
+    info = _get(server["url"] + "/object_info")
+    prompt = _to_api_prompt(json.loads((REPO / "example_workflows" / "fastar_core_ar_video_wan21.json").read_text()),
+                            info)
+    by_type = {n["class_type"]: k for k, n in prompt.items()}
+    prompt[by_type["UNETLoader"]]["inputs"]["unet_name"] = "fastar_tiny_causal.safetensors"
+    for node_id, node in list(prompt.items()):
+        if node["class_type"] in ("CLIPLoader", "VAELoader", "VAEDecode", "CreateVideo", "SaveVideo"):
+            del prompt[node_id]
+        elif node["class_type"] == "CLIPTextEncode":
+            prompt[node_id] = {"class_type": "FastARTestConditioning",
+                               "inputs": {"seed": int(node_id), "tokens": 512, "width": 4096}}
+    prompt[by_type["EmptyARVideoLatent"]]["inputs"].update(width=32, height=32, length=21)
+    prompt[by_type["FastARTempCacheSettings"]]["inputs"].update(max_cache_frames=4, sink_frames=1)
+    sampler = by_type["SamplerCustom"]
+    prompt["99"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0],
+                                                          "filename_prefix": f"fastar_{uuid.uuid4().hex[:8]}"}}
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], prompt))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 6, 4, 4)
+    cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
+    assert cache[-1]["status"] == "done" and cache[-1]["node"] == by_type["FastARARVideo"]
+    assert {c["engine"] for c in cache if c.get("chunk")} == {"fused"}
 
 
 # -- the cache widget in a real browser ---------------------------------------------------------

@@ -260,7 +260,7 @@ def test_same_seed_same_latents_and_shared_prefix(model):
 
 def test_classifier_free_guidance(model):
     """cfg batches both branches over one cache; cfg=1 with a negative is the plain run."""
-    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    ctx, neg = torch.randn(1, model.text_len, model.text_dim), torch.randn(1, model.text_len, model.text_dim)
     kw = dict(frames=4, height=H, width=W, chunk_frames=2, seed=1)
     plain = rollout(model, ctx, **kw)
     guided = rollout(model, ctx, negative_context=neg, cfg=3.0, **kw)
@@ -351,3 +351,16 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
     assert len(set(keys)) == 4 and len(set(keys[3:])) == 1
     keys, _ = _chunk_keys(model, 5, cache=CacheConfig("unbounded"))
     assert len(set(keys)) == 5
+
+
+def test_rollout_pads_the_prompt_to_the_models_text_length(model):
+    """Wan attends the zero rows umT5's features are padded with: a short prompt is padded as Wan pads it."""
+    ctx = torch.randn(1, 12, model.text_dim, generator=torch.Generator().manual_seed(2))
+    padded = torch.nn.functional.pad(ctx, (0, 0, 0, model.text_len - 12))
+    settings = dict(frames=2, height=H, width=W, chunk_frames=1, seed=4)
+    short = rollout(model, ctx, **settings)
+    assert torch.equal(short, rollout(model, padded, **settings))
+    unpadded = Rollout(model, ctx, **settings).run()
+    assert rel(unpadded, short) > 1e-5  # the padding rows change the flow
+    with pytest.raises(FastARError, match="the prompt has 513 tokens; this model takes at most 512"):
+        rollout(model, torch.randn(1, 513, model.text_dim), **settings)

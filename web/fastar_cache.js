@@ -1,13 +1,14 @@
-// FAST-AR cache widget: live KV-cache size on the Autoregressive Long Sampler node.
+// FAST-AR cache widget: live KV-cache size on the Autoregressive Long Sampler and FAST-AR AR Video nodes.
 //
 // The sampler sends `fastar.cache` events (PromptServer.send_sync) after every chunk with plain
 // numbers: tokens, GB, dense-equivalent size, frames done / total, chunk latency, AnnSA's density (the
-// share of the cached keys its plans read; null without AnnSA). Everything shown
-// is formatted here from numbers; no string from the server is ever inserted as HTML.
+// share of the cached keys its plans read; null without AnnSA), and which engine runs the forwards
+// ("fused" or "comfy", with the reason as the row's tooltip). Everything shown is formatted here from
+// numbers or picked from known words; no string from the server is ever inserted as HTML.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const NODE_TYPE = "FastARAutoregressiveSampler";
+const NODE_TYPES = new Set(["FastARAutoregressiveSampler", "FastARARVideo"]);
 const EVENT = "fastar.cache";
 const HISTORY = 120;  // points kept for the graph
 
@@ -59,7 +60,8 @@ class CacheView {
     const grid = el("div", "display: grid; grid-template-columns: auto 1fr; column-gap: 8px;");
     this.fields = {};
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
-                                ["frames", "frames"], ["rate", "speed"], ["annsa", "AnnSA reads"]]) {
+                                ["frames", "frames"], ["rate", "speed"], ["annsa", "AnnSA reads"],
+                                ["engine", "engine"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -86,6 +88,8 @@ class CacheView {
     this.fields.rate.textContent = formatRate(d.chunks_per_s);
     // null: the rollout runs without AnnSA; absent: no chunk reported yet
     this.fields.annsa.textContent = d.annsa_density === null ? "off" : formatPercent(d.annsa_density);
+    this.fields.engine.textContent = d.engine === "fused" || d.engine === "comfy" ? d.engine : "–";
+    this.fields.engine.title = typeof d.engine_reason === "string" ? d.engine_reason : "";
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
       if (num(d.chunk) === 1) this.history = [];
       this.history.push({ held: num(d.held_gb), dense: Number.isFinite(num(d.dense_gb)) ? num(d.dense_gb) : 0 });
@@ -123,13 +127,13 @@ app.registerExtension({
   name: "FastAR.CacheWidget",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== NODE_TYPE) return;
+    if (!NODE_TYPES.has(nodeData?.name)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 156 });
+                                       { serialize: false, getMinHeight: () => 170 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);

@@ -34,6 +34,7 @@ class WanConfig:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     eps: float = 1e-6
+    text_len: int = 512  # umT5 tokens: Wan pads the prompt's features with zeros to this length
 
     def __post_init__(self):
         if self.dim % self.num_heads:
@@ -263,6 +264,10 @@ class WanModel(nn.Module):
     @property
     def text_dim(self) -> int:
         return self.config.text_dim
+
+    @property
+    def text_len(self) -> int:
+        return self.config.text_len
 
     @property
     def dtype(self) -> torch.dtype:

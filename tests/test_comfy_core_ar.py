@@ -1,0 +1,145 @@
+"""Core ComfyUI's autoregressive video path (``WAN21_CausalAR`` / ``CausalWanModel``, Empty AR Video
+Latent, ``SamplerCustom``) with FAST-AR's ``FastARARVideo`` SAMPLER in place of ``SamplerARVideo``.
+
+Needs a ComfyUI tree that has core's autoregressive files (``comfy/ldm/wan/ar_model.py``), named by
+``COMFYUI_PATH`` (the ``core-ar-2026`` tree); skipped otherwise. A tiny random Wan 2.1 checkpoint is
+written with the metadata that makes ComfyUI's loader pick the causal model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file(),
+                                reason="COMFYUI_PATH does not name a ComfyUI tree with core's autoregressive path")
+
+TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+H = W = 32
+CAUSAL = {"config": json.dumps({"transformer": {"causal_ar": True}})}
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from test_comfy_bridge import _import_comfy
+
+    return _import_comfy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from comfyui_fastar.fastar.models import WanConfig, WanModel
+
+    state = {k: v.contiguous() for k, v in WanModel(WanConfig(**TINY)).init_random(seed=7).state_dict().items()}
+    d = tmp_path_factory.mktemp("ckpt")
+    save_file(state, str(d / "causal.safetensors"), metadata=CAUSAL)
+    save_file(state, str(d / "plain.safetensors"))
+    return d / "causal.safetensors", d / "plain.safetensors"
+
+
+@pytest.fixture(scope="module")
+def causal(comfy, checkpoints):
+    return comfy.sd.load_diffusion_model(str(checkpoints[0]), model_options={"dtype": torch.float32})
+
+
+def _conditioning(seed, tokens=512):
+    return [[torch.randn(1, tokens, 4096, generator=torch.Generator().manual_seed(seed)), {}]]
+
+
+def _sample_custom(model, sampler, *, frames=6, seed=5, steps=4):
+    """SamplerCustom as a graph runs it: Empty AR Video Latent, BasicScheduler "simple", cfg 1."""
+    from comfy_extras.nodes.nodes_ar_video import EmptyARVideoLatent
+    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
+
+    latent = EmptyARVideoLatent.execute(W, H, (frames - 1) * 4 + 1, 1).result[0]
+    sigmas = BasicScheduler.execute(model, "simple", steps, 1.0).result[0]
+    out = SamplerCustom.execute(model, True, seed, 1.0, _conditioning(1), _conditioning(2), sampler, sigmas, latent)
+    return out.result[0]["samples"]
+
+
+def _rel(a, b):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_the_loader_picks_the_causal_model_by_its_metadata(comfy, checkpoints, causal):
+    from comfy.ldm.wan.ar_model import CausalWanModel
+
+    assert type(causal.model).__name__ == "WAN21_CausalAR"
+    assert type(causal.model.diffusion_model) is CausalWanModel
+    plain = comfy.sd.load_diffusion_model(str(checkpoints[1]), model_options={"dtype": torch.float32})
+    assert type(plain.model).__name__ == "WAN21" and type(plain.model.diffusion_model).__name__ == "WanModel"
+
+
+def test_patch_model_accepts_the_causal_model_and_runs_it_fused(causal):
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import PatchModel
+
+    patched = PatchModel.execute(causal).result[0]
+    options = bridge._transformer_options(patched, patched.model_options)
+    assert bridge.choose_engine(patched, options, patched.model_options, "test").name == "fused"
+
+
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("engine", ["fused", "comfy"])
+def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, engine, monkeypatch):
+    from comfy_extras.nodes.nodes_ar_video import SamplerARVideo
+
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+
+    core = _sample_custom(causal, SamplerARVideo.execute(block).result[0])
+    seen = []
+    monkeypatch.setattr(bridge, "log_engine", lambda e, node: seen.append(e.name))
+    if engine == "comfy":
+        monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    ours = _sample_custom(causal, ARVideo.execute(block, "unbounded", 3, 12).result[0])
+    assert seen == [engine]
+    assert ours.shape == core.shape == (1, 16, 6, H // 8, W // 8)
+    assert _rel(ours, core) <= 1e-4
+
+
+def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
+    from comfyui_fastar.fastar import TempCacheConfig
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, TempCacheSettings
+
+    tc = TempCacheSettings.execute(True, 0.5, 3, 1, "key", "head").result[0]
+    patched = PatchModel.execute(causal, tc).result[0]
+    stats = []
+
+    class Events:
+        def start(self, frames, chunks):
+            stats.append(("start", frames, chunks))
+
+        def engine(self, e):
+            stats.append(("engine", e.name))
+
+        def __call__(self, r):
+            stats.append(r.cache.tokens_held)
+
+        def finish(self, status):
+            stats.append(status)
+
+    sampler = ARVideo.execute(1, "unbounded", 3, 12).result[0]
+    sampler.events = Events()
+    out = _sample_custom(patched, sampler, frames=6)
+    assert isinstance(tc, TempCacheConfig) and out.shape[2] == 6
+    tokens_per_frame = (H // 16) * (W // 16)
+    assert stats[:2] == [("start", 6, 6), ("engine", "fused")] and stats[-1] == "done"
+    assert max(stats[2:-1]) <= 3 * tokens_per_frame  # TempCache's budget, not the whole video
+
+
+def test_fastar_sampler_errors_name_the_node_and_input(causal):
+    from comfyui_fastar.fastar import FastARError
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+
+    with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
+                                          r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):
+        _sample_custom(causal, ARVideo.execute(3, "unbounded", 3, 12).result[0], frames=5)
