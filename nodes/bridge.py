@@ -443,6 +443,21 @@ def _match_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     return a.repeat(1, n // la, 1), b.repeat(1, n // lb, 1)
 
 
+def check_cache(cache, ann, chunk_frames: int, node: str, cache_input: str = "cache_mode") -> None:
+    """The cache and sparsity settings that cannot run together, named as the graph shows them."""
+    from ..fastar import TempCacheConfig
+
+    if ann is not None and ann.annsa and not isinstance(cache, TempCacheConfig) and cache.mode == "window":
+        raise FastARError(f"{node}: ANN Sparsity's annsa reads a bucket-sorted cache, which {cache_input} "
+                          f"'window' does not keep; set {cache_input} to 'unbounded', connect TempCache Settings "
+                          f"to FAST-AR Patch Model, or set ANN Sparsity's annsa to false")
+    if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
+        raise FastARError(f"{node}: TempCache Settings' max_cache_frames {cache.max_cache_frames} leaves "
+                          f"{cache.history_frames} frames beside its {cache.sink_frames} sink frames, less than one "
+                          f"chunk of {chunk_frames}; set max_cache_frames to at least "
+                          f"{cache.sink_frames + chunk_frames}")
+
+
 # -- a whole rollout, the way KSampler runs a sampler ------------------------------------------
 @dataclass
 class SampleSettings:
@@ -484,6 +499,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     guided = settings.cfg != 1.0
     if guided and negative is None:
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
+    check_cache(settings.cache, settings.ann, settings.chunk_frames, node)
     b = settings.batch_size
     latent_shape = (b, model.model.latent_format.latent_channels, settings.frames,
                     settings.height // 8, settings.width // 8)
@@ -618,6 +634,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         options = _transformer_options(patcher, model_options, prepared=True)
         steps = self._check(model_wrap, sigmas, noise, denoise_mask, options)
         settings = patcher.model_options.get(SETTINGS_KEY, {})
+        check_cache(settings.get("tempcache") or self.cache, settings.get("ann"), self.chunk_frames, node)
         device = patcher.load_device
         batch = noise.shape[0]
         if latent_image is None:

@@ -2,6 +2,7 @@
 bridge runs them, results go back to ComfyUI."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 from comfy_api.latest import io
@@ -12,6 +13,15 @@ from ..fastar.tempcache import GROUPING_MODES, MATCHING_MODES
 from . import bridge
 
 CATEGORY = "FAST-AR"
+
+
+@contextlib.contextmanager
+def _in_words(library: str, node: str):
+    """A settings error in the node's words: the library's ``TempCacheConfig.x`` is the node's input x."""
+    try:
+        yield
+    except FastARError as exc:
+        raise FastARError(str(exc).replace(library, node, 1)) from None
 TempCacheType = io.Custom("FASTAR_TEMPCACHE")
 AnnType = io.Custom("FASTAR_ANN")
 CACHE_EVENT = "fastar.cache"
@@ -83,9 +93,10 @@ class TempCacheSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames, matching, grouping) -> io.NodeOutput:
-        return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
-                                             max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames),
-                                             matching=matching, grouping=grouping))
+        with _in_words("TempCacheConfig.", "TempCache Settings: "):
+            return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
+                                                 max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames),
+                                                 matching=matching, grouping=grouping))
 
 
 class AnnSparsity(io.ComfyNode):
@@ -148,10 +159,11 @@ class AnnSparsity(io.ComfyNode):
             layers = tuple(int(t) for t in str(dense_layers).replace(" ", "").split(",") if t)
         except ValueError:
             raise FastARError(f"dense_layers must be comma-separated layer indices, got {dense_layers!r}") from None
-        return io.NodeOutput(AnnConfig(method=method, bits=int(bits), probes=int(probes), block_q=int(block_q),
-                                       dense_steps_fraction=float(dense_steps_fraction), dense_layers=layers,
-                                       annsa=bool(annsa), annca=bool(annca), keep_fraction=float(keep_fraction),
-                                       keep_mass=float(keep_mass), min_tokens=int(min_tokens), seed=int(seed)))
+        with _in_words("AnnConfig.", "ANN Sparsity: "):
+            return io.NodeOutput(AnnConfig(method=method, bits=int(bits), probes=int(probes), block_q=int(block_q),
+                                           dense_steps_fraction=float(dense_steps_fraction), dense_layers=layers,
+                                           annsa=bool(annsa), annca=bool(annca), keep_fraction=float(keep_fraction),
+                                           keep_mass=float(keep_mass), min_tokens=int(min_tokens), seed=int(seed)))
 
 
 def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise,

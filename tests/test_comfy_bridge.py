@@ -460,6 +460,7 @@ def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, b
 
     comfy_model, core = models
     base = copy.copy(comfy_model.model)
+    base._modules = dict(base._modules)  # (a shallow copy shares its submodule table with the original)
     base.diffusion_model = _PlainWan(comfy_model.model.diffusion_model)
     patcher = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
     patched = bridge.patch_model(patcher)
@@ -470,3 +471,48 @@ def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, b
     assert [e.name for e in seen] == ["fused"]
     ref = _core_rollout(core, pos, frames=3, chunk=3, seed=6)
     assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+
+
+def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(models):
+    from comfyui_fastar.fastar import AnnConfig, FastARError
+    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, AutoregressiveLongSampler, PatchModel, TempCacheSettings
+
+    comfy_model, _ = models
+    a = AnnConfig()
+    widgets = [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction, "", a.annsa, a.annca,
+               a.keep_fraction, a.keep_mass, a.min_tokens, a.seed]
+    patched = PatchModel.execute(comfy_model, None, AnnSparsity.execute(*widgets).result[0]).result[0]
+    with pytest.raises(FastARError, match=r"^Autoregressive Long Sampler: ANN Sparsity's annsa reads a bucket-sorted "
+                                          r"cache, which cache_mode 'window' does not keep; set cache_mode to "
+                                          r"'unbounded', connect TempCache Settings"):
+        AutoregressiveLongSampler.execute(patched, [[_prompt(1), {}]], W, H, 9, 1, 0, "1000", 5.0, "3", 0.0,
+                                          "window", 3, 12, 1.0)
+    with pytest.raises(FastARError, match=r"^TempCache Settings: max_cache_frames must be an integer > sink_frames"):
+        TempCacheSettings.execute(True, 0.5, 3, 3, "key", "head")
+    widgets[8] = 0.0
+    with pytest.raises(FastARError, match=r"^ANN Sparsity: keep_fraction must lie in \(0, 1\]"):
+        AnnSparsity.execute(*widgets)
+
+
+@pytest.mark.parametrize("engine", ["fused", "comfy"])
+def test_nothing_accumulates_from_chunk_to_chunk(models, bridge, monkeypatch, engine):
+    """Per-chunk cost stays flat only if nothing piles up: the live tensors and Python objects after
+    every chunk, once the cache is full, are the same."""
+    from comfyui_fastar.fastar import TempCacheConfig
+
+    comfy_model, _ = models
+    if engine == "comfy":
+        monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    live = []
+
+    def count(report):
+        gc.collect()
+        objects = gc.get_objects()
+        live.append((sum(isinstance(o, torch.Tensor) for o in objects), len(objects)))
+
+    settings = bridge.SampleSettings(width=W, height=H, frames=10, chunk_frames=1, seed=1,
+                                     cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1))
+    bridge.sample(comfy_model, [[_prompt(3), {}]], None, settings, on_chunk=count)
+    tensors, objects = zip(*live[4:])
+    assert len(set(tensors)) == 1, tensors
+    assert max(objects[1:]) <= objects[0] + 10, objects  # not one more object a chunk

@@ -1,0 +1,497 @@
+"""FAST-AR inside ComfyUI against the library, on the same weights, in one run.
+
+The sensitized Wan 2.1 1.3B testbed (bench/testbed.py, random weights at real shapes, the real clip's
+prompt) is written to a safetensors file twice, plain and with the metadata that makes core ComfyUI load
+it as ``WAN21_CausalAR``. Then, one after another in this process, for FAST-AR at its defaults
+(TempCache + ANN Sparsity) and for the dense sink 3 + window 12 cache, ``--chunks`` chunks each:
+
+  library       ``load_wan`` + ``Rollout`` (the library's fused forward and CUDA graphs)
+  comfy-default ComfyUI's UNETLoader ("default" weight dtype) -> FAST-AR Patch Model -> Autoregressive
+                Long Sampler, called as ComfyUI's executor calls them (inside ``torch.inference_mode``)
+  comfy-bf16    the same with ComfyUI's ``--bf16-unet``
+  core-ar       core's AR graph: UNETLoader on the causal file -> FAST-AR Patch Model -> SamplerCustom with
+                Empty AR Video Latent, BasicScheduler (simple, 4 steps) and FAST-AR AR Video
+  comfy-fallback  comfy-bf16 with another pack's attention override set: ComfyUI's own forward
+                (the fallback engine), FAST-AR defaults only, profiled early and late
+  core-sampler  core's own SamplerARVideo in that graph (dense cache sized for the whole video), as far
+                as ``--core-chunks``
+
+Per run: per-chunk wall time (the pack's own ``fastar.cache`` events, or the library's chunk reports;
+core's sampler: its block loop), peak memory allocated and held, and over two steady chunks the
+GPU-busy time (union of kernel intervals) against wall time and the host's kernel launches per chunk,
+from torch.profiler. Those two chunks are left out of the latency statistics. Beside: one chunk forward
+of the fused engine against ComfyUI's own forward on the same bf16 weights, next to ComfyUI's bf16
+forward against its fp32 one (the bf16 noise between the paths).
+
+    python bench/comfy_bench.py --comfyui .comfyui/core-ar-2026 --out bench/results    # H200, ~8 min
+    python bench/comfy_bench.py --comfyui PATH --smoke      # tiny model on the CPU: checks the script only
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SETTINGS = ("fastar", "window")  # FAST-AR defaults; dense sink 3 + window 12
+PATHS = ("library", "comfy-default", "comfy-bf16", "core-ar", "comfy-fallback")
+CAUSAL_METADATA = {"config": json.dumps({"transformer": {"causal_ar": True}})}
+TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--comfyui", help="a ComfyUI tree with core's autoregressive files (core-ar-2026)")
+    p.add_argument("--chunks", type=int, default=60, help="chunks per run (3 latent frames each)")
+    p.add_argument("--core-chunks", type=int, default=60, help="chunks of core's own dense SamplerARVideo")
+    p.add_argument("--profile-at", type=int, default=30, help="first of the two profiled chunks")
+    p.add_argument("--out", default=None, help="folder for comfy_bench.json / .png")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script only)")
+    p.add_argument("--replot", metavar="JSON", help="only print the table and plot of an earlier run's JSON")
+    return p.parse_args(argv)
+
+
+class _Absent:
+    """A stand-in for a package ComfyUI imports at module scope for nodes this benchmark never runs
+    (PyAV, for video files): attributes resolve, calls raise."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(f"{self._name} is not installed here")
+
+
+def _stand_in(name: str) -> None:
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname == name or fullname.startswith(name + "."):
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+            module.__getattr__ = _Absent(spec.name).__getattr__
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, Finder())
+
+
+def import_comfy(path: str, cpu: bool):
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        _stand_in("av")
+    if cpu:
+        os.environ["COMFYUI_CPU"] = "true"
+    sys.path.insert(0, os.path.abspath(path))
+    import comfy.cli_args
+
+    if cpu:
+        comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import comfy.sd  # noqa: F401
+    from _pkg import fastar  # noqa: F401  (the pack as comfyui_fastar)
+
+    return comfy
+
+
+# -- measurement -----------------------------------------------------------------------------------
+class Chunks:
+    """Per-chunk wall times, with a torch.profiler window over two steady chunks."""
+
+    def __init__(self, device, profile_at: int, also_at: int | None = None):
+        self.device, self.profile_at, self.also_at = device, profile_at, also_at
+        self.times, self.prof, self.window, self.early = [], None, None, None
+
+    def __call__(self, chunk: int, seconds: float) -> None:
+        """After chunk ``chunk`` (0-based) finished, ``seconds`` after it started."""
+        self.times.append(seconds)
+        starts = {self.profile_at, self.also_at}
+        if chunk + 1 in starts and self.device.type == "cuda":
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+            self.prof.start()
+        elif chunk - 1 in starts and self.prof is not None:
+            torch.cuda.synchronize(self.device)
+            self.prof.stop()
+            window = self._busy(self.prof, sum(self.times[-2:]))
+            if chunk - 1 == self.also_at:
+                self.early = window
+            else:
+                self.window = window
+            self.prof = None
+
+    def skipped(self) -> set:
+        return {c for s in (self.profile_at, self.also_at) if s is not None for c in (s, s + 1)}
+
+    @staticmethod
+    def _busy(prof, wall_s: float) -> dict:
+        kernels, launches = [], 0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.append((e.time_range.start, e.time_range.end))
+            elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                            "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"):
+                launches += 1
+        busy, end = 0.0, float("-inf")
+        for s, e in sorted(kernels):
+            if e > end:
+                busy += e - max(s, end)
+                end = e
+        host = sorted(((e.key, e.cpu_time_total / 2e3) for e in prof.key_averages()
+                       if e.device_type == torch.autograd.DeviceType.CPU), key=lambda kv: -kv[1])[:12]
+        return {"gpu_busy_ms_per_chunk": busy / 2e3, "wall_ms_per_chunk": wall_s * 1e3 / 2,
+                "host_launches_per_chunk": launches / 2, "kernels_per_chunk": len(kernels) / 2,
+                "host_ms_per_chunk_top_ops": host}
+
+    def summary(self, full_after: int) -> dict:
+        skip = self.skipped()
+        keep = [t for i, t in enumerate(self.times) if i not in skip]
+        steady = [t for i, t in enumerate(self.times[full_after:], full_after) if i not in skip]
+        n = min(20, len(steady) // 2) or 1
+        return {"ms_per_chunk": [1e3 * t for t in self.times],
+                "median_ms": 1e3 * statistics.median(steady or keep),
+                "drift_last_vs_first": statistics.median(steady[-n:]) / statistics.median(steady[:n]) if steady else None,
+                "profile": self.window, "profile_early": self.early}
+
+
+@contextlib.contextmanager
+def memory(device, out: dict):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+    if device.type == "cuda":
+        out["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["peak_held_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+
+
+def full_after(setting: str) -> int:
+    """The first chunk whose cache is full (TempCache's 21-frame budget, or 3 + 12 frames)."""
+    from _pkg import fastar
+
+    frames = fastar.TempCacheConfig().max_cache_frames if setting == "fastar" else 15
+    return -(-frames // 3)
+
+
+# -- the paths -------------------------------------------------------------------------------------
+def run_library(path, context, setting, chunks, device, dims, profile_at):
+    from _pkg import fastar
+
+    model = fastar.models.load_wan(path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cache = fastar.TempCacheConfig() if setting == "fastar" else fastar.CacheConfig("window", 3, 12)
+    ann = fastar.AnnConfig() if setting == "fastar" else None
+    rec, out = Chunks(device, profile_at), {"engine": "library"}
+    with torch.inference_mode(), memory(device, out):
+        run = fastar.Rollout(model, context.to(device, model.dtype), frames=3 * chunks, height=dims[0],
+                             width=dims[1], chunk_frames=3, cache=cache, ann=ann)
+        run.run(lambda r: rec(r.chunk, r.latency_s))
+        del run
+    del model
+    return {**out, **rec.summary(full_after(setting))}
+
+
+def _fastar_nodes(setting):
+    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, TempCacheSettings
+
+    if setting != "fastar":
+        return None, None
+    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
+
+    t, a = TempCacheConfig(), AnnConfig()
+    tc = TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames, t.matching,
+                                   t.grouping).result[0]
+    ann = AnnSparsity.execute(a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
+                              ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction, a.keep_mass,
+                              a.min_tokens, a.seed).result[0]
+    return tc, ann
+
+
+class Events:
+    """The pack's ``fastar.cache`` events, caught where the node sends them (no server here)."""
+
+    def __init__(self, rec):
+        self.rec, self.engine = rec, None
+
+    def __call__(self, event, data):
+        if data.get("status") == "running" and data.get("chunk"):
+            self.engine = data.get("engine")
+            self.rec(data["chunk"] - 1, data["latency_s"])
+
+
+def load_unet(comfy, folder, name, dtype_flag):
+    import comfy.cli_args
+    from comfy.nodes.base_nodes import UNETLoader
+
+    comfy.cli_args.args.bf16_unet = dtype_flag == "bf16"
+    try:
+        return UNETLoader().load_unet(name, "default")[0]
+    finally:
+        comfy.cli_args.args.bf16_unet = False
+
+
+def other_packs_override(func, *args, **kwargs):
+    """An attention override another pack might set (as SageAttention patches do), calling through:
+    the fused engine cannot honour it, so the rollout runs on ComfyUI's forward."""
+    return func(*args, **kwargs)
+
+
+def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, profile_at, dtype_flag, graph,
+              fallback=False):
+    import comfy.model_management
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo, AutoregressiveLongSampler, PatchModel
+
+    rec, out = Chunks(device, profile_at, also_at=full_after(setting) + 2 if fallback else None), {}
+    events = Events(rec)
+    send, bridge.send_event = bridge.send_event, events
+    try:
+        with torch.inference_mode():
+            model = load_unet(comfy, folder, name, dtype_flag)
+            out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
+            out["model_class"] = type(model.model).__name__ + " / " + type(model.model.diffusion_model).__name__
+            tc, ann = _fastar_nodes(setting)
+            if fallback:
+                model = model.clone()
+                model.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
+                    other_packs_override
+            patched = PatchModel.execute(model, tc, ann).result[0]
+            comfy.model_management.load_models_gpu([patched])  # weights in place before the peak is reset
+            length = (3 * chunks - 1) * 4 + 1
+            with memory(device, out):
+                if graph == "long":
+                    AutoregressiveLongSampler.execute(patched, positive, dims[1], dims[0], length, 1, 0,
+                                                      "1000,750,500,250", 5.0, "3", 0.0, "window", 3, 12, 1.0)
+                else:
+                    sampler = ARVideo.execute(3, "window", 3, 12).result[0]
+                    core_graph(patched, positive, sampler, dims, length)
+            out["engine"] = events.engine
+            del model, patched
+    finally:
+        bridge.send_event = send
+        comfy.model_management.unload_all_models()
+        comfy.model_management.soft_empty_cache()
+    return {**out, **rec.summary(full_after(setting))}
+
+
+def core_graph(model, positive, sampler, dims, length):
+    from comfy_extras.nodes.nodes_ar_video import EmptyARVideoLatent
+    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
+
+    latent = EmptyARVideoLatent.execute(dims[1], dims[0], length, 1).result[0]
+    sigmas = BasicScheduler.execute(model, "simple", 4, 1.0).result[0]
+    return SamplerCustom.execute(model, True, 0, 1.0, positive, positive, sampler, sigmas, latent).result[0]
+
+
+def run_core_sampler(comfy, folder, name, positive, chunks, device, dims):
+    """Core's own SamplerARVideo, timed by its block loop (``trange`` in k_diffusion.sampling)."""
+    import comfy.k_diffusion.sampling as sampling
+    import comfy.model_management
+    from comfy_extras.nodes.nodes_ar_video import SamplerARVideo
+
+    rec, out = Chunks(device, -10), {"engine": "core"}
+    original = sampling.trange
+
+    def timed(n, **kw):
+        for i in original(n, **kw):
+            tic = time.perf_counter()
+            yield i
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            rec(i, time.perf_counter() - tic)
+
+    sampling.trange = timed
+    try:
+        with torch.inference_mode():
+            model = load_unet(comfy, folder, name, None)
+            out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
+            comfy.model_management.load_models_gpu([model])
+            with memory(device, out):
+                core_graph(model, positive, SamplerARVideo.execute(3).result[0], dims, (3 * chunks - 1) * 4 + 1)
+            del model
+    except torch.OutOfMemoryError as exc:
+        out["error"] = f"out of memory after {len(rec.times)} chunks: {str(exc).splitlines()[0]}"
+    finally:
+        sampling.trange = original
+        comfy.model_management.unload_all_models()
+        comfy.model_management.soft_empty_cache()
+    summary = rec.summary(0)
+    return {**out, **summary, "chunks": len(rec.times)}
+
+
+def forward_agreement(comfy, folder, name, context, device, dims):
+    """One chunk forward: fused vs ComfyUI on the same bf16 weights, and ComfyUI bf16 vs fp32."""
+    import comfy.model_management
+    from comfyui_fastar.nodes import bridge
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(1, 16, 3, dims[0] // 8, dims[1] // 8, generator=g).to(device)
+    t = torch.tensor([625.0], device=device)
+    outs = {}
+    with torch.inference_mode():
+        for label, flag in (("bf16", "bf16"), ("fp32", "fp32")):
+            import comfy.cli_args
+
+            comfy.cli_args.args.fp32_unet = flag == "fp32"
+            try:
+                model = load_unet(comfy, folder, name, flag)
+            finally:
+                comfy.cli_args.args.fp32_unet = False
+            comfy.model_management.load_models_gpu([model])
+            dm = model.model.diffusion_model
+            dtype = model.model.get_dtype()
+            outs[label] = dm(x.to(dtype), t, context.to(device, dtype)).float()
+            if label == "bf16":
+                fused = bridge.fused_wan(dm)
+                outs["fused"] = fused(x.to(dtype), t, context.to(device, dtype)).float()
+                del fused
+            del model, dm
+            comfy.model_management.unload_all_models()
+            comfy.model_management.soft_empty_cache()
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    return {"fused_vs_comfy_bf16": rel(outs["fused"], outs["bf16"]),
+            "comfy_bf16_vs_fp32": rel(outs["bf16"], outs["fp32"]),
+            "fused_bf16_vs_comfy_fp32": rel(outs["fused"], outs["fp32"])}
+
+
+# -- main ------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            return report(json.load(f), args.out)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    comfy = import_comfy(args.comfyui, cpu=device.type == "cpu")
+    import comfy.cmd.folder_paths as folder_paths
+    from safetensors.torch import save_file
+
+    from _pkg import fastar
+    from testbed import prompt_context, testbed
+
+    if args.smoke:
+        args.chunks, args.core_chunks, args.profile_at = min(args.chunks, 9), min(args.core_chunks, 3), 4
+        model = fastar.models.WanModel(fastar.models.WanConfig(**TINY)).init_random(seed=7)
+        dims = (32, 32)
+        context = prompt_context(model.text_dim)
+    else:
+        model, context = testbed(prompt="wan")
+        dims = (480, 832)
+    folder = tempfile.mkdtemp(prefix="fastar_comfy_bench_")
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(folder, "testbed.safetensors"))
+    save_file(state, os.path.join(folder, "testbed_causal.safetensors"), metadata=CAUSAL_METADATA)
+    del model, state
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    context = context.float().cpu()
+    positive = [[context, {}]]
+    plain = os.path.join(folder, "testbed.safetensors")
+
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+               "shapes": {"height": dims[0], "width": dims[1], "chunk_frames": 3, "chunks": args.chunks,
+                          "steps": 4}, "weights": "bench/testbed.py sensitized random weights, the Wan clip's prompt",
+               "runs": {}}
+    for setting in SETTINGS:
+        for path in PATHS:
+            print(f"-- {path} / {setting}", flush=True)
+            if path == "library":
+                r = run_library(plain, context, setting, args.chunks, device, dims, args.profile_at)
+            elif path == "comfy-fallback":
+                if setting != "fastar":
+                    continue
+                r = run_comfy(comfy, folder, "testbed.safetensors", positive, setting, args.chunks, device, dims,
+                              args.profile_at, "bf16", "long", fallback=True)
+            elif path == "core-ar":
+                r = run_comfy(comfy, folder, "testbed_causal.safetensors", positive, setting, args.chunks, device,
+                              dims, args.profile_at, None, "core")
+            else:
+                r = run_comfy(comfy, folder, "testbed.safetensors", positive, setting, args.chunks, device, dims,
+                              args.profile_at, "bf16" if path == "comfy-bf16" else None, "long")
+            results["runs"][f"{path}/{setting}"] = r
+            print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}",
+                  flush=True)
+    print("-- core-sampler / dense unbounded", flush=True)
+    results["runs"]["core-sampler/dense"] = run_core_sampler(comfy, folder, "testbed_causal.safetensors", positive,
+                                                             args.core_chunks, device, dims)
+    results["forward_agreement"] = forward_agreement(comfy, folder, "testbed.safetensors", context, device, dims)
+    report(results, args.out)
+    return results
+
+
+def report(results, out):
+    runs = results["runs"]
+    print(f"\n{results['device']}, {results['shapes']}")
+    print(f"{'run':28s} {'engine':8s} {'weights':9s} {'ms/chunk':>9s} {'x lib':>6s} {'drift':>6s} {'alloc GB':>9s} "
+          f"{'held GB':>8s} {'busy/wall':>10s} {'launches':>9s}")
+    for name, r in runs.items():
+        lib = runs.get(f"library/{name.split('/')[1]}")
+        ratio = r["median_ms"] / lib["median_ms"] if lib else float("nan")
+        p = r.get("profile") or {}
+        busy = f"{p['gpu_busy_ms_per_chunk']:.0f}/{p['wall_ms_per_chunk']:.0f}" if p else "-"
+        print(f"{name:28s} {str(r.get('engine')):8s} {r.get('weights', 'bf16'):9s} {r['median_ms']:9.1f} {ratio:6.3f} "
+              f"{(r['drift_last_vs_first'] or float('nan')):6.3f} {r.get('peak_allocated_gb', float('nan')):9.2f} "
+              f"{r.get('peak_held_gb', float('nan')):8.2f} {busy:>10s} {p.get('host_launches_per_chunk', float('nan')):9.0f}")
+    print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "comfy_bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        plot(results, os.path.join(out, "comfy_bench.png"))
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
+    for ax, setting in zip(axes, ("fastar", "window")):
+        tops = [1.0]
+        for name, r in results["runs"].items():
+            if name.endswith("/" + setting) or (setting == "window" and name == "core-sampler/dense"):
+                ax.plot(range(1, len(r["ms_per_chunk"]) + 1), r["ms_per_chunk"], label=f"{name} ({r.get('engine')})",
+                        lw=1.2)
+                tops.append(max(r["ms_per_chunk"][-20:]))
+        ax.set_ylim(0, 1.3 * max(tops))  # the first chunks compile kernels: off scale
+        ax.set_xlabel("chunk (3 latent frames)")
+        ax.set_ylabel("ms per chunk")
+        ax.set_title({"fastar": "FAST-AR defaults (TempCache + ANN Sparsity)",
+                      "window": "dense sink 3 + window 12 (and core's dense SamplerARVideo)"}[setting], fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"ComfyUI paths vs the library, {results['device']}, Wan 2.1 1.3B shapes "
+                 f"{results['shapes']['width']}x{results['shapes']['height']}, random weights", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
