@@ -9,6 +9,7 @@ it as ``WAN21_CausalAR``. Then, one after another in this process, for FAST-AR a
   comfy-default ComfyUI's UNETLoader ("default" weight dtype) -> FAST-AR Patch Model -> Autoregressive
                 Long Sampler, called as ComfyUI's executor calls them (inside ``torch.inference_mode``)
   comfy-bf16    the same with ComfyUI's ``--bf16-unet``
+  comfy-fp8     the same with UNETLoader's weight dtype fp8_e4m3fn (weights stored in fp8, computed in bf16)
   core-ar       core's AR graph: UNETLoader on the causal file -> FAST-AR Patch Model -> SamplerCustom with
                 Empty AR Video Latent, BasicScheduler (simple, 4 steps) and FAST-AR AR Video
   comfy-fallback  comfy-bf16 with another pack's attention override set: ComfyUI's own forward
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SETTINGS = ("fastar", "window")  # FAST-AR defaults; dense sink 3 + window 12
-PATHS = ("library", "comfy-default", "comfy-bf16", "core-ar", "comfy-fallback")
+PATHS = ("library", "comfy-default", "comfy-bf16", "comfy-fp8", "core-ar", "comfy-fallback")
 CAUSAL_METADATA = {"config": json.dumps({"transformer": {"causal_ar": True}})}
 TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
 
@@ -249,7 +250,7 @@ def load_unet(comfy, folder, name, dtype_flag):
 
     comfy.cli_args.args.bf16_unet = dtype_flag == "bf16"
     try:
-        return UNETLoader().load_unet(name, "default")[0]
+        return UNETLoader().load_unet(name, "fp8_e4m3fn" if dtype_flag == "fp8" else "default")[0]
     finally:
         comfy.cli_args.args.bf16_unet = False
 
@@ -273,6 +274,7 @@ def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, prof
         with torch.inference_mode():
             model = load_unet(comfy, folder, name, dtype_flag)
             out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
+            out["compute"] = str(model.model.manual_cast_dtype or model.model.get_dtype()).replace("torch.", "")
             out["model_class"] = type(model.model).__name__ + " / " + type(model.model.diffusion_model).__name__
             tc, ann = _fastar_nodes(setting)
             if fallback:
@@ -432,8 +434,9 @@ def main(argv=None):
                 r = run_comfy(comfy, folder, "testbed_causal.safetensors", positive, setting, args.chunks, device,
                               dims, args.profile_at, None, "core")
             else:
+                flag = {"comfy-bf16": "bf16", "comfy-fp8": "fp8"}.get(path)
                 r = run_comfy(comfy, folder, "testbed.safetensors", positive, setting, args.chunks, device, dims,
-                              args.profile_at, "bf16" if path == "comfy-bf16" else None, "long")
+                              args.profile_at, flag, "long")
             results["runs"][f"{path}/{setting}"] = r
             print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}",
                   flush=True)

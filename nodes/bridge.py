@@ -300,7 +300,11 @@ class ComfyChunkModel:
 
 
 # -- the engine ---------------------------------------------------------------------------
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STORED_DTYPES = _COMPUTE_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
+# ComfyUI's layer classes whose forward is a plain layer over its (cast) weight; its fp8 matmul and
+# scaled / quantized ops compute otherwise.
+_PLAIN_OPS = ("disable_weight_init.", "manual_cast.")
 
 
 @dataclass
@@ -313,24 +317,29 @@ class Engine:
     reason: str | None = None
 
 
+def compute_dtype(patcher) -> torch.dtype:
+    """The dtype ComfyUI computes the model in: its weights' dtype, or the one it casts them to."""
+    return patcher.model.manual_cast_dtype or patcher.model.get_dtype()
+
+
 def _fused_blocker(patcher, dm, options: dict, model_options: dict) -> str | None:
     """Why the fused forward would not compute what ComfyUI's forward computes, or None."""
     ms = patcher.model.model_sampling
     if not isinstance(ms, comfy.model_sampling.CONST) or float(getattr(ms, "multiplier", 0.0)) != 1000.0:
         return f"the model samples with {type(ms).__name__} (multiplier {getattr(ms, 'multiplier', '?')})"
-    if patcher.model.manual_cast_dtype is not None:
-        return (f"its weights are stored in {patcher.model.get_dtype()} and cast to "
-                f"{patcher.model.manual_cast_dtype} on every call")
+    if compute_dtype(patcher) not in _COMPUTE_DTYPES:
+        return f"it computes in {compute_dtype(patcher)}"
     device = torch.device(patcher.load_device)
     for name, p in dm.named_parameters():
         if p.device != device or p.device.type == "meta":
             return f"its weights are not all on {device} ({name} is on {p.device}: offloaded or partly loaded)"
-        if p.dtype not in _FUSED_DTYPES:
+        if p.dtype not in _STORED_DTYPES:
             return f"its weights are stored in {p.dtype} ({name})"
     for name, m in dm.named_modules():
-        if getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None) or \
-                getattr(m, "bias_function", None):
-            return f"{name or 'the model'} casts or patches its weights on every call (low-VRAM loading)"
+        if getattr(m, "weight_function", None) or getattr(m, "bias_function", None):
+            return f"{name or 'the model'} patches its weights on every call (low-VRAM loading)"
+        if type(m).__module__ == "comfy.ops" and not type(m).__qualname__.startswith(_PLAIN_OPS):
+            return f"{name} runs ComfyUI's {type(m).__qualname__} layer (fp8 matmuls or scaled weights)"
     patched = sorted(k for k in patcher.object_patches if k.startswith("diffusion_model"))
     if patched:
         return f"another node replaced {patched[0]} (an object patch)"
@@ -349,18 +358,51 @@ def _fused_blocker(patcher, dm, options: dict, model_options: dict) -> str | Non
     return None
 
 
-def fused_wan(dm) -> "WanModel":
+class _CastOnRead:
+    """A layer whose ``weight`` and ``bias`` are read in ``compute_dtype``, as ComfyUI's cast ops read
+    weights stored in another dtype (fp8 among them): the stored tensors stay the model's own, and each
+    forward dequantizes a layer's weight when it uses it."""
+
+    @property
+    def weight(self):
+        return self._parameters["weight"].to(self.compute_dtype)
+
+    @property
+    def bias(self):
+        b = self._parameters.get("bias")
+        return None if b is None else b.to(self.compute_dtype)
+
+
+_CAST_CLASSES: dict = {}
+
+
+def _cast_on_read(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    cls = type(module)
+    if cls not in _CAST_CLASSES:
+        _CAST_CLASSES[cls] = type(f"CastOnRead{cls.__name__}", (_CastOnRead, cls), {})
+    module.__class__ = _CAST_CLASSES[cls]
+    module.compute_dtype = dtype
+
+
+def fused_wan(dm, dtype: torch.dtype | None = None) -> "WanModel":
     """The library's Wan forward over ``dm``'s own parameter tensors (no copy: the state-dict names
-    match). Built per rollout: ComfyUI swaps a parameter's tensor when it patches or moves weights."""
+    match), computing in ``dtype`` (default: the weights'). Weights stored in another dtype are read
+    in ``dtype`` layer by layer; the patch embedding runs in its own dtype, as ComfyUI runs it (fp32).
+    Built per rollout: ComfyUI swaps a parameter's tensor when it patches or moves weights."""
     from ..fastar.models import WanModel, infer_config
 
-    state = {k: v for k, v in dm.state_dict().items()}
+    state = dict(dm.state_dict())
     config = infer_config(state, num_heads=int(dm.num_heads))
     eps = float(getattr(dm, "eps", config.eps))
     config = dataclasses.replace(config, eps=eps, text_len=int(getattr(dm, "text_len", config.text_len)))
     with torch.device("meta"):
         wan = WanModel(config)
     wan.load_state_dict(state, strict=True, assign=True)
+    dtype = dtype or state["blocks.0.self_attn.q.weight"].dtype
+    for name, m in wan.named_modules():
+        own = [p for p in m.parameters(recurse=False)]
+        if name != "patch_embedding" and any(p.dtype != dtype for p in own) and "weight" in m._parameters:
+            _cast_on_read(m, dtype)
     return wan.eval().requires_grad_(False)
 
 
@@ -370,7 +412,7 @@ def choose_engine(patcher, options: dict, model_options: dict, node: str) -> Eng
     reason = _fused_blocker(patcher, dm, options, model_options)
     if reason is None:
         try:
-            return Engine("fused", fused_wan(dm))
+            return Engine("fused", fused_wan(dm, compute_dtype(patcher)))
         except (FastARError, RuntimeError, KeyError) as exc:  # a structure the library's Wan does not have
             reason = f"its parameters do not map onto the Wan 2.1 forward ({str(exc).splitlines()[0]})"
     from comfy.ldm.wan.model import WanModel

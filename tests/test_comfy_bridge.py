@@ -12,6 +12,7 @@ import importlib.machinery
 import os
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -508,7 +509,9 @@ def test_nothing_accumulates_from_chunk_to_chunk(models, bridge, monkeypatch, en
     def count(report):
         gc.collect()
         objects = gc.get_objects()
-        live.append((sum(isinstance(o, torch.Tensor) for o in objects), len(objects)))
+        with warnings.catch_warnings():  # (isinstance on some torch module objects warns of deprecations)
+            warnings.simplefilter("ignore")
+            live.append((sum(isinstance(o, torch.Tensor) for o in objects), len(objects)))
 
     settings = bridge.SampleSettings(width=W, height=H, frames=10, chunk_frames=1, seed=1,
                                      cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1))
@@ -516,3 +519,24 @@ def test_nothing_accumulates_from_chunk_to_chunk(models, bridge, monkeypatch, en
     tensors, objects = zip(*live[4:])
     assert len(set(tensors)) == 1, tensors
     assert max(objects[1:]) <= objects[0] + 10, objects  # not one more object a chunk
+
+
+def test_fp8_stored_weights_run_fused_and_stay_the_models_own(comfy, checkpoint, bridge, monkeypatch):
+    """ComfyUI's Load Diffusion Model with weight_dtype fp8_e4m3fn stores the weights in fp8 and casts
+    each to the compute dtype when a layer runs; the fused engine reads them the same way."""
+    fp8 = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float8_e4m3fn})
+    dm = fp8.model.diffusion_model
+    assert dm.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
+    engine = _engine(bridge, fp8)
+    assert (engine.name, engine.reason) == ("fused", None)
+    theirs = dict(dm.named_parameters())
+    ours = dict(engine.model.named_parameters())
+    assert ours.keys() == theirs.keys() and all(ours[n].data_ptr() == theirs[n].data_ptr() for n in ours)
+    assert engine.model.dtype == bridge.compute_dtype(fp8) == torch.float32  # (on a CPU ComfyUI computes in fp32)
+
+    pos = _prompt(4)
+    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=2)
+    fused = bridge.sample(fp8, [[pos, {}]], None, settings)["samples"]
+    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    ref = bridge.sample(fp8, [[pos, {}]], None, settings)["samples"]
+    assert _rel(fused, ref) <= 1e-5
