@@ -400,8 +400,9 @@ def fused_wan(dm, dtype: torch.dtype | None = None) -> "WanModel":
     wan.load_state_dict(state, strict=True, assign=True)
     dtype = dtype or state["blocks.0.self_attn.q.weight"].dtype
     for name, m in wan.named_modules():
-        own = [p for p in m.parameters(recurse=False)]
-        if name != "patch_embedding" and any(p.dtype != dtype for p in own) and "weight" in m._parameters:
+        stored = [p.dtype for p in m.parameters(recurse=False)]
+        own_dtype = name == "patch_embedding" and all(d in _COMPUTE_DTYPES for d in stored)
+        if "weight" in m._parameters and not own_dtype and any(d != dtype for d in stored):
             _cast_on_read(m, dtype)
     return wan.eval().requires_grad_(False)
 

@@ -540,3 +540,31 @@ def test_fp8_stored_weights_run_fused_and_stay_the_models_own(comfy, checkpoint,
     monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
     ref = bridge.sample(fp8, [[pos, {}]], None, settings)["samples"]
     assert _rel(fused, ref) <= 1e-5
+
+
+def test_weight_patches_are_used_as_comfyui_applied_them(models, bridge, monkeypatch):
+    """A LoRA-style weight patch (a diff on one projection): ComfyUI applies it to the tensor when it loads
+    the model, and the fused engine runs over that very tensor, so it samples what ComfyUI's forward samples."""
+    comfy_model, _ = models
+    dm = comfy_model.model.diffusion_model
+    original = dm.blocks[0].self_attn.q.weight.detach().clone()
+    delta = 0.05 * torch.randn(original.shape, generator=torch.Generator().manual_seed(8))
+    lora = comfy_model.clone()
+    lora.add_patches({"diffusion_model.blocks.0.self_attn.q.weight": (delta,)}, 1.0)
+    pos = _prompt(5)
+    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=4)
+    read = []
+
+    def on_engine(engine):  # what the forward reads, while ComfyUI has the model loaded for this rollout
+        ours, theirs = engine.model.blocks[0].self_attn.q.weight, dm.blocks[0].self_attn.q.weight
+        read.append((engine.name, ours.data_ptr() == theirs.data_ptr(), not torch.equal(theirs, original)))
+
+    plain = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    fused = bridge.sample(lora, [[pos, {}]], None, settings, on_engine=on_engine)["samples"]
+    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    comfy = bridge.sample(lora, [[pos, {}]], None, settings)["samples"]
+    (name, same_tensor, patched), = read
+    assert name == "fused" and same_tensor
+    assert _rel(fused, comfy) <= 1e-5
+    if patched:  # (the pip-installable ComfyUI keeps a model loaded for one patcher as it is for the next)
+        assert _rel(fused, plain) > 1e-3  # the patch is in
