@@ -1,22 +1,21 @@
 """The bridge between ComfyUI and ``fastar``: the only module that touches ComfyUI internals.
 
-``patch_model`` returns a ``ModelPatcher.clone()`` of a stock Wan 2.1 T2V model with two
-additions, both inert unless a FAST-AR rollout is running:
+A rollout runs on one of two engines (``choose_engine``):
 
-- a keyed ``DIFFUSION_MODEL`` wrapper that, inside a rollout, gives the chunk its temporal RoPE
-  offset (``transformer_options["rope_options"]["shift_t"]`` where ``rope_encode`` reads it,
-  otherwise ``rope_encode(..., t_start=)`` for the duration of the call) and counts the
-  forward's attention calls;
-- an ``optimized_attention_override`` that, inside a rollout, sends self-attention through the
-  rollout's KV cache (``fastar.FastARAttention``) and cross-attention to its prompt path. Any
-  override that was already set (SageAttention patches, ...) is kept and called for every call
-  that is not ours.
+- ``fused``: the library's Wan forward (``fastar.models.WanModel``) built over the ComfyUI model's own
+  parameter tensors, with the rollout's per-chunk CUDA graphs: the library's speed, no second copy of
+  the weights, weight patches as ComfyUI applied them. Taken whenever it computes what ComfyUI's
+  forward would (``_fused_blocker`` names what stands in the way otherwise).
+- ``comfy``: ComfyUI's own forward through ``BaseModel.apply_model`` (``ComfyChunkModel``), with the
+  attention routed into FAST-AR by what ``patch_model`` adds to a ``ModelPatcher.clone()``, inert
+  outside a rollout: a keyed ``DIFFUSION_MODEL`` wrapper that gives the chunk its temporal RoPE offset
+  and counts the forward's attention calls, and an ``optimized_attention_override`` that sends
+  self-attention through the rollout's KV cache and cross-attention to its prompt path, chained to any
+  override already set.
 
-``ComfyChunkModel`` makes such a patched model follow ``fastar.ChunkModel``: each chunk forward
-goes through ``BaseModel.apply_model`` (input scaling, weight dtype, LoRA/weight patches, model
-wrappers) the way ComfyUI's samplers call it. ``sample`` runs a whole rollout the way KSampler
-does: conditioning through the model's ``extra_conds``, models loaded by ComfyUI's model
-management, latents in and out through the model's latent format.
+``sample`` runs a whole rollout the way KSampler does (conditioning through the model's
+``extra_conds``, ComfyUI's model management, the model's latent format); ``ARVideoSampler`` is the
+same rollout as a SAMPLER in core ComfyUI's autoregressive video graph.
 """
 from __future__ import annotations
 
