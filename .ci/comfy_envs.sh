@@ -39,6 +39,7 @@ for line in lines:
     if line and not re.match(r"(torch|torchvision|torchaudio)\s*([<>=!~;\[]|$)", line, re.I):
         print(line)
 print("pytest>=7")
+print("matplotlib>=3.6")  # the pack's own dependency (it is installed with --no-deps below)
 PY
     printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$v/constraints.txt"
     "$v/bin/python" -m pip install -q --isolated --uploaded-prior-to "$cut" -c "$v/constraints.txt" \

@@ -19,13 +19,16 @@ it as ``WAN21_CausalAR``. Then, one after another in this process, for FAST-AR a
 
 Per run: per-chunk wall time (the pack's own ``fastar.cache`` events, or the library's chunk reports;
 core's sampler: its block loop), peak memory allocated and held, and over two steady chunks the
-GPU-busy time (union of kernel intervals) against wall time and the host's kernel launches per chunk,
-from torch.profiler. Those two chunks are left out of the latency statistics. Beside: one chunk forward
-of the fused engine against ComfyUI's own forward on the same bf16 weights, next to ComfyUI's bf16
-forward against its fp32 one (the bf16 noise between the paths).
+GPU-busy time (union of kernel intervals) against wall time and the host's launches per chunk (kernels,
+graph replays, copies), from torch.profiler. Those two chunks are left out of the latency statistics.
+Beside: one chunk forward of the fused engine against ComfyUI's own forward on the same bf16 weights,
+next to ComfyUI's bf16 forward against its fp32 one (the bf16 noise between the paths).
 
-    python bench/comfy_bench.py --comfyui .comfyui/core-ar-2026 --out bench/results    # H200, ~8 min
+    python bench/comfy_bench.py --comfyui PATH --out bench/results   # PATH: a ComfyUI with core's AR path; H200 ~9 min
     python bench/comfy_bench.py --comfyui PATH --smoke      # tiny model on the CPU: checks the script only
+
+On a GPU machine without the tree's dependencies, carry what ``bench/comfy_site.py`` packs and run with
+``PYTHONPATH=.comfyui/gpu/site`` and ``--comfyui .comfyui/gpu/tree``.
 """
 from __future__ import annotations
 

@@ -143,3 +143,19 @@ def test_fastar_sampler_errors_name_the_node_and_input(causal):
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
                                           r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):
         _sample_custom(causal, ARVideo.execute(3, "unbounded", 3, 12).result[0], frames=5)
+
+
+def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twins):
+    """bench/comfy_bench.py --smoke: every ComfyUI path it times runs where its table says."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import comfy_bench
+
+    results = comfy_bench.main(["--comfyui", COMFYUI_PATH, "--smoke", "--out", str(tmp_path)])
+    engines = {name: r["engine"] for name, r in results["runs"].items()}
+    assert engines.pop("core-sampler/dense") == "core"
+    assert engines.pop("comfy-fallback/fastar") == "comfy"
+    assert {n for n, e in engines.items() if e == "library"} == {"library/fastar", "library/window"}
+    assert {e for n, e in engines.items() if not n.startswith("library")} == {"fused"}
+    assert (tmp_path / "comfy_bench.json").is_file()
