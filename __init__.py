@@ -1,6 +1,9 @@
 """ComfyUI-FastAR: the ComfyUI entry point (V3 extension) and the web extension folder.
 
-Importing this package needs no ComfyUI: the extension is built only when ComfyUI asks.
+Importing this package needs no ComfyUI: the nodes are built only when ComfyUI asks. ComfyUI 0.3.x
+takes them from ``NODE_CLASS_MAPPINGS`` (or the V3 ``comfy_entrypoint``); the pip-installable ComfyUI
+reads ``NODE_CLASS_MAPPINGS`` first and logs an error where a pack has none, then the entry point.
+Both names resolve to the same classes.
 """
 WEB_DIRECTORY = "./web"
 
@@ -15,6 +18,18 @@ async def comfy_entrypoint():
             return node_list()
 
     return FastARExtension()
+
+
+def __getattr__(name):
+    """``NODE_CLASS_MAPPINGS`` / ``NODE_DISPLAY_NAME_MAPPINGS``, made when ComfyUI reads them."""
+    if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
+        from .nodes import node_list
+
+        schemas = [(node, node.define_schema()) for node in node_list()]
+        if name == "NODE_CLASS_MAPPINGS":
+            return {schema.node_id: node for node, schema in schemas}
+        return {schema.node_id: schema.display_name for _, schema in schemas if schema.display_name}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

@@ -231,7 +231,7 @@ def _fastar_nodes(setting):
                                    t.grouping).result[0]
     ann = AnnSparsity.execute(a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
                               ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction, a.keep_mass,
-                              a.min_tokens, a.seed).result[0]
+                              a.min_tokens).result[0]
     return tc, ann
 
 

@@ -146,15 +146,13 @@ class AnnSparsity(io.ComfyNode):
                                        "recall there)."),
                 io.Int.Input("min_tokens", default=d.min_tokens, min=0, max=4096, step=1,
                              tooltip="AnnCA keeps at least this many prompt tokens per frame."),
-                io.Int.Input("seed", default=d.seed, min=0, max=2**31 - 1, step=1,
-                             tooltip="Seed of the LSH hyperplanes."),
             ],
             outputs=[AnnType.Output()],
         )
 
     @classmethod
     def execute(cls, method, bits, probes, block_q, dense_steps_fraction, dense_layers, annsa, annca, keep_fraction,
-                keep_mass, min_tokens, seed) -> io.NodeOutput:
+                keep_mass, min_tokens) -> io.NodeOutput:
         try:
             layers = tuple(int(t) for t in str(dense_layers).replace(" ", "").split(",") if t)
         except ValueError:
@@ -163,20 +161,35 @@ class AnnSparsity(io.ComfyNode):
             return io.NodeOutput(AnnConfig(method=method, bits=int(bits), probes=int(probes), block_q=int(block_q),
                                            dense_steps_fraction=float(dense_steps_fraction), dense_layers=layers,
                                            annsa=bool(annsa), annca=bool(annca), keep_fraction=float(keep_fraction),
-                                           keep_mass=float(keep_mass), min_tokens=int(min_tokens), seed=int(seed)))
+                                           keep_mass=float(keep_mass), min_tokens=int(min_tokens)))
 
 
-def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise,
-              cache_mode, sink_frames, window_frames, cfg, tempcache=None) -> bridge.SampleSettings:
-    """Validated rollout settings (raises FastARError with one clear line)."""
-    chunk = int(frames_per_chunk)
-    frames = bridge.latent_frames(int(length))
+FRAMES_PER_CHUNK = ("3", "1")
+MAX_LENGTH = 100001
+
+
+def _check_length(length: int, chunk: int) -> int:
+    """Latent frames of a video ``length`` (1 + 4k frames, whole chunks), or one clear error."""
+    if not 1 <= length <= MAX_LENGTH:
+        raise FastARError(f"length {length} must lie in [1, {MAX_LENGTH}] video frames")
+    if (length - 1) % 4:
+        lo, hi = length - (length - 1) % 4, length - (length - 1) % 4 + 4
+        raise FastARError(f"length {length} is not 1 + 4k video frames (what Wan's VAE decodes to); use {lo} or {hi}")
+    frames = bridge.latent_frames(length)
     if frames % chunk:
         lo = ((frames // chunk) * chunk - 1) * 4 + 1
         hi = ((frames // chunk + 1) * chunk - 1) * 4 + 1
         hint = f"use {lo} or {hi}" if lo >= 1 else f"use {hi}"
         raise FastARError(f"length {length} gives {frames} latent frames, not a multiple of {chunk} frames per "
                           f"chunk; {hint}")
+    return frames
+
+
+def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise,
+              cache_mode, sink_frames, window_frames, cfg, tempcache=None) -> bridge.SampleSettings:
+    """Validated rollout settings (raises FastARError with one clear line)."""
+    chunk = int(frames_per_chunk)
+    frames = _check_length(int(length), chunk)
     FlowMatchSchedule.parse(timesteps, shift=float(shift))
     cache = tempcache if tempcache is not None else CacheConfig(cache_mode, int(sink_frames), int(window_frames))
     for name, value in (("width", width), ("height", height)):
@@ -203,7 +216,7 @@ class AutoregressiveLongSampler(io.ComfyNode):
                 io.Conditioning.Input("positive", tooltip="The prompt (one text conditioning)."),
                 io.Int.Input("width", default=832, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
                 io.Int.Input("height", default=480, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
-                io.Int.Input("length", default=81, min=1, max=100001, step=4,
+                io.Int.Input("length", default=81, min=1, max=MAX_LENGTH, step=4,
                              tooltip="Video frames (1 + 4k: 81 frames = 21 latent frames). The latent frame count "
                                      "must be a multiple of the frames per chunk."),
                 io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Videos generated together."),
@@ -215,7 +228,7 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                         "(the few-step schedule the causal checkpoints are distilled for)."),
                 io.Float.Input("shift", default=5.0, min=0.01, max=100.0, step=0.01,
                                tooltip="Timestep shift that warps the listed steps (Self-Forcing uses 5)."),
-                io.Combo.Input("frames_per_chunk", options=["3", "1"], default="3",
+                io.Combo.Input("frames_per_chunk", options=list(FRAMES_PER_CHUNK), default="3",
                                tooltip="Latent frames per chunk; must match the checkpoint (chunkwise models 3, "
                                        "framewise 1)."),
                 io.Float.Input("context_noise", default=0.0, min=0.0, max=999.0, step=1.0,
@@ -240,18 +253,21 @@ class AutoregressiveLongSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=None, height=None, length=None, frames_per_chunk=None, timesteps=None,
-                        shift=None, **_):
+    def validate_inputs(cls, length=None, frames_per_chunk=None, cache_mode=None, timesteps=None):
+        """The checks ComfyUI cannot make (ComfyUI 0.3.64 checks no V3 combo's options). Only the inputs
+        named here skip ComfyUI's own type / min / max checks (and each message is shown on each of them),
+        so they are the few that need ours."""
         try:
-            if length is not None and frames_per_chunk is not None:
-                frames = bridge.latent_frames(int(length))
-                if frames % int(frames_per_chunk):
-                    _settings(width or 16, height or 16, length, 1, 0, timesteps or "1000", shift or 5.0,
-                              frames_per_chunk, 0.0, "unbounded", 3, 12, 1.0)
+            for name, value, options in (("frames_per_chunk", frames_per_chunk, FRAMES_PER_CHUNK),
+                                         ("cache_mode", cache_mode, CACHE_MODES)):
+                if value is not None and str(value) not in options:
+                    raise FastARError(f"{name} {value!r} is not one of {', '.join(options)}")
+            if length is not None:
+                _check_length(int(length), int(frames_per_chunk) if frames_per_chunk is not None else 1)
             if timesteps is not None:
-                FlowMatchSchedule.parse(timesteps, shift=float(shift) if shift is not None else 5.0)
+                FlowMatchSchedule.parse(timesteps)
         except FastARError as exc:
-            return str(exc)
+            return f"Autoregressive Long Sampler: {exc}"
         return True
 
     @classmethod

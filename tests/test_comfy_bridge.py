@@ -194,7 +194,7 @@ def test_bridge_ann_sparsity_equals_core(models, bridge):
 
     comfy_model, core = models
     pos = _prompt(8)
-    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 0.9, 4, 0).result[0]
+    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 0.9, 4).result[0]
     assert config == ann.AnnConfig(method="lsh", bits=2, probes=0, dense_steps_fraction=0.25, dense_layers=(1,),
                                    keep_fraction=0.5, keep_mass=0.9, annca=True, min_tokens=4)
     patched = PatchModel.execute(comfy_model, None, config).result[0]
@@ -481,7 +481,7 @@ def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(mod
     comfy_model, _ = models
     a = AnnConfig()
     widgets = [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction, "", a.annsa, a.annca,
-               a.keep_fraction, a.keep_mass, a.min_tokens, a.seed]
+               a.keep_fraction, a.keep_mass, a.min_tokens]
     patched = PatchModel.execute(comfy_model, None, AnnSparsity.execute(*widgets).result[0]).result[0]
     with pytest.raises(FastARError, match=r"^Autoregressive Long Sampler: ANN Sparsity's annsa reads a bucket-sorted "
                                           r"cache, which cache_mode 'window' does not keep; set cache_mode to "

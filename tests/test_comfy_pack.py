@@ -63,6 +63,6 @@ def _check_all_of_fastar_at_the_defaults(wf):
     by_type = {n["type"]: n["widgets_values"] for n in nodes.values()}
     assert by_type["FastARAnnSparsity"] == [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
                                             ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction,
-                                            a.keep_mass, a.min_tokens, a.seed]
+                                            a.keep_mass, a.min_tokens]
     assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames,
                                                   t.matching, t.grouping]

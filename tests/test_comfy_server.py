@@ -166,7 +166,7 @@ def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=Fal
         graph["7"] = {"class_type": "FastARAnnSparsity", "inputs": {
             "method": "quant", "bits": 8, "probes": 2, "block_q": "64", "dense_steps_fraction": 0.3,
             "dense_layers": "", "annsa": True, "annca": False, "keep_fraction": 0.2, "keep_mass": 0.95,
-            "min_tokens": 64, "seed": 0}}
+            "min_tokens": 64}}
         graph["3"]["inputs"]["ann"] = ["7", 0]
     return graph
 
@@ -216,6 +216,19 @@ def test_object_info_lists_the_nodes(server):
     assert info["FastARPatchModel"]["output"] == ["MODEL"]
     assert info["FastARTempCacheSettings"]["output"] == ["FASTAR_TEMPCACHE"]
     assert "tempcache" in info["FastARPatchModel"]["input"]["optional"]
+    assert {n: info[n]["display_name"] for n in ("FastARPatchModel", "FastARARVideo", "FastARAnnSparsity")} == {
+        "FastARPatchModel": "FAST-AR Patch Model", "FastARARVideo": "FAST-AR AR Video",
+        "FastARAnnSparsity": "ANN Sparsity"}
+    assert "seed" not in info["FastARAnnSparsity"]["input"]["required"]  # the frontend would randomize it
+
+
+def test_the_startup_log_has_no_error_from_the_pack(server):
+    """The pack loaded (its nodes are served), and the log before the first prompt says nothing bad of it
+    (the pip-installable ComfyUI logged an ERROR for a pack without NODE_CLASS_MAPPINGS)."""
+    assert NODES <= set(_get(server["url"] + "/object_info"))
+    log = (server["base"] / "server.log").read_text().split("got prompt")[0]
+    ours = [line for line in log.splitlines() if "ComfyUI-FastAR" in line or "comfyui_fastar" in line]
+    assert [line for line in ours if any(w in line for w in ("ERROR", "Traceback", "Skip", "IMPORT FAILED"))] == []
 
 
 def _latent_of(server, prompt_id):
@@ -267,6 +280,30 @@ def test_invalid_input_gets_a_node_error(server):
     assert status == 400
     errors = body["node_errors"]["4"]["errors"]
     assert any("not a multiple of 3" in (e.get("details", "") + e.get("message", "")) for e in errors), errors
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for these
+    ("width", -32, "value_smaller_than_min"),
+    ("cfg", 0.5, "value_smaller_than_min"),
+    ("cache_mode", "bogus", "cache_mode 'bogus' is not one of unbounded, window"),  # and ours name the input
+    ("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),
+    ("frames_per_chunk", "x", "frames_per_chunk 'x' is not one of 3, 1"),
+    ("length", 22, "length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25"),
+    ("timesteps", "250,500", "timesteps must be strictly decreasing"),
+])
+def test_a_bad_value_gets_its_error_before_anything_runs(server, name, value, expected):
+    graph = _graph(length=9, chunk="1")
+    graph["4"]["inputs"][name] = value
+    status, body = _post(server["url"] + "/prompt", {"prompt": graph})
+    assert status == 400, body
+    errors = body["node_errors"]["4"]["errors"]
+    if expected.startswith("value_"):  # one error, on the input
+        assert [(e["type"], e["extra_info"]["input_name"]) for e in errors] == [(expected, name)]
+    else:  # the pack's message, shown on the few inputs its check reads (ComfyUI repeats it on each)
+        assert {e["extra_info"]["input_name"] for e in errors} <= {"length", "frames_per_chunk", "cache_mode",
+                                                                     "timesteps"}
+        assert all(f"Autoregressive Long Sampler: {expected}" in e["details"] for e in errors), errors
 
 
 # -- example workflows ------------------------------------------------------------------------

@@ -80,9 +80,10 @@ class CacheView {
   update(d) {
     const status = d.status === "running" || d.status === "done" || d.status === "stopped" ? d.status : "running";
     const done = num(d.frames_done), total = num(d.total_frames);
-    this.status.textContent = "FAST-AR cache: " + status;
+    const waiting = status === "running" && !(num(d.chunk) >= 1);  // started, no chunk reported yet
+    this.status.textContent = "FAST-AR cache: " + (waiting ? "waiting for the first chunk" : status);
     this.fields.tokens.textContent = formatTokens(d.tokens);
-    this.fields.gb.textContent = formatGB(d.held_gb) + " (alloc " + formatGB(d.gb) + ")";
+    this.fields.gb.textContent = waiting ? "–" : formatGB(d.held_gb) + " (alloc " + formatGB(d.gb) + ")";
     this.fields.relative.textContent = formatPercent(d.relative) + " of " + formatGB(d.dense_gb);
     this.fields.frames.textContent = (Number.isFinite(done) ? done : "–") + " / " + (Number.isFinite(total) ? total : "–");
     this.fields.rate.textContent = formatRate(d.chunks_per_s);
