@@ -13,6 +13,9 @@ from ..fastar.tempcache import GROUPING_MODES, MATCHING_MODES
 from . import bridge
 
 CATEGORY = "FAST-AR"
+TempCacheType = io.Custom("FASTAR_TEMPCACHE")
+AnnType = io.Custom("FASTAR_ANN")
+CACHE_EVENT = "fastar.cache"
 
 
 @contextlib.contextmanager
@@ -22,9 +25,6 @@ def _in_words(library: str, node: str):
         yield
     except FastARError as exc:
         raise FastARError(str(exc).replace(library, node, 1)) from None
-TempCacheType = io.Custom("FASTAR_TEMPCACHE")
-AnnType = io.Custom("FASTAR_ANN")
-CACHE_EVENT = "fastar.cache"
 
 
 class PatchModel(io.ComfyNode):
