@@ -234,7 +234,10 @@ def test_the_startup_log_has_no_error_from_the_pack(server):
 def _latent_of(server, prompt_id):
     from safetensors.torch import load_file
 
-    history = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]
+    deadline = time.time() + 60  # the server stores the history just after it says the prompt is done
+    while prompt_id not in (history := _get(server["url"] + f"/history/{prompt_id}")) and time.time() < deadline:
+        time.sleep(0.2)
+    history = history[prompt_id]
     errors = [m[1] for m in history["status"]["messages"] if m[0] == "execution_error"]
     assert history["status"]["status_str"] == "success", [(e.get("node_type"), e.get("exception_message"))
                                                           for e in errors] or history["status"]["messages"]
