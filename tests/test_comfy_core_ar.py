@@ -52,14 +52,15 @@ def _conditioning(seed, tokens=512):
     return [[torch.randn(1, tokens, 4096, generator=torch.Generator().manual_seed(seed)), {}]]
 
 
-def _sample_custom(model, sampler, *, frames=6, seed=5, steps=4):
-    """SamplerCustom as a graph runs it: Empty AR Video Latent, BasicScheduler "simple", cfg 1."""
+def _sample_custom(model, sampler, *, frames=6, seed=5, steps=4, cfg=1.0, negative=2):
+    """SamplerCustom as a graph runs it: Empty AR Video Latent, BasicScheduler "simple"."""
     from comfy_extras.nodes.nodes_ar_video import EmptyARVideoLatent
     from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
 
     latent = EmptyARVideoLatent.execute(W, H, (frames - 1) * 4 + 1, 1).result[0]
     sigmas = BasicScheduler.execute(model, "simple", steps, 1.0).result[0]
-    out = SamplerCustom.execute(model, True, seed, 1.0, _conditioning(1), _conditioning(2), sampler, sigmas, latent)
+    out = SamplerCustom.execute(model, True, seed, cfg, _conditioning(1), _conditioning(negative), sampler, sigmas,
+                                latent)
     return out.result[0]["samples"]
 
 
@@ -105,6 +106,17 @@ def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, en
     assert _rel(ours, core) <= 1e-4
 
 
+def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
+    """cfg > 1 (which core's sampler refuses): both prompts run as one batch over one cache. With the
+    positive prompt as the negative, guidance is the identity; with another one it moves the video."""
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+
+    sampler = ARVideo.execute(3, "unbounded", 3, 12).result[0]
+    plain = _sample_custom(causal, sampler)
+    assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=1), plain) <= 1e-5
+    assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=2), plain) > 1e-3
+
+
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
     from comfyui_fastar.fastar import TempCacheConfig
     from comfyui_fastar.nodes import bridge
@@ -143,6 +155,11 @@ def test_fastar_sampler_errors_name_the_node_and_input(causal):
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
                                           r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):
         _sample_custom(causal, ARVideo.execute(3, "unbounded", 3, 12).result[0], frames=5)
+    i2v = causal.clone()  # what AR Video I2V leaves on the model
+    i2v.model_options.setdefault("transformer_options", {})["ar_config"] = {"initial_latent": torch.zeros(1, 16, 1, 4, 4)}
+    with pytest.raises(FastARError, match=r"FAST-AR AR Video: image-to-video \(AR Video I2V's start image\) is not "
+                                          r"supported yet; use Sampler AR Video for it"):
+        _sample_custom(i2v, ARVideo.execute(3, "unbounded", 3, 12).result[0])
 
 
 def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twins):
