@@ -220,19 +220,16 @@ def run_library(path, context, setting, chunks, device, dims, profile_at):
 
 
 def _fastar_nodes(setting):
-    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, TempCacheSettings
+    """The cache and sparsity nodes of a setting, at their defaults (the window: sink 3 + window 12)."""
+    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
+    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, TempCacheSettings, WindowCache
 
     if setting != "fastar":
-        return None, None
-    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
-
+        return WindowCache.execute(3, 12, False).result[0], None
     t, a = TempCacheConfig(), AnnConfig()
-    tc = TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames, t.matching,
-                                   t.grouping).result[0]
-    ann = AnnSparsity.execute(a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
-                              ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction, a.keep_mass,
-                              a.min_tokens).result[0]
-    return tc, ann
+    cache = TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames).result[0]
+    ann = AnnSparsity.execute(a.annsa, a.annca, a.keep_mass, a.keep_fraction, a.dense_steps_fraction).result[0]
+    return cache, ann
 
 
 class Events:
@@ -279,20 +276,20 @@ def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, prof
             out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
             out["compute"] = str(model.model.manual_cast_dtype or model.model.get_dtype()).replace("torch.", "")
             out["model_class"] = type(model.model).__name__ + " / " + type(model.model.diffusion_model).__name__
-            tc, ann = _fastar_nodes(setting)
+            cache, ann = _fastar_nodes(setting)
             if fallback:
                 model = model.clone()
                 model.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
                     other_packs_override
-            patched = PatchModel.execute(model, tc, ann).result[0]
+            patched = PatchModel.execute(model, cache, ann).result[0]
             comfy.model_management.load_models_gpu([patched])  # weights in place before the peak is reset
             length = (3 * chunks - 1) * 4 + 1
             with memory(device, out):
                 if graph == "long":
                     AutoregressiveLongSampler.execute(patched, positive, dims[1], dims[0], length, 1, 0,
-                                                      "1000,750,500,250", 5.0, "3", 0.0, "window", 3, 12, 1.0)
+                                                      "1000,750,500,250", 5.0, "3", 0.0, 1.0)
                 else:
-                    sampler = ARVideo.execute(3, "window", 3, 12).result[0]
+                    sampler = ARVideo.execute(3).result[0]
                     core_graph(patched, positive, sampler, dims, length)
             out["engine"] = events.engine
             del model, patched

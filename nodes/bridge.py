@@ -37,7 +37,7 @@ import comfy.sampler_helpers
 import comfy.samplers
 import comfy.utils
 
-from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout
+from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
 
 WRAPPER_KEY = "fastar"            # key of our DIFFUSION_MODEL wrapper
 STATE_KEY = "fastar_rollout"      # transformer_options key present only inside a rollout
@@ -203,9 +203,10 @@ def is_patched(model) -> bool:
         hasattr(override, "fastar_previous")
 
 
-def patch_model(model, settings: dict | None = None):
-    """A clone of ``model`` routed through FAST-AR during rollouts; ``model`` is not modified."""
-    wan_diffusion_model(model)
+def patch_model(model, settings: dict | None = None, node: str = "FAST-AR Patch Model"):
+    """A clone of ``model`` routed through FAST-AR during rollouts; ``model`` is not modified.
+    ``settings``: the rollout's ``cache`` (a ``CacheConfig`` / ``TempCacheConfig``) and ``ann``."""
+    wan_diffusion_model(model, node)
     m = model.clone()
     m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _diffusion_model_wrapper)
@@ -485,14 +486,12 @@ def _match_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     return a.repeat(1, n // la, 1), b.repeat(1, n // lb, 1)
 
 
-def check_cache(cache, ann, chunk_frames: int, node: str, cache_input: str = "cache_mode") -> None:
+def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
     """The cache and sparsity settings that cannot run together, named as the graph shows them."""
-    from ..fastar import TempCacheConfig
-
     if ann is not None and ann.annsa and not isinstance(cache, TempCacheConfig) and cache.mode == "window":
-        raise FastARError(f"{node}: ANN Sparsity's annsa reads a bucket-sorted cache, which {cache_input} "
-                          f"'window' does not keep; set {cache_input} to 'unbounded', connect TempCache Settings "
-                          f"to FAST-AR Patch Model, or set ANN Sparsity's annsa to false")
+        raise FastARError(f"{node}: ANN Sparsity's annsa reads a bucket-sorted cache, which a Sink + Window Cache "
+                          f"does not keep (its frames are a ring); connect TempCache Settings to FAST-AR Patch "
+                          f"Model's cache, turn the window cache's unbounded on, or set ANN Sparsity's annsa to false")
     if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
         raise FastARError(f"{node}: TempCache Settings' max_cache_frames {cache.max_cache_frames} leaves "
                           f"{cache.history_frames} frames beside its {cache.sink_frames} sink frames, less than one "
@@ -624,15 +623,15 @@ def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int) -> Callable:
 
 class ARVideoSampler(comfy.samplers.Sampler):
     """FAST-AR's rollout as the SAMPLER of core's autoregressive video graph (where ``SamplerARVideo``
-    sits): the graph's noise, sigmas and seed, chunks of ``chunk_frames`` latent frames, and the bounded
-    cache (TempCache / AnnSA from FAST-AR Patch Model's settings on the model, else ``cache``)."""
+    sits): the graph's noise, sigmas and seed, chunks of ``chunk_frames`` latent frames, and the cache and
+    sparsity of FAST-AR Patch Model's settings on the model (TempCache at its defaults without)."""
 
     node = "FAST-AR AR Video"
 
-    def __init__(self, chunk_frames: int, cache: CacheConfig, events=None):
+    def __init__(self, chunk_frames: int, events=None):
         """``events``: gets ``start(frames, chunks)``, ``engine(Engine)``, a ``ChunkReport`` per chunk
         (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``)."""
-        self.chunk_frames, self.cache, self.events = int(chunk_frames), cache, events
+        self.chunk_frames, self.events = int(chunk_frames), events
 
     def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
                disable_pbar=False):
@@ -676,7 +675,8 @@ class ARVideoSampler(comfy.samplers.Sampler):
         options = _transformer_options(patcher, model_options, prepared=True)
         steps = self._check(model_wrap, sigmas, noise, denoise_mask, options)
         settings = patcher.model_options.get(SETTINGS_KEY, {})
-        check_cache(settings.get("tempcache") or self.cache, settings.get("ann"), self.chunk_frames, node)
+        cache = settings.get("cache") or TempCacheConfig()
+        check_cache(cache, settings.get("ann"), self.chunk_frames, node)
         device = patcher.load_device
         batch = noise.shape[0]
         if latent_image is None:
@@ -701,7 +701,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         _, _, h, w = x.shape[1:]
         rollout = Rollout(engine.model, context.to(device), frames=x.shape[2], height=h * 8, width=w * 8,
                           chunk_frames=self.chunk_frames, schedule=FlowMatchSchedule.from_sigmas(steps),
-                          cache=settings.get("tempcache") or self.cache, seed=int(extra_args.get("seed", 0)),
+                          cache=cache, seed=int(extra_args.get("seed", 0)),
                           negative_context=None if negative is None else negative.to(device), cfg=cfg,
                           noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
                           **({"ann": settings["ann"]} if settings.get("ann") is not None else {}))

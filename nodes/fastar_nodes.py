@@ -7,13 +7,12 @@ import time
 
 from comfy_api.latest import io
 
-from ..fastar import CACHE_MODES, CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig
-from ..fastar.ann import ANN_METHODS, MAX_BITS, AnnConfig
-from ..fastar.tempcache import GROUPING_MODES, MATCHING_MODES
+from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig
+from ..fastar.ann import AnnConfig
 from . import bridge
 
 CATEGORY = "FAST-AR"
-TempCacheType = io.Custom("FASTAR_TEMPCACHE")
+CacheType = io.Custom("FASTAR_CACHE")
 AnnType = io.Custom("FASTAR_ANN")
 CACHE_EVENT = "fastar.cache"
 
@@ -34,28 +33,29 @@ class PatchModel(io.ComfyNode):
             node_id="FastARPatchModel",
             display_name="FAST-AR Patch Model",
             category=CATEGORY,
-            description="Routes a Wan 2.1 text-to-video model's attention through FAST-AR during autoregressive "
-                        "rollouts. Returns a copy: the input model is untouched, and outside an Autoregressive "
-                        "Long Sampler the copy samples exactly like the stock model.",
+            description="The one place a FAST-AR graph sets its KV cache and sparse attention: the samplers "
+                        "(Autoregressive Long Sampler, FAST-AR AR Video) read them from the model. Returns a copy: "
+                        "the input model is untouched, and outside those samplers it samples exactly like the "
+                        "stock model.",
             inputs=[
-                io.Model.Input("model", tooltip="A Wan 2.1 T2V / causal (Self-Forcing, CausVid, LongLive) model."),
-                TempCacheType.Input("tempcache", optional=True,
-                                    tooltip="TempCache settings: compress the KV cache by merging temporally "
-                                            "corresponding keys. Leave empty for the cache mode of the sampler."),
+                io.Model.Input("model", tooltip="A Wan 2.1 T2V / causal (Self-Forcing, CausVid, LongLive, "
+                                                "Causal-Forcing) model."),
+                CacheType.Input("cache", optional=True,
+                                tooltip="TempCache Settings (compressed, flat memory) or Sink + Window Cache (dense: a "
+                                        "window, or every frame). Empty: TempCache at its defaults."),
                 AnnType.Input("ann", optional=True,
-                              tooltip="ANN sparsity settings (AnnSA / AnnCA). Leave empty for dense attention."),
+                              tooltip="ANN Sparsity (AnnSA / AnnCA). Empty: dense attention."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, tempcache=None, ann=None) -> io.NodeOutput:
-        settings = {}
-        if tempcache is not None:
-            settings["tempcache"] = tempcache
+    def execute(cls, model, cache=None, ann=None) -> io.NodeOutput:
+        settings = {"cache": cache if cache is not None else TempCacheConfig()}
         if ann is not None:
             settings["ann"] = ann
-        return io.NodeOutput(bridge.patch_model(model, settings))
+        bridge.check_cache(settings["cache"], ann, 1, "FAST-AR Patch Model")
+        return io.NodeOutput(bridge.patch_model(model, settings, node="FAST-AR Patch Model"))
 
 
 class TempCacheSettings(io.ComfyNode):
@@ -82,21 +82,41 @@ class TempCacheSettings(io.ComfyNode):
                 io.Int.Input("sink_frames", default=d.sink_frames, min=0, max=64, step=1,
                              tooltip="First latent frames kept as they are, never merged or evicted "
                                      "(the attention sink)."),
-                io.Combo.Input("matching", options=list(MATCHING_MODES), default=d.matching,
-                               tooltip="Find each new token's counterpart by its key (cosine) or by its query "
-                                       "(attention argmax)."),
-                io.Combo.Input("grouping", options=list(GROUPING_MODES), default=d.grouping,
-                               tooltip="Correspondence per attention head, or one shared by all heads."),
             ],
-            outputs=[TempCacheType.Output()],
+            outputs=[CacheType.Output()],
         )
 
     @classmethod
-    def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames, matching, grouping) -> io.NodeOutput:
+    def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames) -> io.NodeOutput:
         with _in_words("TempCacheConfig.", "TempCache Settings: "):
             return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
-                                                 max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames),
-                                                 matching=matching, grouping=grouping))
+                                                 max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames)))
+
+
+class WindowCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="FastARWindowCache",
+            display_name="Sink + Window Cache",
+            category=CATEGORY,
+            description="A dense KV cache: the first sink frames and the most recent window frames (LongLive's "
+                        "sink 3 + window 12; flat memory, no memory of the frames in between), or with unbounded "
+                        "every frame (the dense baseline: memory and time grow with the video).",
+            inputs=[
+                io.Int.Input("sink_frames", default=3, min=0, max=64,
+                             tooltip="First latent frames always kept (the attention sink)."),
+                io.Int.Input("window_frames", default=12, min=1, max=1024,
+                             tooltip="Most recent latent frames kept before the chunk."),
+                io.Boolean.Input("unbounded", default=False,
+                                 tooltip="Keep every frame instead (the dense baseline FAST-AR is measured against)."),
+            ],
+            outputs=[CacheType.Output()],
+        )
+
+    @classmethod
+    def execute(cls, sink_frames, window_frames, unbounded) -> io.NodeOutput:
+        return io.NodeOutput(CacheConfig("unbounded" if unbounded else "window", int(sink_frames), int(window_frames)))
 
 
 class AnnSparsity(io.ComfyNode):
@@ -107,61 +127,38 @@ class AnnSparsity(io.ComfyNode):
             node_id="FastARAnnSparsity",
             display_name="ANN Sparsity",
             category=CATEGORY,
-            description="Approximate-nearest-neighbour sparse attention (FAST-AR AnnSA / AnnCA): a query block "
-                        "attends only to the cached keys that score best against it (quant: int8 similarity to "
-                        "blocks of bucket-sorted keys, the default) or that share its LSH buckets (lsh), and, with "
-                        "AnnCA, to the prompt tokens that share a bucket with its frame. The current chunk and the "
-                        "sink stay dense.",
+            description="Approximate-nearest-neighbour sparse attention (FAST-AR AnnSA / AnnCA): a block of the "
+                        "chunk's queries reads only the cached key blocks that score best against it (int8 "
+                        "similarity to blocks of bucket-sorted keys), and, with AnnCA, each frame only the prompt "
+                        "tokens that share a bucket with it. The current chunk and the sink stay dense. Needs "
+                        "TempCache Settings or an unbounded cache on FAST-AR Patch Model.",
             inputs=[
-                io.Combo.Input("method", options=list(ANN_METHODS), default=d.method,
-                               tooltip="lsh: sign-of-random-projection buckets; quant: int8 similarity of query "
-                                       "blocks to blocks of bucket-sorted keys (keep_fraction / keep_mass)."),
-                io.Int.Input("bits", default=d.bits, min=1, max=MAX_BITS, step=1,
-                             tooltip="LSH hyperplanes per layer and head (2^bits buckets). More bits: sparser, "
-                                     "faster, less exact. bits 1 with probes 1 is exactly dense."),
-                io.Int.Input("probes", default=d.probes, min=0, max=MAX_BITS, step=1,
-                             tooltip="A query's least certain bits also flipped (radius-1 probes, at most bits): "
-                                     "more probes keep more keys."),
-                io.Combo.Input("block_q", options=["64", "128"], default=str(d.block_q),
-                               tooltip="Queries per block of the block-sparse kernel."),
-                io.Float.Input("dense_steps_fraction", default=d.dense_steps_fraction, min=0.0, max=1.0, step=0.05,
-                               tooltip="Denoising steps run dense first (the paper: the first ~30%); 1.0 is "
-                                       "dense throughout."),
-                io.String.Input("dense_layers", default=",".join(str(i) for i in d.dense_layers),
-                                tooltip="Comma-separated layer indices that always run dense (layers that are not "
-                                        "measurably sparse)."),
-                io.Boolean.Input("annsa", default=d.annsa, tooltip="Sparse self-attention over the KV cache."),
+                io.Boolean.Input("annsa", default=d.annsa,
+                                 tooltip="Sparse self-attention over the cached history: the speed-up on long videos."),
                 io.Boolean.Input("annca", default=d.annca,
                                  tooltip="Sparse cross-attention over the prompt. Off by default: over Wan's 512 "
                                          "prompt tokens dense cross-attention is already ~0.1 ms a call, less than "
                                          "selecting tokens costs."),
-                io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01,
-                               tooltip="quant: share of history key blocks each query block reads (with keep_mass: "
-                                       "at least)."),
                 io.Float.Input("keep_mass", default=d.keep_mass, min=0.0, max=1.0, step=0.01,
-                               tooltip="quant: a query block also reads more history blocks until, with the sink "
-                                       "and its own chunk, they hold this share of its estimated attention mass "
-                                       "(top-p): diffuse attention reads more, local attention less. 0: only "
-                                       "keep_fraction of the blocks (faster where attention is diffuse, lower "
-                                       "recall there)."),
-                io.Int.Input("min_tokens", default=d.min_tokens, min=0, max=4096, step=1,
-                             tooltip="AnnCA keeps at least this many prompt tokens per frame."),
+                               tooltip="Share of each query block's estimated attention the history blocks it "
+                                       "reads must hold: higher is closer to dense and slower; 0 reads only "
+                                       "keep_fraction of the blocks."),
+                io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01,
+                               tooltip="Share of the history blocks each query block reads at least: the floor "
+                                       "under keep_mass (higher: closer to dense, slower)."),
+                io.Float.Input("dense_steps_fraction", default=d.dense_steps_fraction, min=0.0, max=1.0, step=0.05,
+                               tooltip="Denoising steps run dense first (the paper: the first ~30%): more keeps "
+                                       "the layout of each chunk exact; 1.0 is dense throughout."),
             ],
             outputs=[AnnType.Output()],
         )
 
     @classmethod
-    def execute(cls, method, bits, probes, block_q, dense_steps_fraction, dense_layers, annsa, annca, keep_fraction,
-                keep_mass, min_tokens) -> io.NodeOutput:
-        try:
-            layers = tuple(int(t) for t in str(dense_layers).replace(" ", "").split(",") if t)
-        except ValueError:
-            raise FastARError(f"dense_layers must be comma-separated layer indices, got {dense_layers!r}") from None
+    def execute(cls, annsa, annca, keep_mass, keep_fraction, dense_steps_fraction) -> io.NodeOutput:
         with _in_words("AnnConfig.", "ANN Sparsity: "):
-            return io.NodeOutput(AnnConfig(method=method, bits=int(bits), probes=int(probes), block_q=int(block_q),
-                                           dense_steps_fraction=float(dense_steps_fraction), dense_layers=layers,
-                                           annsa=bool(annsa), annca=bool(annca), keep_fraction=float(keep_fraction),
-                                           keep_mass=float(keep_mass), min_tokens=int(min_tokens)))
+            return io.NodeOutput(AnnConfig(annsa=bool(annsa), annca=bool(annca), keep_mass=float(keep_mass),
+                                           keep_fraction=float(keep_fraction),
+                                           dense_steps_fraction=float(dense_steps_fraction)))
 
 
 FRAMES_PER_CHUNK = ("3", "1")
@@ -185,13 +182,12 @@ def _check_length(length: int, chunk: int) -> int:
     return frames
 
 
-def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise,
-              cache_mode, sink_frames, window_frames, cfg, tempcache=None) -> bridge.SampleSettings:
+def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise, cfg,
+              cache) -> bridge.SampleSettings:
     """Validated rollout settings (raises FastARError with one clear line)."""
     chunk = int(frames_per_chunk)
     frames = _check_length(int(length), chunk)
     FlowMatchSchedule.parse(timesteps, shift=float(shift))
-    cache = tempcache if tempcache is not None else CacheConfig(cache_mode, int(sink_frames), int(window_frames))
     for name, value in (("width", width), ("height", height)):
         if value % 16:
             raise FastARError(f"{name}={value} must be a multiple of 16 pixels")
@@ -211,8 +207,9 @@ class AutoregressiveLongSampler(io.ComfyNode):
                         "sampler: a few flow-matching steps per chunk, then a clean pass that writes the chunk "
                         "into the KV cache). Decode the LATENT with the stock VAE Decode.",
             inputs=[
-                io.Model.Input("model", tooltip="A causal Wan 2.1 T2V model (patched with FAST-AR Patch Model, "
-                                                "or patched here with the defaults)."),
+                io.Model.Input("model", tooltip="A causal Wan 2.1 T2V model, through FAST-AR Patch Model for its "
+                                                "cache and sparse attention (without: TempCache at its defaults, "
+                                                "dense attention)."),
                 io.Conditioning.Input("positive", tooltip="The prompt (one text conditioning)."),
                 io.Int.Input("width", default=832, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
                 io.Int.Input("height", default=480, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
@@ -233,15 +230,6 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                        "framewise 1)."),
                 io.Float.Input("context_noise", default=0.0, min=0.0, max=999.0, step=1.0,
                                tooltip="Timestep of the clean pass that writes a chunk into the cache (0: clean)."),
-                io.Combo.Input("cache_mode", options=list(CACHE_MODES), default="window",
-                               tooltip="unbounded keeps every frame (memory grows with the video); window keeps "
-                                       "the sink frames and the most recent window frames (flat memory). A "
-                                       "TempCache setting on the model overrides this."),
-                io.Int.Input("sink_frames", default=3, min=0, max=64,
-                             tooltip="window mode: first latent frames always kept (LongLive uses 3)."),
-                io.Int.Input("window_frames", default=12, min=1, max=1024,
-                             tooltip="window mode: most recent latent frames kept before the chunk (LongLive "
-                                     "uses 12)."),
                 io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1,
                                tooltip="Classifier-free guidance. The distilled causal models use none (1.0); "
                                        "above 1 a negative prompt is needed and each forward runs twice the batch."),
@@ -253,15 +241,13 @@ class AutoregressiveLongSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, length=None, frames_per_chunk=None, cache_mode=None, timesteps=None):
+    def validate_inputs(cls, length=None, frames_per_chunk=None, timesteps=None):
         """The checks ComfyUI cannot make (ComfyUI 0.3.64 checks no V3 combo's options). Only the inputs
         named here skip ComfyUI's own type / min / max checks (and each message is shown on each of them),
         so they are the few that need ours."""
         try:
-            for name, value, options in (("frames_per_chunk", frames_per_chunk, FRAMES_PER_CHUNK),
-                                         ("cache_mode", cache_mode, CACHE_MODES)):
-                if value is not None and str(value) not in options:
-                    raise FastARError(f"{name} {value!r} is not one of {', '.join(options)}")
+            if frames_per_chunk is not None and str(frames_per_chunk) not in FRAMES_PER_CHUNK:
+                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
             if length is not None:
                 _check_length(int(length), int(frames_per_chunk) if frames_per_chunk is not None else 1)
             if timesteps is not None:
@@ -272,12 +258,12 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                context_noise, cache_mode, sink_frames, window_frames, cfg, negative=None) -> io.NodeOutput:
+                context_noise, cfg, negative=None) -> io.NodeOutput:
         if not bridge.is_patched(model):
-            model = bridge.patch_model(model)
+            model = PatchModel.execute(model).result[0]
         fastar = model.model_options.get(bridge.SETTINGS_KEY, {})
         settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                             context_noise, cache_mode, sink_frames, window_frames, cfg, fastar.get("tempcache"))
+                             context_noise, cfg, fastar.get("cache", TempCacheConfig()))
         settings.ann = fastar.get("ann")
         events = CacheEvents(_node_id(cls))
         events.start(settings.frames, settings.frames // settings.chunk_frames)
@@ -303,29 +289,21 @@ class ARVideo(io.ComfyNode):
             category=CATEGORY,
             description="FAST-AR's autoregressive sampler as a SAMPLER for SamplerCustom / SamplerCustomAdvanced: "
                         "put it where Sampler AR Video sits in ComfyUI's autoregressive video graph (Empty AR "
-                        "Video Latent, the graph's sigmas and seed). The KV cache stays bounded (sink + window, or "
-                        "TempCache and ANN Sparsity from FAST-AR Patch Model) instead of growing with the video.",
+                        "Video Latent, the graph's sigmas and seed). The KV cache and sparse attention are FAST-AR "
+                        "Patch Model's (TempCache at its defaults when the model has none): bounded, instead of a "
+                        "cache that grows with the video.",
             inputs=[
                 io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
                              tooltip="Latent frames per autoregressive block (chunk). 1 = framewise, 3 = chunkwise; "
                                      "must match the checkpoint."),
-                io.Combo.Input("cache_mode", options=list(CACHE_MODES), default="window",
-                               tooltip="unbounded keeps every frame (memory grows with the video); window keeps "
-                                       "the sink frames and the most recent window frames (flat memory). A "
-                                       "TempCache setting on the model overrides this."),
-                io.Int.Input("sink_frames", default=3, min=0, max=64,
-                             tooltip="window mode: first latent frames always kept (LongLive uses 3)."),
-                io.Int.Input("window_frames", default=12, min=1, max=1024,
-                             tooltip="window mode: most recent latent frames kept before the block."),
             ],
             outputs=[io.Sampler.Output()],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, num_frame_per_block, cache_mode, sink_frames, window_frames) -> io.NodeOutput:
-        cache = CacheConfig(cache_mode, int(sink_frames), int(window_frames))
-        return io.NodeOutput(bridge.ARVideoSampler(int(num_frame_per_block), cache, events=CacheEvents(_node_id(cls))))
+    def execute(cls, num_frame_per_block) -> io.NodeOutput:
+        return io.NodeOutput(bridge.ARVideoSampler(int(num_frame_per_block), events=CacheEvents(_node_id(cls))))
 
 
 class CacheEvents:
@@ -369,4 +347,4 @@ class CacheEvents:
         self._send({**(self.last or {"frames_done": 0, "total_frames": self.total}), "status": status})
 
 
-NODES = [PatchModel, TempCacheSettings, AnnSparsity, AutoregressiveLongSampler, ARVideo]
+NODES = [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo]

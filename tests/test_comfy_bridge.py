@@ -194,9 +194,8 @@ def test_bridge_ann_sparsity_equals_core(models, bridge):
 
     comfy_model, core = models
     pos = _prompt(8)
-    config = AnnSparsity.execute("lsh", 2, 0, "64", 0.25, "1", True, True, 0.5, 0.9, 4).result[0]
-    assert config == ann.AnnConfig(method="lsh", bits=2, probes=0, dense_steps_fraction=0.25, dense_layers=(1,),
-                                   keep_fraction=0.5, keep_mass=0.9, annca=True, min_tokens=4)
+    config = AnnSparsity.execute(True, True, 0.9, 0.5, 0.25).result[0]
+    assert config == ann.AnnConfig(dense_steps_fraction=0.25, keep_fraction=0.5, keep_mass=0.9, annca=True)
     patched = PatchModel.execute(comfy_model, None, config).result[0]
     settings = bridge.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1, ann=config)
     out = bridge.sample(patched, [[pos, {}]], None, settings)["samples"]
@@ -308,15 +307,15 @@ def test_cancel_between_chunks_frees_the_cache(comfy, models, bridge):
 
 def test_nodes(comfy, models, bridge):
     from comfyui_fastar import comfy_entrypoint
-    from comfyui_fastar.fastar import FastARError, TempCacheConfig
-    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, TempCacheSettings
+    from comfyui_fastar.fastar import CacheConfig, FastARError, TempCacheConfig
+    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, TempCacheSettings, WindowCache
 
     import asyncio
 
     ext = asyncio.run(comfy_entrypoint())
     nodes = asyncio.run(ext.get_node_list())
-    expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAnnSparsity", "FastARAutoregressiveSampler",
-                "FastARARVideo"}
+    expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
+                "FastARAutoregressiveSampler", "FastARARVideo"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()
@@ -325,28 +324,37 @@ def test_nodes(comfy, models, bridge):
         assert all(i.tooltip for i in schema.inputs)
 
     comfy_model, core = models
-    tc = TempCacheSettings.execute(True, 0.5, 3, 1, "key", "head").result[0]
-    assert tc == TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1, matching="key", grouping="head")
+    tc = TempCacheSettings.execute(True, 0.5, 3, 1).result[0]
+    assert tc == TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
     patched = PatchModel.execute(comfy_model, tc).result[0]
     assert bridge.is_patched(patched) and not bridge.is_patched(comfy_model)
 
     pos = _prompt(1)
     latent = AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "1",
-                                               0.0, "unbounded", 3, 12, 1.0).result[0]
+                                               0.0, 1.0).result[0]
     ref = _core_rollout(core, pos, frames=3, chunk=1, cache=tc)
     assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
-    # unpatched model, window cache: patched on the fly
+    # the window, from the cache node
+    window = WindowCache.execute(1, 2, False).result[0]
+    assert window == CacheConfig("window", 1, 2)
+    assert WindowCache.execute(1, 2, True).result[0] == CacheConfig("unbounded", 1, 2)
+    latent = AutoregressiveLongSampler.execute(PatchModel.execute(comfy_model, window).result[0], [[pos, {}]], W, H,
+                                               13, 1, 3, "1000,750,500,250", 5.0, "1", 0.0, 1.0).result[0]
+    ref = _core_rollout(core, pos, frames=4, chunk=1, cache=window)
+    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
+
+    # an unpatched model: patched on the fly, with TempCache at its defaults
     latent = AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 21, 1, 3, "1000,750,500,250", 5.0,
-                                               "3", 0.0, "window", 1, 3, 1.0).result[0]
-    assert latent["samples"].shape == (1, 16, 6, H // 8, W // 8)
+                                               "3", 0.0, 1.0).result[0]
+    ref = _core_rollout(core, pos, frames=6, chunk=3, cache=TempCacheConfig())
+    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
     assert "not a multiple of 3" in AutoregressiveLongSampler.validate_inputs(length=13, frames_per_chunk="3")
     assert "decreasing" in AutoregressiveLongSampler.validate_inputs(timesteps="250,500")
     assert AutoregressiveLongSampler.validate_inputs(length=81, frames_per_chunk="3", timesteps="1000,500") is True
     with pytest.raises(FastARError, match="needs a negative prompt"):
-        AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3",
-                                          0.0, "unbounded", 3, 12, 2.0)
+        AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3", 0.0, 2.0)
 
 
 # -- the engine ---------------------------------------------------------------------------
@@ -476,21 +484,22 @@ def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, b
 
 def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(models):
     from comfyui_fastar.fastar import AnnConfig, FastARError
-    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, AutoregressiveLongSampler, PatchModel, TempCacheSettings
+    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
 
     comfy_model, _ = models
     a = AnnConfig()
-    widgets = [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction, "", a.annsa, a.annca,
-               a.keep_fraction, a.keep_mass, a.min_tokens]
-    patched = PatchModel.execute(comfy_model, None, AnnSparsity.execute(*widgets).result[0]).result[0]
-    with pytest.raises(FastARError, match=r"^Autoregressive Long Sampler: ANN Sparsity's annsa reads a bucket-sorted "
-                                          r"cache, which cache_mode 'window' does not keep; set cache_mode to "
-                                          r"'unbounded', connect TempCache Settings"):
-        AutoregressiveLongSampler.execute(patched, [[_prompt(1), {}]], W, H, 9, 1, 0, "1000", 5.0, "3", 0.0,
-                                          "window", 3, 12, 1.0)
+    widgets = [a.annsa, a.annca, a.keep_mass, a.keep_fraction, a.dense_steps_fraction]
+    ann = AnnSparsity.execute(*widgets).result[0]
+    assert ann == a
+    window = WindowCache.execute(3, 12, False).result[0]
+    with pytest.raises(FastARError, match=r"^FAST-AR Patch Model: ANN Sparsity's annsa reads a bucket-sorted cache, "
+                                          r"which a Sink \+ Window Cache does not keep"):
+        PatchModel.execute(comfy_model, window, ann)
+    PatchModel.execute(comfy_model, WindowCache.execute(3, 12, True).result[0], ann)  # unbounded: fine
+    PatchModel.execute(comfy_model, None, ann)  # the default cache (TempCache) carries AnnSA
     with pytest.raises(FastARError, match=r"^TempCache Settings: max_cache_frames must be an integer > sink_frames"):
-        TempCacheSettings.execute(True, 0.5, 3, 3, "key", "head")
-    widgets[8] = 0.0
+        TempCacheSettings.execute(True, 0.5, 3, 3)
+    widgets[3] = 0.0
     with pytest.raises(FastARError, match=r"^ANN Sparsity: keep_fraction must lie in \(0, 1\]"):
         AnnSparsity.execute(*widgets)
 

@@ -93,17 +93,29 @@ def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, en
     from comfy_extras.nodes.nodes_ar_video import SamplerARVideo
 
     from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, WindowCache
 
     core = _sample_custom(causal, SamplerARVideo.execute(block).result[0])
+    dense = PatchModel.execute(causal, WindowCache.execute(3, 12, True).result[0]).result[0]  # every frame kept
     seen = []
     monkeypatch.setattr(bridge, "log_engine", lambda e, node: seen.append(e.name))
     if engine == "comfy":
         monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
-    ours = _sample_custom(causal, ARVideo.execute(block, "unbounded", 3, 12).result[0])
+    ours = _sample_custom(dense, ARVideo.execute(block).result[0])
     assert seen == [engine]
     assert ours.shape == core.shape == (1, 16, 6, H // 8, W // 8)
     assert _rel(ours, core) <= 1e-4
+
+
+def test_an_unpatched_model_gets_the_default_cache_on_either_engine(causal, monkeypatch):
+    """No FAST-AR Patch Model in the graph: TempCache at its defaults, and on ComfyUI's forward the
+    sampler routes the attention itself."""
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+
+    fused = _sample_custom(causal, ARVideo.execute(3).result[0])
+    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    assert _rel(_sample_custom(causal, ARVideo.execute(3).result[0]), fused) <= 1e-5
 
 
 def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
@@ -111,7 +123,7 @@ def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
     positive prompt as the negative, guidance is the identity; with another one it moves the video."""
     from comfyui_fastar.nodes.fastar_nodes import ARVideo
 
-    sampler = ARVideo.execute(3, "unbounded", 3, 12).result[0]
+    sampler = ARVideo.execute(3).result[0]
     plain = _sample_custom(causal, sampler)
     assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=1), plain) <= 1e-5
     assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=2), plain) > 1e-3
@@ -122,7 +134,7 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
     from comfyui_fastar.nodes import bridge
     from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, TempCacheSettings
 
-    tc = TempCacheSettings.execute(True, 0.5, 3, 1, "key", "head").result[0]
+    tc = TempCacheSettings.execute(True, 0.5, 3, 1).result[0]
     patched = PatchModel.execute(causal, tc).result[0]
     stats = []
 
@@ -139,7 +151,7 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
         def finish(self, status):
             stats.append(status)
 
-    sampler = ARVideo.execute(1, "unbounded", 3, 12).result[0]
+    sampler = ARVideo.execute(1).result[0]
     sampler.events = Events()
     out = _sample_custom(patched, sampler, frames=6)
     assert isinstance(tc, TempCacheConfig) and out.shape[2] == 6
@@ -154,12 +166,12 @@ def test_fastar_sampler_errors_name_the_node_and_input(causal):
 
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
                                           r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):
-        _sample_custom(causal, ARVideo.execute(3, "unbounded", 3, 12).result[0], frames=5)
+        _sample_custom(causal, ARVideo.execute(3).result[0], frames=5)
     i2v = causal.clone()  # what AR Video I2V leaves on the model
     i2v.model_options.setdefault("transformer_options", {})["ar_config"] = {"initial_latent": torch.zeros(1, 16, 1, 4, 4)}
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: image-to-video \(AR Video I2V's start image\) is not "
                                           r"supported yet; use Sampler AR Video for it"):
-        _sample_custom(i2v, ARVideo.execute(3, "unbounded", 3, 12).result[0])
+        _sample_custom(i2v, ARVideo.execute(3).result[0])
 
 
 def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twins):

@@ -39,7 +39,7 @@ def test_example_workflows_are_wired():
             assert link_id in nodes[origin]["outputs"][slot]["links"]
             assert nodes[target]["inputs"][target_slot]["link"] == link_id
     modes = {p.stem: {n["type"]: n["mode"] for n in json.loads(p.read_text())["nodes"]} for p in paths}
-    assert modes["fastar_long_t2v_wan21_dense_baseline"]["FastARPatchModel"] == 4  # bypassed
+    assert set(modes["fastar_long_t2v_wan21_dense_baseline"].values()) == {0}  # nothing bypassed
     assert modes["fastar_long_t2v_wan21_self_forcing"]["FastARPatchModel"] == 0
     assert modes["fastar_core_ar_video_wan21"]["FastARARVideo"] == 0
     assert "SamplerARVideo" not in modes["fastar_core_ar_video_wan21"]  # ours in its place
@@ -58,11 +58,18 @@ def _check_all_of_fastar_at_the_defaults(wf):
     patch = next(n for n in nodes.values() if n["type"] == "FastARPatchModel")
     feeds = {i["name"]: nodes[next(l[1] for l in wf["links"] if l[0] == i["link"])]["type"]
              for i in patch["inputs"] if i["link"] is not None}
-    assert feeds == {"model": "UNETLoader", "tempcache": "FastARTempCacheSettings", "ann": "FastARAnnSparsity"}
+    assert feeds == {"model": "UNETLoader", "cache": "FastARTempCacheSettings", "ann": "FastARAnnSparsity"}
     a, t = AnnConfig(), TempCacheConfig()
     by_type = {n["type"]: n["widgets_values"] for n in nodes.values()}
-    assert by_type["FastARAnnSparsity"] == [a.method, a.bits, a.probes, str(a.block_q), a.dense_steps_fraction,
-                                            ",".join(map(str, a.dense_layers)), a.annsa, a.annca, a.keep_fraction,
-                                            a.keep_mass, a.min_tokens]
-    assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames,
-                                                  t.matching, t.grouping]
+    assert by_type["FastARAnnSparsity"] == [a.annsa, a.annca, a.keep_mass, a.keep_fraction, a.dense_steps_fraction]
+    assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames]
+
+
+def test_dense_baseline_workflow_keeps_every_frame_without_sparsity():
+    wf = json.loads((REPO / "example_workflows" / "fastar_long_t2v_wan21_dense_baseline.json").read_text())
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    patch = next(n for n in nodes.values() if n["type"] == "FastARPatchModel")
+    feeds = {i["name"]: nodes[next(l[1] for l in wf["links"] if l[0] == i["link"])]
+             for i in patch["inputs"] if i["link"] is not None}
+    assert set(feeds) == {"model", "cache"} and feeds["cache"]["type"] == "FastARWindowCache"
+    assert feeds["cache"]["widgets_values"][-1] is True  # unbounded

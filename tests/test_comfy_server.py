@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
-NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
+NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
+         "FastARAutoregressiveSampler", "FastARARVideo"}
 
 TEST_NODE = '''
 import torch
@@ -154,19 +155,19 @@ def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=Fal
         "4": {"class_type": "FastARAutoregressiveSampler", "inputs": {
             "model": ["3", 0], "positive": ["2", 0], "width": 32, "height": 32, "length": length, "batch_size": 1,
             "seed": seed, "timesteps": "1000,750,500,250", "shift": 5.0, "frames_per_chunk": chunk,
-            "context_noise": 0.0, "cache_mode": cache_mode, "sink_frames": 1, "window_frames": 2, "cfg": 1.0}},
+            "context_noise": 0.0, "cfg": 1.0}},
         "5": {"class_type": "SaveLatent", "inputs": {"samples": ["4", 0], "filename_prefix": f"fastar_{uuid.uuid4().hex[:8]}"}},
     }
     if tempcache:
         graph["6"] = {"class_type": "FastARTempCacheSettings", "inputs": {
-            "enabled": True, "merge_threshold": 0.5, "max_cache_frames": 4, "sink_frames": 1,
-            "matching": "key", "grouping": "head"}}
-        graph["3"]["inputs"]["tempcache"] = ["6", 0]
+            "enabled": True, "merge_threshold": 0.5, "max_cache_frames": 4, "sink_frames": 1}}
+    else:
+        graph["6"] = {"class_type": "FastARWindowCache", "inputs": {
+            "sink_frames": 1, "window_frames": 2, "unbounded": cache_mode == "unbounded"}}
+    graph["3"]["inputs"]["cache"] = ["6", 0]
     if ann:  # ANN Sparsity at its defaults
         graph["7"] = {"class_type": "FastARAnnSparsity", "inputs": {
-            "method": "quant", "bits": 8, "probes": 2, "block_q": "64", "dense_steps_fraction": 0.3,
-            "dense_layers": "", "annsa": True, "annca": False, "keep_fraction": 0.2, "keep_mass": 0.95,
-            "min_tokens": 64}}
+            "annsa": True, "annca": False, "keep_mass": 0.95, "keep_fraction": 0.2, "dense_steps_fraction": 0.3}}
         graph["3"]["inputs"]["ann"] = ["7", 0]
     return graph
 
@@ -209,13 +210,14 @@ def test_object_info_lists_the_nodes(server):
     assert sampler["category"] == "FAST-AR"
     required = sampler["input"]["required"]
     for name in ("model", "positive", "width", "height", "length", "seed", "timesteps", "shift",
-                 "frames_per_chunk", "context_noise", "cache_mode", "sink_frames", "window_frames", "cfg"):
+                 "frames_per_chunk", "context_noise", "cfg"):
         assert name in required, name
     assert required["timesteps"][1]["default"] == "1000,750,500,250"
     assert "negative" in sampler["input"]["optional"]
     assert info["FastARPatchModel"]["output"] == ["MODEL"]
-    assert info["FastARTempCacheSettings"]["output"] == ["FASTAR_TEMPCACHE"]
-    assert "tempcache" in info["FastARPatchModel"]["input"]["optional"]
+    assert info["FastARTempCacheSettings"]["output"] == info["FastARWindowCache"]["output"] == ["FASTAR_CACHE"]
+    assert "cache" in info["FastARPatchModel"]["input"]["optional"]
+    assert not {"cache_mode", "sink_frames", "window_frames"} & set(required)  # the cache is set in one place
     assert {n: info[n]["display_name"] for n in ("FastARPatchModel", "FastARARVideo", "FastARAnnSparsity")} == {
         "FastARPatchModel": "FAST-AR Patch Model", "FastARARVideo": "FAST-AR AR Video",
         "FastARAnnSparsity": "ANN Sparsity"}
@@ -278,6 +280,15 @@ def test_all_of_fastar_prompt_runs_and_reports_annsa_density(server):
     assert len(running) == 2 and all(0 < c["annsa_density"] <= 1 for c in running)
 
 
+def test_ann_sparsity_at_its_defaults_runs_with_the_default_cache(server):
+    """The graph a user builds first: ANN Sparsity at its defaults into FAST-AR Patch Model, no cache node,
+    the sampler at its defaults (the cache is TempCache's, which carries AnnSA)."""
+    graph = _graph(length=21, chunk="3", ann=True)
+    del graph["3"]["inputs"]["cache"], graph["6"]
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], graph))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 6, 4, 4)
+
+
 def test_invalid_input_gets_a_node_error(server):
     status, body = _post(server["url"] + "/prompt", {"prompt": _graph(length=13, chunk="3")})
     assert status == 400
@@ -289,8 +300,7 @@ def test_invalid_input_gets_a_node_error(server):
     ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for these
     ("width", -32, "value_smaller_than_min"),
     ("cfg", 0.5, "value_smaller_than_min"),
-    ("cache_mode", "bogus", "cache_mode 'bogus' is not one of unbounded, window"),  # and ours name the input
-    ("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),
+    ("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),  # and ours name the input
     ("frames_per_chunk", "x", "frames_per_chunk 'x' is not one of 3, 1"),
     ("length", 22, "length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25"),
     ("timesteps", "250,500", "timesteps must be strictly decreasing"),
@@ -304,8 +314,7 @@ def test_a_bad_value_gets_its_error_before_anything_runs(server, name, value, ex
     if expected.startswith("value_"):  # one error, on the input
         assert [(e["type"], e["extra_info"]["input_name"]) for e in errors] == [(expected, name)]
     else:  # the pack's message, shown on the few inputs its check reads (ComfyUI repeats it on each)
-        assert {e["extra_info"]["input_name"] for e in errors} <= {"length", "frames_per_chunk", "cache_mode",
-                                                                     "timesteps"}
+        assert {e["extra_info"]["input_name"] for e in errors} <= {"length", "frames_per_chunk", "timesteps"}
         assert all(f"Autoregressive Long Sampler: {expected}" in e["details"] for e in errors), errors
 
 
