@@ -52,7 +52,32 @@ class FastARTestConditioning:
         return ([[torch.randn(1, tokens, width, generator=g), {}]],)
 
 
+class EmptyARVideoLatentLayout:
+    """Test only, on a ComfyUI without core's autoregressive nodes: Empty AR Video Latent's inputs, so the
+    frontend lays the core-AR template out as a ComfyUI with those nodes does (thumbnails, overlap test)."""
+    CATEGORY = "testing"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16}),
+                             "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16}),
+                             "length": ("INT", {"default": 81, "min": 1, "max": 1024, "step": 4}),
+                             "batch_size": ("INT", {"default": 1, "min": 1, "max": 64})}}
+
+    def make(self, width, height, length, batch_size):
+        raise RuntimeError("layout stand-in only")
+
+
 NODE_CLASS_MAPPINGS = {"FastARTestConditioning": FastARTestConditioning}
+try:  # a classic checkout; the pip-installable trees that have core's nodes need no stand-in
+    import nodes as _core
+
+    if "EmptyARVideoLatent" not in _core.NODE_CLASS_MAPPINGS:
+        NODE_CLASS_MAPPINGS["EmptyARVideoLatent"] = EmptyARVideoLatentLayout
+except ImportError:
+    pass
 '''
 
 # ComfyUI imports torchvision at module scope; where the installed one cannot load against this
@@ -79,6 +104,17 @@ def _free_port() -> int:
 def _get(url):
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
+
+
+def _fetch(url):
+    """The body at ``url``, or None where the server has none (404)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
 
 
 def _post(url, data):
@@ -323,6 +359,7 @@ def test_a_bad_value_gets_its_error_before_anything_runs(server, name, value, ex
 CORE_AR = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file()
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or "core_ar" not in p.stem]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
+FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
 
 
 def _is_widget(spec) -> bool:
@@ -347,7 +384,7 @@ def _to_api_prompt(workflow: dict, info: dict) -> dict:
 
     prompt = {}
     for node in workflow["nodes"]:
-        if node["mode"] != 0:
+        if node["mode"] != 0 or node["type"] in FRONTEND_ONLY:
             continue
         assert node["type"] in info, f"{node['type']} is not a node of this ComfyUI"
         schema = info[node["type"]]
@@ -421,6 +458,27 @@ def _core_ar_workflow_runs_to_a_latent(server):
     assert {c["engine"] for c in cache if c.get("chunk")} == {"fused"}
 
 
+def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
+    """Each template: a Note on the files it needs, the download metadata ComfyUI reads for the text encoder
+    and the VAE, and a thumbnail ComfyUI serves beside it."""
+    listed = _get(server["url"] + "/workflow_templates")
+    pack = next(name for name, stems in listed.items() if "fastar_long_t2v_wan21_self_forcing" in stems)
+    assert set(listed[pack]) == {p.stem for p in sorted((REPO / "example_workflows").glob("*.json"))}
+    for path in WORKFLOWS:
+        nodes = {n["type"]: n for n in json.loads(path.read_text())["nodes"]}
+        assert "models/diffusion_models" in nodes["Note"]["widgets_values"][0]
+        for loader, directory in (("CLIPLoader", "text_encoders"), ("VAELoader", "vae")):
+            (model,) = nodes[loader]["properties"]["models"]
+            assert model["name"] == nodes[loader]["widgets_values"][0] and model["directory"] == directory
+            assert model["url"].startswith("https://huggingface.co/Comfy-Org/") and model["url"].endswith(model["name"])
+        served = {suffix: _fetch(f"{server['url']}/api/workflow_templates/{pack}/{path.stem}{suffix}")
+                  for suffix in (".json", ".jpg")}
+        if Path(COMFYUI_PATH, "server.py").is_file():  # (the pip-installable ComfyUI serves no pack's templates)
+            assert served[".json"] is not None
+        if served[".json"] is not None:
+            assert served[".jpg"] is not None and served[".jpg"][:3] == b"\xff\xd8\xff"  # a JPEG beside it
+
+
 if CORE_AR:  # only a ComfyUI with core's autoregressive nodes can run it (collected nowhere else)
     test_core_ar_workflow_runs_to_a_latent = _core_ar_workflow_runs_to_a_latent
 
@@ -433,6 +491,70 @@ def _chromium():
     return None
 
 
+def _frontend(p, server, sync_api):
+    """A page with ComfyUI's frontend and the pack's extension loaded (or a skip where the installed frontend
+    does not start against this server)."""
+    browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"])
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(server["url"], wait_until="domcontentloaded")
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.wait_for_function("() => window.app && window.app.graph", timeout=60000)
+    except sync_api.TimeoutError:
+        browser.close()
+        if Path(COMFYUI_PATH, "server.py").is_file():
+            raise
+        # The pip-installable ComfyUI wants a newer frontend package than the one installed for
+        # the classic checkout; the page then fails before any extension loads (pack or not).
+        pytest.skip(f"the installed ComfyUI frontend does not start against this server: {errors[:1]}")
+    # the pack's extension registers after the app object exists: a graph loaded before it would get no widget
+    page.wait_for_function("() => (window.app.extensions || []).some((e) => e.name === 'FastAR.CacheWidget')",
+                           timeout=60000)
+    page.keyboard.press("Escape")  # a first-run templates dialog may cover the canvas
+    return browser, page
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_templates_open_in_the_frontend_with_no_node_over_another(server):
+    """Each template as the frontend lays it out (titles and widgets included): no two nodes overlap.
+    With FASTAR_TEMPLATE_THUMBNAILS set, the canvas of each is written as the template's thumbnail."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    overlaps = {}
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            for path in sorted((REPO / "example_workflows").glob("*.json")):
+                page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(path.read_text()))
+                page.wait_for_timeout(800)
+                page.keyboard.press("Escape")  # a missing-models dialog
+                page.evaluate("""() => document.querySelectorAll('.p-dialog-close-button, .p-dialog [aria-label=Close]')
+                                        .forEach((b) => b.click())""")
+                boxes = page.evaluate("""() => window.app.graph._nodes.map((n) => {
+                    const b = n.getBounding(); return [n.id, n.type, b[0], b[1], b[2], b[3]]; })""")
+                assert len(boxes) == len(json.loads(path.read_text())["nodes"])
+                overlaps[path.stem] = [(a[1], b[1]) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                                       if a[2] < b[2] + b[4] and b[2] < a[2] + a[4] and a[3] < b[3] + b[5]
+                                       and b[3] < a[3] + a[5]]
+                if os.environ.get("FASTAR_TEMPLATE_THUMBNAILS"):
+                    page.evaluate("""async () => {  // no node-source badges on a thumbnail
+                        try { await window.app.ui.settings.setSettingValueAsync(
+                            'Comfy.NodeBadge.NodeSourceBadgeMode', 'None'); } catch (e) {} }""")
+                    page.evaluate("""() => { const c = window.app.canvas, ns = window.app.graph._nodes;
+                        const b = ns.map((n) => n.getBounding());
+                        const x0 = Math.min(...b.map((r) => r[0])), y0 = Math.min(...b.map((r) => r[1]));
+                        const x1 = Math.max(...b.map((r) => r[0] + r[2])), y1 = Math.max(...b.map((r) => r[1] + r[3]));
+                        const el = c.canvas, s = 0.95 * Math.min(el.width / (x1 - x0), el.height / (y1 - y0));
+                        c.ds.scale = s;
+                        c.ds.offset = [-x0 + (el.width / s - (x1 - x0)) / 2, -y0 + (el.height / s - (y1 - y0)) / 2];
+                        c.setDirty(true, true); }""")
+                    page.wait_for_timeout(500)
+                    page.locator("canvas#graph-canvas").screenshot(path=str(path.with_suffix(".jpg")), type="jpeg",
+                                                                   quality=80)
+        finally:
+            browser.close()
+    assert overlaps == {stem: [] for stem in overlaps}, overlaps
+
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
 def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -440,25 +562,8 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     del graph["5"]["inputs"]["filename_prefix"]
     graph["5"]["inputs"]["filename_prefix"] = "fastar_widget"
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"])
+        browser, page = _frontend(p, server, sync_api)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(server["url"], wait_until="domcontentloaded")
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            try:
-                page.wait_for_function("() => window.app && window.app.graph", timeout=60000)
-            except sync_api.TimeoutError:
-                if Path(COMFYUI_PATH, "server.py").is_file():
-                    raise
-                # The pip-installable ComfyUI wants a newer frontend package than the one installed for
-                # the classic checkout; the page then fails before any extension loads (pack or not).
-                pytest.skip(f"the installed ComfyUI frontend does not start against this server: {errors[:1]}")
-            # the pack's extension registers after the app object exists: a graph loaded before it
-            # would get no widget
-            page.wait_for_function("() => (window.app.extensions || []).some((e) => e.name === 'FastAR.CacheWidget')",
-                                   timeout=60000)
-            page.keyboard.press("Escape")  # a first-run templates dialog may cover the canvas
             page.evaluate("(g) => window.app.loadApiJson(g, 'fastar_widget_test')", graph)
             page.wait_for_selector(".fastar-cache", state="attached", timeout=20000)
             assert page.evaluate("() => document.querySelectorAll('.fastar-cache').length") == 1
