@@ -5,6 +5,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the template files: their names are the titles ComfyUI shows on the template cards
+FASTAR = "FAST-AR - long video (TempCache, ANN Sparsity)"
+DENSE = "FAST-AR - dense baseline (every frame kept)"
+CORE_AR = "FAST-AR - ComfyUI AR video graph"
 NODE_TYPES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
 
 
@@ -39,15 +43,15 @@ def test_example_workflows_are_wired():
             assert link_id in nodes[origin]["outputs"][slot]["links"]
             assert nodes[target]["inputs"][target_slot]["link"] == link_id
     modes = {p.stem: {n["type"]: n["mode"] for n in json.loads(p.read_text())["nodes"]} for p in paths}
-    assert set(modes["fastar_long_t2v_wan21_dense_baseline"].values()) == {0}  # nothing bypassed
-    assert modes["fastar_long_t2v_wan21_self_forcing"]["FastARPatchModel"] == 0
-    assert modes["fastar_core_ar_video_wan21"]["FastARARVideo"] == 0
-    assert "SamplerARVideo" not in modes["fastar_core_ar_video_wan21"]  # ours in its place
+    assert set(modes[DENSE].values()) == {0}  # nothing bypassed
+    assert modes[FASTAR]["FastARPatchModel"] == 0
+    assert modes[CORE_AR]["FastARARVideo"] == 0
+    assert "SamplerARVideo" not in modes[CORE_AR]  # ours in its place
 
 
 def test_fastar_workflow_runs_all_of_fastar_at_the_defaults():
     """The FAST-AR templates feed TempCache and ANN Sparsity, at the library's defaults, into the patch."""
-    for name in ("fastar_long_t2v_wan21_self_forcing", "fastar_core_ar_video_wan21"):
+    for name in (FASTAR, CORE_AR):
         _check_all_of_fastar_at_the_defaults(json.loads((REPO / "example_workflows" / f"{name}.json").read_text()))
 
 
@@ -66,7 +70,7 @@ def _check_all_of_fastar_at_the_defaults(wf):
 
 
 def test_dense_baseline_workflow_keeps_every_frame_without_sparsity():
-    wf = json.loads((REPO / "example_workflows" / "fastar_long_t2v_wan21_dense_baseline.json").read_text())
+    wf = json.loads((REPO / "example_workflows" / f"{DENSE}.json").read_text())
     nodes = {n["id"]: n for n in wf["nodes"]}
     patch = next(n for n in nodes.values() if n["type"] == "FastARPatchModel")
     feeds = {i["name"]: nodes[next(l[1] for l in wf["links"] if l[0] == i["link"])]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -357,7 +358,8 @@ def test_a_bad_value_gets_its_error_before_anything_runs(server, name, value, ex
 # -- example workflows ------------------------------------------------------------------------
 # core's autoregressive nodes (Empty AR Video Latent, SamplerCustom's AR graph) exist from 2026 on
 CORE_AR = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file()
-WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or "core_ar" not in p.stem]
+CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video graph.json"
+WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or p != CORE_AR_WORKFLOW]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
 FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
 
@@ -419,7 +421,7 @@ def test_example_workflow_validates(server, path):
     workflow = json.loads(path.read_text())
     prompt = _to_api_prompt(workflow, info)
     types = {n["class_type"] for n in prompt.values()}
-    sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if "core_ar" in path.stem \
+    sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if path == CORE_AR_WORKFLOW \
         else {"FastARAutoregressiveSampler"}
     assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "VAEDecode", "SaveVideo"} | sampler <= types
     status, body = _post(server["url"] + "/prompt", {"prompt": prompt})
@@ -436,7 +438,7 @@ def _core_ar_workflow_runs_to_a_latent(server):
     """The core AR template as a prompt, on the test checkpoint that loads as WAN21_CausalAR: the
     text encoder is the test conditioning, and the LATENT is saved instead of decoded."""
     info = _get(server["url"] + "/object_info")
-    prompt = _to_api_prompt(json.loads((REPO / "example_workflows" / "fastar_core_ar_video_wan21.json").read_text()),
+    prompt = _to_api_prompt(json.loads(CORE_AR_WORKFLOW.read_text()),
                             info)
     by_type = {n["class_type"]: k for k, n in prompt.items()}
     prompt[by_type["UNETLoader"]]["inputs"]["unet_name"] = "fastar_tiny_causal.safetensors"
@@ -462,7 +464,7 @@ def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
     """Each template: a Note on the files it needs, the download metadata ComfyUI reads for the text encoder
     and the VAE, and a thumbnail ComfyUI serves beside it."""
     listed = _get(server["url"] + "/workflow_templates")
-    pack = next(name for name, stems in listed.items() if "fastar_long_t2v_wan21_self_forcing" in stems)
+    pack = next(name for name, stems in listed.items() if CORE_AR_WORKFLOW.stem in stems)
     assert set(listed[pack]) == {p.stem for p in sorted((REPO / "example_workflows").glob("*.json"))}
     for path in WORKFLOWS:
         nodes = {n["type"]: n for n in json.loads(path.read_text())["nodes"]}
@@ -471,7 +473,7 @@ def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
             (model,) = nodes[loader]["properties"]["models"]
             assert model["name"] == nodes[loader]["widgets_values"][0] and model["directory"] == directory
             assert model["url"].startswith("https://huggingface.co/Comfy-Org/") and model["url"].endswith(model["name"])
-        served = {suffix: _fetch(f"{server['url']}/api/workflow_templates/{pack}/{path.stem}{suffix}")
+        served = {suffix: _fetch(f"{server['url']}/api/workflow_templates/{pack}/{urllib.parse.quote(path.stem)}{suffix}")
                   for suffix in (".json", ".jpg")}
         if Path(COMFYUI_PATH, "server.py").is_file():  # (the pip-installable ComfyUI serves no pack's templates)
             assert served[".json"] is not None
@@ -607,6 +609,7 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     running = [f for f, s in seen if s.endswith("running")]
     assert len(set(running)) >= 3, seen          # the numbers changed while the rollout ran
     assert seen[-1] == ("12 / 12", "FAST-AR cache: done"), seen
+    assert ("0 / 12", "FAST-AR cache: waiting for the first chunk") in seen, seen
     assert texts["tokens"] == "12"                # (1 sink + 2 window) frames x 4 tokens, formatted here
     assert texts["relative"].startswith("25 %")   # of the 48 tokens a dense cache would hold
     assert texts["rate"].endswith("chunks/s") and texts["gb"] == "49.2 KB (alloc 65.8 KB)"
