@@ -21,7 +21,12 @@ async def comfy_entrypoint():
 
 
 def __getattr__(name):
-    """``NODE_CLASS_MAPPINGS`` / ``NODE_DISPLAY_NAME_MAPPINGS``, made when ComfyUI reads them."""
+    """``NODE_CLASS_MAPPINGS`` / ``NODE_DISPLAY_NAME_MAPPINGS``, made when ComfyUI reads them, and
+    ``FastARError`` (the library's error type, named by this package)."""
+    if name == "FastARError":
+        from .fastar.errors import FastARError
+
+        return FastARError
     if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
         from .nodes import node_list
 

@@ -77,3 +77,14 @@ def test_dense_baseline_workflow_keeps_every_frame_without_sparsity():
              for i in patch["inputs"] if i["link"] is not None}
     assert set(feeds) == {"model", "cache"} and feeds["cache"]["type"] == "FastARWindowCache"
     assert feeds["cache"]["widgets_values"][-1] is True  # unbounded
+
+
+def test_the_error_type_is_named_by_the_package():
+    """ComfyUI shows an error's type by its module path: the package's name, not the folder's path."""
+    import pickle
+
+    from comfyui_fastar.fastar import FastARError
+
+    assert f"{FastARError.__module__}.{FastARError.__qualname__}" == "comfyui_fastar.FastARError"
+    err = pickle.loads(pickle.dumps(FastARError("length 22 is not 1 + 4k")))
+    assert type(err) is FastARError and str(err) == "length 22 is not 1 + 4k"

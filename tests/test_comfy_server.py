@@ -326,6 +326,16 @@ def test_ann_sparsity_at_its_defaults_runs_with_the_default_cache(server):
     assert _latent_of(server, prompt_id).shape == (1, 16, 6, 4, 4)
 
 
+def test_settings_that_cannot_run_together_fail_in_the_nodes_words(server):
+    graph = _graph(length=9, chunk="1", cache_mode="window", ann=True)
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], graph))
+    error = next(e["data"] for e in events if e["type"] == "execution_error")
+    assert error["node_type"] == "FastARPatchModel"
+    assert error["exception_type"] == "comfyui_fastar.FastARError"  # not the pack folder's path
+    assert error["exception_message"].startswith("FAST-AR Patch Model: ANN Sparsity's annsa reads a bucket-sorted "
+                                                 "cache, which a Sink + Window Cache does not keep")
+
+
 def test_invalid_input_gets_a_node_error(server):
     status, body = _post(server["url"] + "/prompt", {"prompt": _graph(length=13, chunk="3")})
     assert status == 400
