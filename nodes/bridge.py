@@ -384,7 +384,7 @@ def _cast_on_read(module: torch.nn.Module, dtype: torch.dtype) -> None:
     module.compute_dtype = dtype
 
 
-def fused_wan(dm, dtype: torch.dtype | None = None) -> "WanModel":
+def fused_wan(dm, dtype: torch.dtype | None = None):
     """The library's Wan forward over ``dm``'s own parameter tensors (no copy: the state-dict names
     match), computing in ``dtype`` (default: the weights'). Weights stored in another dtype are read
     in ``dtype`` layer by layer; the patch embedding runs in its own dtype, as ComfyUI runs it (fp32).

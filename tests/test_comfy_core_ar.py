@@ -131,7 +131,6 @@ def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
 
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
     from comfyui_fastar.fastar import TempCacheConfig
-    from comfyui_fastar.nodes import bridge
     from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, TempCacheSettings
 
     tc = TempCacheSettings.execute(True, 0.5, 3, 1).result[0]
