@@ -457,23 +457,29 @@ def _transformer_options(model, model_options: dict, prepared: bool = False) -> 
 
 
 # -- conditioning -------------------------------------------------------------------------
-def conditioning_context(model, conditioning, noise: torch.Tensor, device, name: str) -> torch.Tensor:
-    """A ComfyUI CONDITIONING (one prompt) as the model's ``context`` [B, tokens, text_dim],
-    through the model's own ``extra_conds`` as ComfyUI's samplers compute it."""
-    if not isinstance(conditioning, list) or len(conditioning) != 1:
-        n = len(conditioning) if isinstance(conditioning, list) else type(conditioning).__name__
-        raise FastARError(f"{name}: the autoregressive sampler takes one prompt (a single conditioning entry), "
-                          f"got {n}; combined or area conditioning is not supported")
-    conds = comfy.sampler_helpers.convert_cond(conditioning)
-    conds = comfy.samplers.encode_model_conds(model.model.extra_conds, conds, noise, device, name)
-    model_conds = conds[0]["model_conds"]
+def text_context(conds, batch: int, device, node: str, name: str) -> torch.Tensor:
+    """The model's ``context`` [B, tokens, text_dim] of encoded conditioning (one prompt), or one clear error."""
+    if not conds or len(conds) != 1:
+        raise FastARError(f"{node}: the {name} conditioning must be one prompt (a single entry), got "
+                          f"{len(conds or [])}; combined or area conditioning is not supported")
+    model_conds = conds[0].get("model_conds", {})
     unsupported = sorted(k for k in model_conds if k != "c_crossattn")
     if unsupported:
-        raise FastARError(f"{name}: conditioning carries {', '.join(unsupported)}, which the text-to-video "
-                          f"autoregressive sampler does not use")
+        raise FastARError(f"{node}: the {name} conditioning carries {', '.join(unsupported)}, which the "
+                          f"text-to-video autoregressive sampler does not use")
     if "c_crossattn" not in model_conds:
-        raise FastARError(f"{name}: conditioning has no text embedding")
-    return model_conds["c_crossattn"].process_cond(batch_size=noise.shape[0], device=device).cond
+        raise FastARError(f"{node}: the {name} conditioning has no text embedding")
+    return model_conds["c_crossattn"].process_cond(batch_size=batch, device=device).cond
+
+
+def conditioning_context(model, conditioning, noise: torch.Tensor, device, node: str, name: str) -> torch.Tensor:
+    """A ComfyUI CONDITIONING (one prompt) as the model's ``context``, encoded through the model's own
+    ``extra_conds`` as ComfyUI's samplers encode it."""
+    if not isinstance(conditioning, list):
+        raise FastARError(f"{node}: the {name} input must be a CONDITIONING, got {type(conditioning).__name__}")
+    conds = comfy.sampler_helpers.convert_cond(conditioning)
+    conds = comfy.samplers.encode_model_conds(model.model.extra_conds, conds, noise, device, name)
+    return text_context(conds, noise.shape[0], device, node, name)
 
 
 def _match_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -555,10 +561,10 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     rollout = None
     try:
         model.pre_run()
-        context = conditioning_context(model, positive, noise_like, device, "positive")
+        context = conditioning_context(model, positive, noise_like, device, node, "positive")
         negative_context = None
         if guided:
-            negative_context = conditioning_context(model, negative, noise_like, device, "negative")
+            negative_context = conditioning_context(model, negative, noise_like, device, node, "negative")
             context, negative_context = _match_tokens(context, negative_context)
         engine = choose_engine(model, _transformer_options(model, model_options, prepared=True), model_options, node)
         log_engine(engine, node)
@@ -591,21 +597,6 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
 
 
 # -- core's autoregressive graph: a SAMPLER for SamplerCustom / SamplerCustomAdvanced -------------
-def _processed_context(conds, batch: int, device, node: str, name: str) -> torch.Tensor:
-    """The text context of a guider's processed conditioning (one prompt)."""
-    if not conds or len(conds) != 1:
-        raise FastARError(f"{node}: the {name} conditioning must be one prompt (a single entry), got "
-                          f"{len(conds or [])}; combined or area conditioning is not supported")
-    model_conds = conds[0].get("model_conds", {})
-    unsupported = sorted(k for k in model_conds if k != "c_crossattn")
-    if unsupported:
-        raise FastARError(f"{node}: the {name} conditioning carries {', '.join(unsupported)}, which the "
-                          f"text-to-video autoregressive sampler does not use")
-    if "c_crossattn" not in model_conds:
-        raise FastARError(f"{node}: the {name} conditioning has no text embedding")
-    return model_conds["c_crossattn"].process_cond(batch_size=batch, device=device).cond
-
-
 def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int) -> Callable:
     """Noise as core's ``sample_ar_video`` draws it: a chunk starts from the graph's noisy latent, and
     the re-noise after step i of chunk c comes from ``torch.manual_seed(seed + 1000 * c + i)``."""
@@ -682,11 +673,11 @@ class ARVideoSampler(comfy.samplers.Sampler):
         if latent_image is None:
             latent_image = torch.zeros_like(noise)
         x = base.model_sampling.noise_scaling(sigmas[0], noise, latent_image, self.max_denoise(model_wrap, sigmas))
-        context = _processed_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
+        context = text_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
         cfg = float(getattr(model_wrap, "cfg", 1.0))
         negative = None
         if cfg != 1.0 and model_wrap.conds.get("negative"):
-            negative = _processed_context(model_wrap.conds["negative"], batch, device, node, "negative")
+            negative = text_context(model_wrap.conds["negative"], batch, device, node, "negative")
             context, negative = _match_tokens(context, negative)
         else:
             cfg = 1.0
