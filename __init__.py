@@ -28,13 +28,18 @@ def __getattr__(name):
 
         return FastARError
     if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
-        from .nodes import node_list
+        if name not in _MAPPINGS:  # made once: ComfyUI reads each name several times while it loads a pack
+            from .nodes import node_list
 
-        schemas = [(node, node.define_schema()) for node in node_list()]
-        if name == "NODE_CLASS_MAPPINGS":
-            return {schema.node_id: node for node, schema in schemas}
-        return {schema.node_id: schema.display_name for _, schema in schemas if schema.display_name}
+            schemas = [(node, node.define_schema()) for node in node_list()]
+            _MAPPINGS["NODE_CLASS_MAPPINGS"] = {schema.node_id: node for node, schema in schemas}
+            _MAPPINGS["NODE_DISPLAY_NAME_MAPPINGS"] = {schema.node_id: schema.display_name for _, schema in schemas
+                                                       if schema.display_name}
+        return _MAPPINGS[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_MAPPINGS: dict = {}
 
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]
