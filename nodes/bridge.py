@@ -510,7 +510,7 @@ def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
 class SampleSettings:
     width: int
     height: int
-    frames: int                 # latent frames
+    frames: int                 # latent frames (a last chunk that is not whole is generated whole, then cut)
     batch_size: int = 1
     seed: int = 0
     timesteps: str = "1000,750,500,250"
@@ -548,7 +548,8 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     check_cache(settings.cache, settings.ann, settings.chunk_frames, node)
     b = settings.batch_size
-    latent_shape = (b, model.model.latent_format.latent_channels, settings.frames,
+    whole = -(-settings.frames // settings.chunk_frames) * settings.chunk_frames
+    latent_shape = (b, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
     noise_like = torch.zeros(latent_shape)
     conds = {"positive": comfy.sampler_helpers.convert_cond(positive)}
@@ -572,7 +573,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
             on_engine(engine)
         if engine.name == "comfy":
             engine.model.cond_or_uncond = [0, 1] if guided else [0]
-        rollout = Rollout(engine.model, context.to(device), frames=settings.frames, height=settings.height,
+        rollout = Rollout(engine.model, context.to(device), frames=whole, height=settings.height,
                           width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
                           cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
                           negative_context=None if negative_context is None else negative_context.to(device),
@@ -586,7 +587,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
             # Cancel from the UI: stop here, between chunks; the finally below frees the cache.
             comfy.model_management.throw_exception_if_processing_interrupted()
 
-        samples = rollout.run(report)
+        samples = rollout.run(report)[:, :, :settings.frames]
         samples = real_model.process_latent_out(samples.to(torch.float32))
         return {"samples": samples.to(comfy.model_management.intermediate_device())}
     finally:

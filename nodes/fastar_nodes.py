@@ -165,32 +165,27 @@ FRAMES_PER_CHUNK = ("3", "1")
 MAX_LENGTH = 100001
 
 
-def _check_length(length: int, chunk: int) -> int:
-    """Latent frames of a video ``length`` (1 + 4k frames, whole chunks), or one clear error."""
+def _check_length(length: int) -> int:
+    """Latent frames of a video ``length`` (1 + 4k frames), or one clear error."""
     if not 1 <= length <= MAX_LENGTH:
         raise FastARError(f"length {length} must lie in [1, {MAX_LENGTH}] video frames")
     if (length - 1) % 4:
         lo, hi = length - (length - 1) % 4, length - (length - 1) % 4 + 4
         raise FastARError(f"length {length} is not 1 + 4k video frames (what Wan's VAE decodes to); use {lo} or {hi}")
-    frames = bridge.latent_frames(length)
-    if frames % chunk:
-        lo = ((frames // chunk) * chunk - 1) * 4 + 1
-        hi = ((frames // chunk + 1) * chunk - 1) * 4 + 1
-        hint = f"use {lo} or {hi}" if lo >= 1 else f"use {hi}"
-        raise FastARError(f"length {length} gives {frames} latent frames, not a multiple of {chunk} frames per "
-                          f"chunk; {hint}")
-    return frames
+    return bridge.latent_frames(length)
 
 
 def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise, cfg,
               cache) -> bridge.SampleSettings:
     """Validated rollout settings (raises FastARError with one clear line)."""
+    if str(frames_per_chunk) not in FRAMES_PER_CHUNK:
+        raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
     chunk = int(frames_per_chunk)
-    frames = _check_length(int(length), chunk)
+    frames = _check_length(int(length))
     FlowMatchSchedule.parse(timesteps, shift=float(shift))
     for name, value in (("width", width), ("height", height)):
         if value % 16:
-            raise FastARError(f"{name}={value} must be a multiple of 16 pixels")
+            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
     return bridge.SampleSettings(width=int(width), height=int(height), frames=frames, batch_size=int(batch_size),
                                  seed=int(seed), timesteps=timesteps, shift=float(shift), chunk_frames=chunk,
                                  context_noise=float(context_noise), cache=cache, cfg=float(cfg))
@@ -214,8 +209,8 @@ class AutoregressiveLongSampler(io.ComfyNode):
                 io.Int.Input("width", default=832, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
                 io.Int.Input("height", default=480, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
                 io.Int.Input("length", default=81, min=1, max=MAX_LENGTH, step=4,
-                             tooltip="Video frames (1 + 4k: 81 frames = 21 latent frames). The latent frame count "
-                                     "must be a multiple of the frames per chunk."),
+                             tooltip="Video frames (1 + 4k: 81 frames = 21 latent frames). A last chunk that "
+                                     "is not whole is generated whole and cut to this length."),
                 io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Videos generated together."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                              tooltip="Noise of chunk c is seeded by (seed, c): a longer video shares the frames "
@@ -241,17 +236,14 @@ class AutoregressiveLongSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, length=None, frames_per_chunk=None, timesteps=None):
-        """The checks ComfyUI cannot make (ComfyUI 0.3.64 checks no V3 combo's options). Only the inputs
-        named here skip ComfyUI's own type / min / max checks (and each message is shown on each of them),
-        so they are the few that need ours."""
+    def validate_inputs(cls, length):
+        """The one check ComfyUI cannot make before a run, on the one input it reads (ComfyUI shows the
+        message on every input named here and skips its own checks for them). The rest is ComfyUI's
+        (types, min / max, frames_per_chunk's options where ComfyUI checks a V3 combo's) or raised by
+        execute before the rollout starts (timesteps, a width or height off the 16-pixel grid, and
+        frames_per_chunk on ComfyUI 0.3.64)."""
         try:
-            if frames_per_chunk is not None and str(frames_per_chunk) not in FRAMES_PER_CHUNK:
-                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
-            if length is not None:
-                _check_length(int(length), int(frames_per_chunk) if frames_per_chunk is not None else 1)
-            if timesteps is not None:
-                FlowMatchSchedule.parse(timesteps)
+            _check_length(int(length))
         except FastARError as exc:
             return f"Autoregressive Long Sampler: {exc}"
         return True
@@ -262,11 +254,15 @@ class AutoregressiveLongSampler(io.ComfyNode):
         if not bridge.is_patched(model):
             model = PatchModel.execute(model).result[0]
         fastar = model.model_options.get(bridge.SETTINGS_KEY, {})
-        settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                             context_noise, cfg, fastar.get("cache", TempCacheConfig()))
+        try:
+            settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
+                                 context_noise, cfg, fastar.get("cache", TempCacheConfig()))
+        except FastARError as exc:
+            raise FastARError(f"Autoregressive Long Sampler: {exc}") from None
         settings.ann = fastar.get("ann")
         events = CacheEvents(_node_id(cls))
-        events.start(settings.frames, settings.frames // settings.chunk_frames)
+        chunks = -(-settings.frames // settings.chunk_frames)
+        events.start(chunks * settings.chunk_frames, chunks)  # the frames generated, a last chunk whole
         try:
             latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:

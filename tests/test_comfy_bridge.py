@@ -350,9 +350,22 @@ def test_nodes(comfy, models, bridge):
     ref = _core_rollout(core, pos, frames=6, chunk=3, cache=TempCacheConfig())
     assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
-    assert "not a multiple of 3" in AutoregressiveLongSampler.validate_inputs(length=13, frames_per_chunk="3")
-    assert "decreasing" in AutoregressiveLongSampler.validate_inputs(timesteps="250,500")
-    assert AutoregressiveLongSampler.validate_inputs(length=81, frames_per_chunk="3", timesteps="1000,500") is True
+    # a last chunk that is not whole: generated whole, then cut (13 frames = 4 latent frames of 6)
+    latent = AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 13, 1, 3, "1000,750,500,250", 5.0,
+                                               "3", 0.0, 1.0).result[0]
+    assert latent["samples"].shape[2] == 4
+    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)[:, :, :4]) <= TOL
+
+    assert AutoregressiveLongSampler.validate_inputs(length=22) == (
+        "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25")
+    assert AutoregressiveLongSampler.validate_inputs(length=13) is True
+    for i, value, message in ((7, "250,500", "timesteps must be strictly decreasing"),
+                              (2, 40, "width 40 is not a multiple of 16 pixels"),
+                              (9, "2", "frames_per_chunk '2' is not one of 3, 1")):
+        args = [comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "3", 0.0, 1.0]
+        args[i] = value
+        with pytest.raises(FastARError, match=f"^Autoregressive Long Sampler: {message}"):
+            AutoregressiveLongSampler.execute(*args)
     with pytest.raises(FastARError, match="needs a negative prompt"):
         AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3", 0.0, 2.0)
 

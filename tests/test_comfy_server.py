@@ -24,6 +24,10 @@ import pytest
 import torch
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+# ComfyUI 0.3.64 checks a combo's options only for V1 nodes; later versions check V3 combos too
+CHECKS_V3_COMBOS = bool(COMFYUI_PATH) and any(
+    p.is_file() and "io.Combo.io_type" in p.read_text()
+    for p in (Path(COMFYUI_PATH, "execution.py"), Path(COMFYUI_PATH, "comfy", "cmd", "execution.py")))
 pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "main.py").is_file(),
                                 reason="COMFYUI_PATH does not name a ComfyUI checkout with main.py")
 
@@ -336,33 +340,47 @@ def test_settings_that_cannot_run_together_fail_in_the_nodes_words(server):
                                                  "cache, which a Sink + Window Cache does not keep")
 
 
-def test_invalid_input_gets_a_node_error(server):
-    status, body = _post(server["url"] + "/prompt", {"prompt": _graph(length=13, chunk="3")})
-    assert status == 400
-    errors = body["node_errors"]["4"]["errors"]
-    assert any("not a multiple of 3" in (e.get("details", "") + e.get("message", "")) for e in errors), errors
+def test_a_length_of_part_chunks_runs_whole_chunks_cut_to_it(server):
+    prompt_id, _ = asyncio.run(_run(server["url"], server["port"], _graph(length=13, chunk="3")))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 4, 4, 4)  # 6 latent frames generated, 4 kept
 
 
 @pytest.mark.parametrize("name, value, expected", [
-    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for these
+    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on
     ("width", -32, "value_smaller_than_min"),
     ("cfg", 0.5, "value_smaller_than_min"),
-    ("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),  # and ours name the input
-    ("frames_per_chunk", "x", "frames_per_chunk 'x' is not one of 3, 1"),
-    ("length", 22, "length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25"),
-    ("timesteps", "250,500", "timesteps must be strictly decreasing"),
+    *([("frames_per_chunk", "2", "value_not_in_list"), ("frames_per_chunk", "x", "value_not_in_list")]
+      if CHECKS_V3_COMBOS else []),
+    ("length", 22, "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes "
+                   "to); use 21 or 25"),               # the pack's one check
 ])
-def test_a_bad_value_gets_its_error_before_anything_runs(server, name, value, expected):
+def test_a_bad_value_gets_one_error_on_its_input_before_anything_runs(server, name, value, expected):
     graph = _graph(length=9, chunk="1")
     graph["4"]["inputs"][name] = value
     status, body = _post(server["url"] + "/prompt", {"prompt": graph})
     assert status == 400, body
     errors = body["node_errors"]["4"]["errors"]
-    if expected.startswith("value_"):  # one error, on the input
-        assert [(e["type"], e["extra_info"]["input_name"]) for e in errors] == [(expected, name)]
-    else:  # the pack's message, shown on the few inputs its check reads (ComfyUI repeats it on each)
-        assert {e["extra_info"]["input_name"] for e in errors} <= {"length", "frames_per_chunk", "timesteps"}
-        assert all(f"Autoregressive Long Sampler: {expected}" in e["details"] for e in errors), errors
+    assert [e["extra_info"]["input_name"] for e in errors] == [name], errors
+    if expected.startswith("value_"):
+        assert errors[0]["type"] == expected
+    else:
+        assert errors[0]["type"] == "custom_validation_failed" and errors[0]["details"] == f"{name} - {expected}"
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("timesteps", "250,500", "timesteps must be strictly decreasing, got [250.0, 500.0]"),
+    ("width", 40, "width 40 is not a multiple of 16 pixels"),
+    *([] if CHECKS_V3_COMBOS else [("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),
+                                   ("frames_per_chunk", "x", "frames_per_chunk 'x' is not one of 3, 1")]),
+])
+def test_a_value_only_the_run_can_check_fails_before_the_rollout(server, name, value, expected):
+    graph = _graph(length=9, chunk="1")
+    graph["4"]["inputs"][name] = value
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], graph))
+    error = next(e["data"] for e in events if e["type"] == "execution_error")
+    assert (error["node_type"], error["exception_message"]) == (
+        "FastARAutoregressiveSampler", f"Autoregressive Long Sampler: {expected}\n")
+    assert not [e for e in events if e["type"] == "fastar.cache"]  # no chunk started
 
 
 # -- example workflows ------------------------------------------------------------------------
