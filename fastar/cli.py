@@ -2,7 +2,8 @@
 
 With no arguments it runs an embedded default, all of FAST-AR (TempCache + AnnSA) on a tiny
 random Wan model on the CPU, or on the Wan 2.1 1.3B shapes (480x832, bf16, random weights) when
-a GPU is present.
+a GPU is present. ``fastar convert SRC.pt DST.safetensors`` turns a causal model's training
+checkpoint into the file ComfyUI and ``--checkpoint`` load.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from .ann import ANN_METHODS, AnnConfig
 from .errors import FastARError
 from .kvcache import CACHE_MODES, CacheConfig
-from .models import WAN_CONFIGS, build_model, load_wan
+from .models import WAN_CONFIGS, build_model, convert_checkpoint, load_wan
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
@@ -169,10 +170,35 @@ def run(args) -> list[dict]:
     return rows
 
 
+def parse_convert_args(argv):
+    p = argparse.ArgumentParser(prog="fastar convert",
+                                description="Write a causal Wan 2.1 training checkpoint (.pt: Self-Forcing, CausVid, "
+                                            "Causal-Forcing ...) as a .safetensors file for ComfyUI's "
+                                            "models/diffusion_models/ and fastar --checkpoint. The .pt file is read "
+                                            "with torch's weights-only unpickler: no code in it runs.")
+    p.add_argument("src", help="the training checkpoint (.pt)")
+    p.add_argument("dst", help="the .safetensors file to write")
+    p.add_argument("--key", help="the entry holding the model's weights (default: the first of "
+                                 "generator_ema, generator, model, state_dict, module)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="stored precision (default bfloat16, as the models are trained)")
+    p.add_argument("--num-heads", type=int, help="attention heads, for a model whose width is not 128 per head")
+    return p.parse_args(argv)
+
+
+def convert(args) -> None:
+    config = convert_checkpoint(args.src, args.dst, key=args.key, dtype=getattr(torch, args.dtype),
+                                num_heads=args.num_heads)
+    print(f"wrote {args.dst}: Wan 2.1 T2V, dim {config.dim}, {config.num_layers} blocks, {args.dtype}")
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(args)
+        if argv[:1] == ["convert"]:
+            convert(parse_convert_args(argv[1:]))
+            return 0
+        run(parse_args(argv))
     except FastARError as exc:
         print(f"fastar: error: {exc}", file=sys.stderr)
         return 2

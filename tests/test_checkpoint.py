@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_fastar.fastar import FastARError
-from comfyui_fastar.fastar.models import WAN_CONFIGS, build_model, infer_config, load_wan, save_wan
+from comfyui_fastar.fastar.models import WAN_CONFIGS, build_model, convert_checkpoint, infer_config, load_wan, save_wan
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,63 @@ def test_bad_checkpoints_name_the_problem(model, tmp_path):
     save_file({"encoder.weight": torch.zeros(2, 2)}, str(other))
     with pytest.raises(FastARError, match="not a Wan 2.1 diffusion model"):
         load_wan(other)
+
+
+def _training_checkpoint(model, path, **extra):
+    """A .pt file shaped like Self-Forcing's: the generator (a wrapper whose Wan model is ``model``,
+    FSDP-wrapped) under generator_ema and generator, beside the critic and optimizer entries."""
+    sd = {f"model._fsdp_wrapped_module.{k}": v.clone() for k, v in model.state_dict().items()}
+    other = {k: v + 1 for k, v in sd.items()}
+    torch.save({"generator": other, "generator_ema": sd, "critic": {"w": torch.zeros(2)}, "step": 1200, **extra},
+               path)
+
+
+def test_a_training_checkpoint_converts_to_the_file_comfyui_and_the_cli_load(model, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from comfyui_fastar.fastar.cli import main
+
+    src, dst = tmp_path / "self_forcing_dmd.pt", tmp_path / "self_forcing_dmd.safetensors"
+    _training_checkpoint(model, src)
+    assert main(["convert", str(src), str(dst), "--dtype", "float32", "--num-heads", "2"]) == 0
+    assert "dim 64, 2 blocks, float32" in capsys.readouterr().out
+    loaded = load_wan(dst)  # the config is in the metadata now
+    assert loaded.config == model.config
+    assert torch.equal(outputs(loaded), outputs(model))  # the EMA generator, exactly
+    with safe_open(str(dst), framework="pt") as f:
+        assert '"causal_ar": true' in f.metadata()["config"]  # ComfyUI's causal Wan with core's AR nodes
+
+    convert_checkpoint(src, dst, key="generator", num_heads=2)  # bf16 by default
+    bf16 = load_wan(dst)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16.state_dict()["head.head.weight"], (model.state_dict()["head.head.weight"] + 1).bfloat16())
+
+
+def test_conversion_refuses_what_it_cannot_write_and_runs_no_code(model, tmp_path):
+    import pathlib
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return pathlib.Path.touch, (marker,)
+
+    src, dst = tmp_path / "evil.pt", tmp_path / "out.safetensors"
+    _training_checkpoint(model, src, extra=Payload())
+    with pytest.raises(FastARError, match="weights_only=True"):
+        convert_checkpoint(src, dst, num_heads=2)
+    assert not marker.exists() and not dst.exists()
+
+    lora = tmp_path / "longlive_lora.pt"
+    torch.save({"generator_ema": {"model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(2, 2)}}, lora)
+    with pytest.raises(FastARError, match="LoRA adapters"):
+        convert_checkpoint(lora, dst)
+    nothing = tmp_path / "nothing.pt"
+    torch.save({"optimizer": {"lr": torch.tensor(1.0)}, "step": 3}, nothing)
+    with pytest.raises(FastARError, match="no Wan weights found .*--key"):
+        convert_checkpoint(nothing, dst)
+    _training_checkpoint(model, src)
+    with pytest.raises(FastARError, match="no entry 'ema'"):
+        convert_checkpoint(src, dst, key="ema", num_heads=2)
+    with pytest.raises(FastARError, match="must be a .safetensors file"):
+        convert_checkpoint(src, tmp_path / "out.pt", num_heads=2)

@@ -370,6 +370,24 @@ def test_nodes(comfy, models, bridge):
         AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3", 0.0, 2.0)
 
 
+def test_a_converted_training_checkpoint_loads_in_comfyui(comfy, models, tmp_path):
+    """fastar convert's file through ComfyUI's own loader: the same weights, and ComfyUI's causal Wan
+    model where core's autoregressive nodes exist (the plain Wan model before)."""
+    import comfy.model_base
+
+    from comfyui_fastar.fastar.models import convert_checkpoint
+
+    comfy_model, core = models
+    src, dst = tmp_path / "self_forcing_dmd.pt", tmp_path / "self_forcing_dmd.safetensors"
+    torch.save({"generator_ema": {"model." + k: v for k, v in core.state_dict().items()}, "step": 1}, src)
+    convert_checkpoint(src, dst, dtype=torch.float32, num_heads=TINY["num_heads"])
+    loaded = comfy.sd.load_diffusion_model(str(dst), model_options={"dtype": torch.float32})
+    expected = "WAN21_CausalAR" if hasattr(comfy.model_base, "WAN21_CausalAR") else "WAN21"
+    assert type(loaded.model).__name__ == expected
+    ours, theirs = loaded.model.diffusion_model.state_dict(), comfy_model.model.diffusion_model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 # -- the engine ---------------------------------------------------------------------------
 def _engine(bridge, model):
     patched = model if bridge.is_patched(model) else bridge.patch_model(model)

@@ -1,9 +1,10 @@
 """Build Wan models: random weights at a named size, or a ``.safetensors`` checkpoint.
 
-Checkpoints are read with safetensors only (a pickle can run code). Keys may carry the
-prefixes ComfyUI or training code put in front (``model.diffusion_model.`` ...). The size is
-read off the tensor shapes; the head count, which shapes cannot give, comes from the file's
-metadata when present, else Wan's head_dim of 128.
+Checkpoints are read with safetensors only (a pickle can run code); ``convert_checkpoint``
+turns a training checkpoint (``.pt``, read with torch's tensors-only unpickler) into one. Keys
+may carry the prefixes ComfyUI or training code put in front (``model.diffusion_model.`` ...).
+The size is read off the tensor shapes; the head count, which shapes cannot give, comes from
+the file's metadata when present, else Wan's head_dim of 128.
 """
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from ..errors import FastARError
 from .wan import WAN_CONFIGS, WanConfig, WanModel
 
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # FSDP / compile
+# the generator's weights in the training checkpoints' dicts (Self-Forcing, CausVid, Causal-Forcing: EMA first)
+STATE_KEYS = ("generator_ema", "generator", "model", "state_dict", "module")
+# what ComfyUI (with core's autoregressive nodes) reads to load a Wan file as its causal model
+COMFY_CAUSAL_METADATA = {"config": json.dumps({"transformer": {"causal_ar": True}})}
 CONFIG_METADATA_KEY = "fastar.wan_config"
 SHAPE_KEYS = ("blocks.0.ffn.0.weight", "text_embedding.0.weight", "time_embedding.0.weight", "head.head.weight")
 
@@ -70,6 +76,19 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     )
 
 
+def _matching_model(state_dict: dict, config: WanConfig, name: str) -> WanModel:
+    """A meta-device Wan model whose parameter names are exactly ``state_dict``'s, or one clear error."""
+    with torch.device("meta"):
+        model = WanModel(config)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise FastARError(f"{name} does not match a Wan 2.1 T2V model of dim {config.dim}: "
+                          f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, "
+                          f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+    return model
+
+
 def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None = None,
              num_heads: int | None = None) -> WanModel:
     """Load a Wan 2.1 T2V / causal checkpoint from a ``.safetensors`` file."""
@@ -81,7 +100,7 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
         raise FastARError(f"checkpoint not found: {path}")
     if not path.endswith(".safetensors"):
         raise FastARError(f"{os.path.basename(path)}: only .safetensors checkpoints are loaded "
-                          "(pickled .pt/.ckpt files can run code); convert it to safetensors first")
+                          "(pickled .pt/.ckpt files can run code); convert it first: fastar convert FILE.pt FILE.safetensors")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
@@ -93,14 +112,7 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
                               for k, v in json.loads(metadata[CONFIG_METADATA_KEY]).items()})
     else:
         config = infer_config(state_dict, num_heads)
-    with torch.device("meta"):
-        model = WanModel(config)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-    if missing or unexpected:
-        raise FastARError(f"{os.path.basename(path)} does not match a Wan 2.1 T2V model of dim {config.dim}: "
-                          f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, "
-                          f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+    model = _matching_model(state_dict, config, os.path.basename(path))
     dtype = dtype or state_dict["blocks.0.self_attn.q.weight"].dtype
     model.load_state_dict(state_dict, assign=True)
     return model.to(dtype).eval().requires_grad_(False)
@@ -112,3 +124,61 @@ def save_wan(model: WanModel, path: str | os.PathLike) -> None:
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.fspath(path),
               metadata={CONFIG_METADATA_KEY: json.dumps(model.config.to_dict())})
+
+
+def _generator_state(obj, key: str | None, name: str) -> dict:
+    """The Wan weights inside a training checkpoint's dict, with wrapper and prefix names removed."""
+    def tensors(d):
+        return isinstance(d, dict) and d and all(isinstance(v, torch.Tensor) for v in d.values())
+
+    if key is not None:
+        if not isinstance(obj, dict) or key not in obj:
+            raise FastARError(f"{name} has no entry {key!r} (entries: {', '.join(map(str, obj))[:200]})")
+        obj = obj[key]
+    elif not tensors(obj):
+        found = next((k for k in STATE_KEYS if isinstance(obj, dict) and tensors(obj.get(k))), None)
+        if found is None:
+            entries = ", ".join(map(str, obj))[:200] if isinstance(obj, dict) else type(obj).__name__
+            raise FastARError(f"{name}: no Wan weights found (entries: {entries}); name the entry that holds "
+                              f"them with --key")
+        obj = obj[found]
+    if not tensors(obj):
+        raise FastARError(f"{name}: entry {key!r} is not a dict of tensors")
+    state = {}
+    for k, v in obj.items():
+        for infix in WRAPPER_INFIXES:
+            k = k.replace(infix, "")
+        state[k.removeprefix("module.")] = v
+    if any(".lora_A." in k or ".lora_B." in k or k.endswith(".base_layer.weight") for k in state):
+        raise FastARError(f"{name} holds LoRA adapters (LongLive ships its LoRA apart): merge them into the base "
+                          f"weights first; this converter writes full models only")
+    return strip_prefix(state)
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None = None,
+                       dtype: torch.dtype = torch.bfloat16, num_heads: int | None = None) -> WanConfig:
+    """Write a training checkpoint's Wan weights as a ``.safetensors`` file ComfyUI's Load Diffusion
+    Model and ``load_wan`` read (marked causal, so ComfyUI with core's autoregressive nodes loads it as
+    its causal Wan model). The ``.pt`` file is read with ``weights_only=True``: tensors and plain
+    containers only, no code runs."""
+    from safetensors.torch import save_file
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    name = os.path.basename(src)
+    if not os.path.isfile(src):
+        raise FastARError(f"checkpoint not found: {src}")
+    if not dst.endswith(".safetensors"):
+        raise FastARError(f"{dst}: the output must be a .safetensors file")
+    try:
+        try:
+            obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+            obj = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise FastARError(f"{name} is not a checkpoint torch reads with weights_only=True: {exc}") from None
+    state = _generator_state(obj, key, name)
+    config = infer_config(state, num_heads)
+    _matching_model(state, config, name)
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, dst,
+              metadata={CONFIG_METADATA_KEY: json.dumps(config.to_dict()), **COMFY_CAUSAL_METADATA})
+    return config
