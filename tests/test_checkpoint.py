@@ -137,3 +137,23 @@ def test_conversion_refuses_what_it_cannot_write_and_runs_no_code(model, tmp_pat
         convert_checkpoint(src, dst, key="ema", num_heads=2)
     with pytest.raises(FastARError, match="must be a .safetensors file"):
         convert_checkpoint(src, tmp_path / "out.pt", num_heads=2)
+
+
+def test_the_pack_folders_convert_script_needs_no_install(model, tmp_path):
+    """A cloned pack (custom_nodes/ComfyUI-FastAR, not importable by its folder name) converts with
+    ComfyUI's Python and the script beside the nodes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src, dst = tmp_path / "ckpt.pt", tmp_path / "ckpt.safetensors"
+    _training_checkpoint(model, src)
+    script = Path(__file__).resolve().parents[1] / "convert.py"
+    run = subprocess.run([sys.executable, str(script), str(src), str(dst), "--num-heads", "2"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    converted = load_wan(dst).state_dict()
+    assert all(torch.equal(converted[k], v.bfloat16()) for k, v in model.state_dict().items())
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "missing.pt"), str(dst)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "checkpoint not found" in bad.stderr

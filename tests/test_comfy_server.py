@@ -496,7 +496,15 @@ def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
     assert set(listed[pack]) == {p.stem for p in sorted((REPO / "example_workflows").glob("*.json"))}
     for path in WORKFLOWS:
         nodes = {n["type"]: n for n in json.loads(path.read_text())["nodes"]}
-        assert "models/diffusion_models" in nodes["Note"]["widgets_values"][0]
+        note = nodes["Note"]["widgets_values"][0]
+        assert "models/diffusion_models" in note and "fastar convert" in note  # the causal model: where, how
+        unet = nodes["UNETLoader"]
+        if unet["widgets_values"][0] == "causal_forcing-framewise.safetensors":  # one download ComfyUI offers
+            (model,) = unet["properties"]["models"]
+            assert model["directory"] == "diffusion_models" and model["url"].endswith(model["name"])
+            assert nodes["FastARARVideo"]["widgets_values"] == [1]  # framewise: one latent frame per block
+        else:  # a chunkwise model, converted from its .pt
+            assert unet["widgets_values"][0] == "self_forcing_dmd.safetensors" and unet["widgets_values"][0] in note
         for loader, directory in (("CLIPLoader", "text_encoders"), ("VAELoader", "vae")):
             (model,) = nodes[loader]["properties"]["models"]
             assert model["name"] == nodes[loader]["widgets_values"][0] and model["directory"] == directory
