@@ -6,7 +6,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENVS=${COMFY_ENVS:-$ROOT/.comfyui}
-TESTS=("$ROOT/tests/test_comfy_bridge.py" "$ROOT/tests/test_comfy_server.py" "$ROOT/tests/test_comfy_pack.py")
+TESTS=("$ROOT/tests/test_comfy_bridge.py" "$ROOT/tests/test_comfy_server.py" "$ROOT/tests/test_comfy_pack.py"
+       "$ROOT/tests/test_comfy_video.py")
 status=0
 while read -r name tree python; do
   files=("${TESTS[@]}")

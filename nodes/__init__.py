@@ -1,7 +1,7 @@
 """ComfyUI node classes: schemas and glue into ``fastar``; no math lives here.
 
-``bridge`` is the one module that touches ComfyUI internals; ``fastar_nodes`` holds the node
-classes. Neither is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
+``bridge`` (the samplers) and ``video`` (the streaming decode) are the modules that touch ComfyUI
+internals; ``fastar_nodes`` holds the node classes. Neither is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
 """
 
 

@@ -1,0 +1,140 @@
+"""FAST-AR Save Video against a real ComfyUI: the streamed frames are VAE Decode's, the file plays
+back with the right frame count, size and rate, a cancel leaves a playable file, bad input is
+refused in the node's words. The VAE is Wan 2.1's architecture with random weights the test writes."""
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH).is_dir(),
+                                reason="COMFYUI_PATH does not name a ComfyUI checkout")
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from test_comfy_bridge import _import_comfy
+
+    return _import_comfy()
+
+
+def wan_vae_file(path, seed=0):
+    """A Wan 2.1 VAE safetensors file (ComfyUI's architecture, random weights scaled so frames vary)."""
+    import comfy.ldm.wan.vae
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                         temperal_downsample=[False, True, True])
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("gamma"):  # RMS norm scales
+            state[name] = torch.ones(p.shape)
+        elif name.endswith("bias"):
+            state[name] = torch.zeros(p.shape)
+        else:
+            fan_in = max(1, p[0].numel())
+            state[name] = torch.randn(p.shape, generator=g) / fan_in ** 0.5
+    save_file(state, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vae(comfy, tmp_path_factory):
+    import comfy.sd
+    import comfy.utils
+
+    path = wan_vae_file(tmp_path_factory.mktemp("vae") / "wan_2.1_vae.safetensors")
+    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
+
+
+def _latent(frames, batch=1, h=4, w=6, seed=1):
+    return torch.randn(batch, 16, frames, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def _read(path):
+    import av
+
+    with av.open(str(path)) as f:
+        stream = f.streams.video[0]
+        frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(stream)]
+        return frames, stream.average_rate, (stream.codec_context.width, stream.codec_context.height)
+
+
+def test_streamed_frames_are_vae_decodes(vae):
+    from comfyui_fastar.nodes import video
+
+    latent = _latent(5, batch=2)
+    stock = vae.decode(latent)  # [B, T, H, W, 3], what VAE Decode returns (before its reshape)
+    stock = stock.reshape(-1, *stock.shape[-3:])
+    streamed = torch.stack(list(video.decoded_frames(vae, latent)))
+    assert streamed.shape == stock.shape == (2 * 17, 32, 48, 3)
+    inside = ((stock > 0.01) & (stock < 0.99)).float().mean()
+    assert inside > 0.5 and stock.std() > 0.05  # the frames are not clamped flat
+    assert ((streamed - stock).norm() / stock.norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("container", ["mp4", "webm"])
+def test_the_file_decodes_back_to_the_video(vae, tmp_path, container):
+    from comfyui_fastar.nodes import video
+
+    path = tmp_path / f"clip.{container}"
+    latent = _latent(4)
+    assert video.write_video(str(path), video.decoded_frames(vae, latent), 16.0, container) == 13
+    frames, rate, size = _read(path)
+    assert len(frames) == 13 and size == (48, 32) and rate == 16
+    stock = vae.decode(latent)[0]
+    # lossy codecs: the file is near the decoded frames, not equal
+    err = torch.tensor(frames[6] / 255.0) - stock[6].double()
+    assert err.abs().mean() < 0.08
+
+
+def test_a_cancel_leaves_a_shorter_playable_file(vae, tmp_path):
+    from comfyui_fastar.nodes import video
+
+    class Cancelled(Exception):
+        pass
+
+    def tick(done):
+        if done == 3:
+            raise Cancelled
+
+    path = tmp_path / "cancelled.mp4"
+    with pytest.raises(Cancelled):
+        video.write_video(str(path), video.decoded_frames(vae, _latent(6), tick), 16.0, "mp4")
+    frames, _, _ = _read(path)
+    assert len(frames) == 1 + 4 + 4  # three latent frames were written whole
+    def cancelled_at_once():
+        raise Cancelled
+        yield
+
+    with pytest.raises(Cancelled):  # cancelled before any frame: no file
+        video.write_video(str(tmp_path / "none.mp4"), cancelled_at_once(), 16.0, "mp4")
+    assert not (tmp_path / "none.mp4").exists()
+
+
+def test_the_node_saves_to_the_output_folder_and_refuses_bad_input(vae, tmp_path, monkeypatch):
+    from comfyui_fastar.fastar import FastARError
+    from comfyui_fastar.nodes import fastar_nodes
+
+    try:
+        import folder_paths
+    except ImportError:
+        from comfy.cmd import folder_paths
+    monkeypatch.setattr(folder_paths, "get_output_directory", lambda: str(tmp_path))
+    out = fastar_nodes.SaveVideo.execute({"samples": _latent(3)}, vae, 16.0, "video/story", "mp4")
+    (saved,) = out.ui.as_dict()["images"]
+    assert saved["subfolder"] == "video" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
+    assert len(_read(tmp_path / "video" / saved["filename"])[0]) == 9
+
+    with pytest.raises(FastARError, match="FAST-AR Save Video: the VAE is Linear, not Wan 2.1's"):
+        fastar_nodes.SaveVideo.execute({"samples": _latent(3)}, SimpleNamespace(first_stage_model=torch.nn.Linear(1, 1)),
+                                       16.0, "video/x", "mp4")
+    with pytest.raises(FastARError, match=r"samples must be a video latent \[B, C, T, h, w\], got \[1, 16, 4, 4\]"):
+        fastar_nodes.SaveVideo.execute({"samples": torch.zeros(1, 16, 4, 4)}, vae, 16.0, "video/x", "mp4")
+    with pytest.raises(FastARError, match=r"must be a Wan video latent \[B, 16, T, h, w\], got \[1, 48, 2, 4, 4\]"):
+        fastar_nodes.SaveVideo.execute({"samples": torch.zeros(1, 48, 2, 4, 4)}, vae, 16.0, "video/x", "mp4")
+    assert not list((tmp_path / "video").glob("x_*"))  # nothing written for refused input
