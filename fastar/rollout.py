@@ -5,6 +5,12 @@ take x0 = x - sigma*v, re-noise x0 to the next step with fresh noise), then run 
 pass on x0 at ``context_noise`` so its K/V enter the cache. This is the Self-Forcing
 inference loop; it drives any model that follows ``ChunkModel``.
 
+A prompt may change along the video (``prompts``): from a chunk on, the new text conditions
+the forwards, and the cached history is re-encoded with it first (LongLive's KV re-cache): the
+clean passes of every earlier chunk, on its generated latent, run again through a fresh cache of
+the same policy, so the cache (TempCache's merged state included) is the one those frames give
+under the new prompt. Its cost is one clean pass per earlier chunk.
+
 On CUDA, once two chunks in a row would launch the same kernels on the same buffers (the
 attention state's ``graph_key``: from TempCache's budget on, or a full window), the chunk's
 forwards are captured as one CUDA graph and replayed for every later chunk with that key: a
@@ -17,7 +23,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -62,6 +68,7 @@ class ChunkReport:
     cache: CacheStats
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
     annsa: AnnSA | None = field(default=None, repr=False)
+    prompt: int = 0  # the prompt this chunk was generated with (0: ``context``, i: the i-th switch)
 
     @cached_property
     def annsa_density(self) -> float | None:
@@ -104,6 +111,21 @@ def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height:
     return grid
 
 
+def check_prompts(prompts, context: torch.Tensor, num_chunks: int) -> dict[int, torch.Tensor]:
+    """``prompts`` as {chunk: context}: chunks strictly increasing inside the rollout (not the
+    first: that is ``context``'s), each context shaped like ``context``."""
+    switches, last = {}, 0
+    for i, (chunk, text) in enumerate(prompts, 1):
+        if not isinstance(chunk, int) or not last < chunk < num_chunks:
+            raise FastARError(f"prompt switch {i} is at chunk {chunk!r}; switches must fall strictly after the "
+                              f"previous one (chunk {last}) and inside the rollout's {num_chunks} chunks")
+        if tuple(text.shape) != tuple(context.shape):
+            raise FastARError(f"prompt switch {i}'s context {tuple(text.shape)} must match the first prompt's "
+                              f"{tuple(context.shape)}")
+        switches[chunk], last = text.to(context), chunk
+    return switches
+
+
 class Rollout:
     """One autoregressive rollout: its KV cache, sampler settings and noise.
 
@@ -115,8 +137,11 @@ class Rollout:
                  chunk_frames: int = 3, schedule: FlowMatchSchedule | None = None,
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
-                 cuda_graphs: bool = True, noise: Callable | None = None):
+                 cuda_graphs: bool = True, noise: Callable | None = None,
+                 prompts: Sequence[tuple[int, torch.Tensor]] = ()):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
+        self.switches = check_prompts(prompts, context, frames // chunk_frames)
+        self.negative_context = negative_context
         self.guided = cfg != 1.0
         if self.guided:
             if negative_context is None:
@@ -134,10 +159,13 @@ class Rollout:
         self.sigmas = (schedule or FlowMatchSchedule()).sigmas()
         batch = context.shape[0] // (2 if self.guided else 1)
         self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
-        self.cache = KVCache(cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
-                             num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
-                             chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
+        self._cache_args = dict(config=cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
+                                num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
+                                chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
+        self.ann = ann
+        self.cache = KVCache(**self._cache_args)
         self.attention = FastARAttention(self.cache, ann=ann)
+        self.prompt = 0
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
         self.graph_replays = 0
         self._last_key = None  # the previous chunk's graph key
@@ -212,12 +240,32 @@ class Rollout:
         self.cache.join_writes()  # inside the chunk's CUDA graph, which must end on its own stream
         return x0
 
+    def switch_prompt(self, context: torch.Tensor, done: torch.Tensor) -> None:
+        """From the next chunk on, condition on ``context``; first re-encode the history (``done``:
+        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache."""
+        self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
+        self._graph = self._last_key = None  # a captured graph read the old text
+        self.cache = self.attention = None  # free the old cache before the new one is allocated
+        self.cache = KVCache(**self._cache_args)
+        self.attention = FastARAttention(self.cache, ann=self.ann)
+        self.attention.num_steps = len(self.sigmas)
+        for start in range(0, done.shape[2], self.chunk_frames):
+            self.cache.begin_chunk(start, self.chunk_frames)
+            self.cache.begin_clean_pass()
+            self.attention.step = len(self.sigmas)
+            self.fill_cache(done[:, :, start:start + self.chunk_frames], start)
+            self.cache.join_writes()
+            self.cache.commit()
+
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
         b, ch, _, h, w = self.chunk_shape
         out = torch.empty(b, ch, self.frames, h, w, device=self.device)
         for c in range(self.num_chunks):
             tic = time.perf_counter()
             start = c * self.chunk_frames
+            if c in self.switches:
+                self.prompt += 1
+                self.switch_prompt(self.switches[c], out[:, :, :start])
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
             self.cache.commit()
@@ -226,7 +274,8 @@ class Rollout:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
-                                     time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa))
+                                     time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa,
+                                     self.prompt))
         return out
 
 
@@ -246,7 +295,8 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
 
     Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
     context_noise (0), negative_context, cfg (1: off), ann (an ``AnnConfig``; None: dense) and
-    cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it).
+    cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it) and
+    prompts ((chunk, context) pairs: the prompt from that chunk on, the history re-encoded with it).
     ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
     ``context`` and ``negative_context`` are padded to the model's ``text_len`` where it has one.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
@@ -254,4 +304,6 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     text_len = getattr(model, "text_len", None)
     if settings.get("negative_context") is not None:
         settings["negative_context"] = pad_context(settings["negative_context"], text_len)
+    if settings.get("prompts"):
+        settings["prompts"] = [(c, pad_context(t, text_len)) for c, t in settings["prompts"]]
     return Rollout(model, pad_context(context, text_len), **settings).run(on_chunk)

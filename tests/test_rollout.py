@@ -5,6 +5,7 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, block_causal_mask, rollout)
+from comfyui_fastar.fastar.rollout import pad_context
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
@@ -364,3 +365,60 @@ def test_rollout_pads_the_prompt_to_the_models_text_length(model):
     assert rel(unpadded, short) > 1e-5  # the padding rows change the flow
     with pytest.raises(FastARError, match="the prompt has 513 tokens; this model takes at most 512"):
         rollout(model, torch.randn(1, 513, model.text_dim), **settings)
+
+
+CACHES = [CacheConfig("unbounded"), CacheConfig("window", sink_frames=1, window_frames=2),
+          TempCacheConfig(max_cache_frames=4, sink_frames=1, merge_threshold=0.5)]
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["unbounded", "window", "tempcache"])
+def test_a_prompt_switch_keeps_the_frames_before_it_and_re_encodes_the_history(model, cache):
+    """Before the switch the frames are the first prompt's, bit for bit; a switch to the same prompt
+    re-encodes the history into the cache it replaced, so the video is unchanged; to another prompt,
+    the later chunks follow it over a history encoded with it (a fresh cache given the same frames
+    at the switch)."""
+    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    kw = dict(frames=6, height=H, width=W, chunk_frames=1, cache=cache, seed=3)
+    plain = rollout(model, ctx, **kw)
+    far = rollout(model, other, **kw)
+    assert torch.equal(rollout(model, ctx, prompts=[], **kw), plain)
+    assert rel(rollout(model, ctx, prompts=[(3, ctx.clone())], **kw), plain) < 1e-6
+    reports = []
+    out = rollout(model, ctx, prompts=[(3, other)], on_chunk=reports.append, **kw)
+    assert torch.equal(out[:, :, :3], plain[:, :, :3])
+    # the later chunks move to the new prompt: as far from the first prompt's as a prompt changes them
+    assert rel(out[:, :, 3:], plain[:, :, 3:]) > 0.3 * rel(far[:, :, 3:], plain[:, :, 3:]) > 0
+    assert [r.prompt for r in reports] == [0, 0, 0, 1, 1, 1]
+    # the history at the switch: what a rollout conditioned on the new prompt throughout would cache
+    # from the same frames, so chunk 3 equals a fresh rollout's given that cache
+    fresh = Rollout(model, other, **kw)
+    fresh.switch_prompt(other, out[:, :, :3])
+    fresh.cache.begin_chunk(3, 1)
+    assert torch.equal(fresh.sample_chunk(3), out[:, :, 3:4])
+
+
+def test_a_switch_works_with_guidance_and_annsa(model):
+    ctx, neg, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(3))
+    kw = dict(frames=6, height=H, width=W, chunk_frames=1, seed=3, cfg=2.0, negative_context=neg,
+              cache=TempCacheConfig(max_cache_frames=4, sink_frames=1, merge_threshold=0.5),
+              ann=AnnConfig(keep_fraction=0.5))
+    plain = rollout(model, ctx, **kw)
+    assert rel(rollout(model, ctx, prompts=[(2, ctx.clone())], **kw), plain) < 1e-5
+    out = rollout(model, ctx, prompts=[(2, other), (4, ctx)], **kw)
+    far = rollout(model, other, **kw)
+    assert torch.equal(out[:, :, :2], plain[:, :, :2])
+    assert rel(out[:, :, 2:4], plain[:, :, 2:4]) > 0.3 * rel(far[:, :, 2:4], plain[:, :, 2:4]) > 0
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([(0, None)], "prompt switch 1 is at chunk 0; switches must fall strictly after"),
+    ([(3, None), (3, None)], "prompt switch 2 is at chunk 3"),
+    ([(6, None)], "inside the rollout's 6 chunks"),
+    ([(2, "short")], r"prompt switch 1's context \(1, 5, 32\) must match the first prompt's \(1, 7, 32\)"),
+])
+def test_bad_prompt_switches_name_the_problem(model, prompts, message):
+    ctx = torch.randn(1, 7, model.text_dim)
+    texts = {None: ctx, "short": torch.randn(1, 5, model.text_dim)}
+    with pytest.raises(FastARError, match=message):
+        Rollout(model, ctx, frames=6, height=H, width=W, chunk_frames=1,
+                prompts=[(c, texts[t]) for c, t in prompts])
