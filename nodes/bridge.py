@@ -482,14 +482,52 @@ def conditioning_context(model, conditioning, noise: torch.Tensor, device, node:
     return text_context(conds, noise.shape[0], device, node, name)
 
 
-def _match_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Repeat two prompt embeddings to a common token count (attention over a sequence repeated
-    n times equals attention over the sequence: the weights split evenly over the copies)."""
-    la, lb = a.shape[1], b.shape[1]
-    if la == lb:
-        return a, b
-    n = math.lcm(la, lb)
-    return a.repeat(1, n // la, 1), b.repeat(1, n // lb, 1)
+def _match_tokens(*contexts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Repeat prompt embeddings to a common token count (attention over a sequence repeated n times
+    equals attention over the sequence: the weights split evenly over the copies)."""
+    n = math.lcm(*(c.shape[1] for c in contexts))
+    return tuple(c if c.shape[1] == n else c.repeat(1, n // c.shape[1], 1) for c in contexts)
+
+
+def video_frame(latent: int) -> int:
+    """The first video frame a latent frame decodes to (Wan's causal VAE: 1, then 4 per latent frame)."""
+    return 0 if latent == 0 else 4 * latent - 3
+
+
+def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str) -> list[int]:
+    """The chunk each scheduled prompt after the first starts at: the first chunk all of whose video
+    frames come at or after the prompt's start frame, so every frame before it keeps the earlier prompt."""
+    last_frame = video_frame(frames - 1) + 3  # the last video frame of ``frames`` latent frames
+    chunks = []
+    for i, start in enumerate(starts[1:], 2):
+        if start > last_frame:
+            raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompt {i} starts at frame {start}, past the "
+                              f"video's end (its last frame is {last_frame})")
+        first_latent = -(-(start + 3) // 4)  # the first latent frame whose video frames all come at or after start
+        chunk = -(-first_latent // chunk_frames)
+        if chunk * chunk_frames >= frames:
+            raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompt {i} starts at frame {start}, inside the "
+                              f"last chunk; the last a prompt can start at is frame "
+                              f"{video_frame((frames // chunk_frames - 1) * chunk_frames)}")
+        if chunks and chunk == chunks[-1]:
+            raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompts {i - 1} and {i} both start with the "
+                              f"chunk at frame {video_frame(chunk * chunk_frames)}: start them at least one chunk "
+                              f"({4 * chunk_frames} frames) apart")
+        chunks.append(chunk)
+    return chunks
+
+
+def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int, chunk_frames: int,
+                       node: str) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """A FAST-AR Prompt Schedule as the rollout's first context and its (chunk, context) switches;
+    logs where each prompt starts (a chunk's first frame, at or after the asked one)."""
+    contexts = [conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
+                for i, (_, cond) in enumerate(schedule, 1)]
+    chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node)
+    logging.info("%s: %d prompts; %s", node, len(schedule), ", ".join(
+        f"prompt {i} from frame {video_frame(c * chunk_frames)} (asked {start})"
+        for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2)))
+    return contexts[0], list(zip(chunks, contexts[1:]))
 
 
 def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
@@ -520,6 +558,7 @@ class SampleSettings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     cfg: float = 1.0
     ann: object | None = None   # a fastar AnnConfig (AnnSA / AnnCA sparsity); None: dense attention
+    prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
 
 
 def latent_frames(video_frames: int) -> int:
@@ -562,11 +601,18 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     rollout = None
     try:
         model.pre_run()
-        context = conditioning_context(model, positive, noise_like, device, node, "positive")
-        negative_context = None
+        switches = []
+        if settings.prompts:
+            context, switches = scheduled_contexts(model, settings.prompts, noise_like, device, whole,
+                                                   settings.chunk_frames, node)
+        else:
+            context = conditioning_context(model, positive, noise_like, device, node, "positive")
+        texts = [context] + [t for _, t in switches]
         if guided:
-            negative_context = conditioning_context(model, negative, noise_like, device, node, "negative")
-            context, negative_context = _match_tokens(context, negative_context)
+            texts.append(conditioning_context(model, negative, noise_like, device, node, "negative"))
+        texts = _match_tokens(*texts)
+        context, negative_context = texts[0], texts[-1] if guided else None
+        switches = [(c, t.to(device)) for (c, _), t in zip(switches, texts[1:])]
         engine = choose_engine(model, _transformer_options(model, model_options, prepared=True), model_options, node)
         log_engine(engine, node)
         if on_engine is not None:
@@ -577,7 +623,8 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
                           width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
                           cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
                           negative_context=None if negative_context is None else negative_context.to(device),
-                          cfg=settings.cfg, **({"ann": settings.ann} if settings.ann is not None else {}))
+                          cfg=settings.cfg, prompts=switches,
+                          **({"ann": settings.ann} if settings.ann is not None else {}))
         progress = ChunkProgress(model, rollout.num_chunks, preview)
 
         def report(r):
@@ -620,10 +667,12 @@ class ARVideoSampler(comfy.samplers.Sampler):
 
     node = "FAST-AR AR Video"
 
-    def __init__(self, chunk_frames: int, events=None):
-        """``events``: gets ``start(frames, chunks)``, ``engine(Engine)``, a ``ChunkReport`` per chunk
-        (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``)."""
-        self.chunk_frames, self.events = int(chunk_frames), events
+    def __init__(self, chunk_frames: int, events=None, prompts: list | None = None):
+        """``events``: gets ``start(frames, chunks, prompts)``, ``engine(Engine)``, a ``ChunkReport`` per
+        chunk (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``).
+        ``prompts``: a FAST-AR Prompt Schedule, which then conditions the video instead of the graph's
+        positive."""
+        self.chunk_frames, self.events, self.prompts = int(chunk_frames), events, prompts
 
     def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
                disable_pbar=False):
@@ -674,16 +723,24 @@ class ARVideoSampler(comfy.samplers.Sampler):
         if latent_image is None:
             latent_image = torch.zeros_like(noise)
         x = base.model_sampling.noise_scaling(sigmas[0], noise, latent_image, self.max_denoise(model_wrap, sigmas))
-        context = text_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
+        switches = []
+        if self.prompts:
+            context, switches = scheduled_contexts(patcher, self.prompts, torch.zeros_like(noise), device, x.shape[2],
+                                                   self.chunk_frames, node)
+            logging.info("%s: the prompt schedule conditions the video; SamplerCustom's positive is not used", node)
+        else:
+            context = text_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
         cfg = float(getattr(model_wrap, "cfg", 1.0))
-        negative = None
+        texts = [context] + [t for _, t in switches]
         if cfg != 1.0 and model_wrap.conds.get("negative"):
-            negative = text_context(model_wrap.conds["negative"], batch, device, node, "negative")
-            context, negative = _match_tokens(context, negative)
+            texts.append(text_context(model_wrap.conds["negative"], batch, device, node, "negative"))
         else:
             cfg = 1.0
+        texts = _match_tokens(*texts)
+        context, negative = texts[0], texts[-1] if cfg != 1.0 else None
+        switches = [(c, t.to(device)) for (c, _), t in zip(switches, texts[1:])]
         if self.events is not None:
-            self.events.start(x.shape[2], x.shape[2] // self.chunk_frames)
+            self.events.start(x.shape[2], x.shape[2] // self.chunk_frames, 1 + len(switches))
         engine = choose_engine(patcher, options, model_options, node)
         log_engine(engine, node)
         if self.events is not None:
@@ -695,7 +752,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
                           chunk_frames=self.chunk_frames, schedule=FlowMatchSchedule.from_sigmas(steps),
                           cache=cache, seed=int(extra_args.get("seed", 0)),
                           negative_context=None if negative is None else negative.to(device), cfg=cfg,
-                          noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
+                          prompts=switches, noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
                           **({"ann": settings["ann"]} if settings.get("ann") is not None else {}))
         done = torch.zeros_like(x)
         total = len(sigmas) - 1

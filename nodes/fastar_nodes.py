@@ -3,6 +3,7 @@ bridge runs them, results go back to ComfyUI."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
@@ -17,6 +18,8 @@ from . import bridge, video
 CATEGORY = "FAST-AR"
 CacheType = io.Custom("FASTAR_CACHE")
 AnnType = io.Custom("FASTAR_ANN")
+PromptsType = io.Custom("FASTAR_PROMPTS")
+SCHEDULE_SLOTS = 4
 CACHE_EVENT = "fastar.cache"
 
 
@@ -233,6 +236,9 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                        "above 1 a negative prompt is needed and each forward runs twice the batch."),
                 io.Conditioning.Input("negative", optional=True,
                                       tooltip="Negative prompt, used only when cfg > 1."),
+                PromptsType.Input("prompts", optional=True,
+                                  tooltip="A FAST-AR Prompt Schedule: prompts that change along the video, which "
+                                          "then condition it instead of positive."),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -253,7 +259,7 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                context_noise, cfg, negative=None) -> io.NodeOutput:
+                context_noise, cfg, negative=None, prompts=None) -> io.NodeOutput:
         if not bridge.is_patched(model):
             model = PatchModel.execute(model).result[0]
         fastar = model.model_options.get(bridge.SETTINGS_KEY, {})
@@ -262,10 +268,12 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                  context_noise, cfg, fastar.get("cache", TempCacheConfig()))
         except FastARError as exc:
             raise FastARError(f"Autoregressive Long Sampler: {exc}") from None
-        settings.ann = fastar.get("ann")
+        settings.ann, settings.prompts = fastar.get("ann"), prompts
+        if prompts:
+            logging.info("Autoregressive Long Sampler: the prompt schedule conditions the video; positive is not used")
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
-        events.start(chunks * settings.chunk_frames, chunks)  # the frames generated, a last chunk whole
+        events.start(chunks * settings.chunk_frames, chunks, len(prompts or [None]))  # a last chunk whole
         try:
             latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:
@@ -295,14 +303,57 @@ class ARVideo(io.ComfyNode):
                 io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
                              tooltip="Latent frames per autoregressive block (chunk). 1 = framewise, 3 = chunkwise; "
                                      "must match the checkpoint."),
+                PromptsType.Input("prompts", optional=True,
+                                  tooltip="A FAST-AR Prompt Schedule: prompts that change along the video, which "
+                                          "then condition it instead of SamplerCustom's positive."),
             ],
             outputs=[io.Sampler.Output()],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, num_frame_per_block) -> io.NodeOutput:
-        return io.NodeOutput(bridge.ARVideoSampler(int(num_frame_per_block), events=CacheEvents(_node_id(cls))))
+    def execute(cls, num_frame_per_block, prompts=None) -> io.NodeOutput:
+        return io.NodeOutput(bridge.ARVideoSampler(int(num_frame_per_block), events=CacheEvents(_node_id(cls)),
+                                                   prompts=prompts))
+
+
+class PromptSchedule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        inputs = [io.Conditioning.Input("prompt_1", tooltip="The prompt from the first frame.")]
+        for i in range(2, SCHEDULE_SLOTS + 1):
+            inputs += [
+                io.Conditioning.Input(f"prompt_{i}", optional=True,
+                                      tooltip=f"The prompt from start_{i} on (leave unconnected for fewer prompts)."),
+                io.Int.Input(f"start_{i}", default=80 * (i - 1), min=1, max=MAX_LENGTH,
+                             tooltip=f"The video frame where prompt_{i} begins (16 frames = 1 s). The switch "
+                                     f"happens with the first chunk that starts there or later."),
+            ]
+        return io.Schema(
+            node_id="FastARPromptSchedule",
+            display_name="FAST-AR Prompt Schedule",
+            category=CATEGORY,
+            description="Prompts that change along the video, for the prompts input of Autoregressive Long Sampler "
+                        "or FAST-AR AR Video: at each switch the new text conditions the chunks that follow and the "
+                        "cached history is re-encoded with it (one clean pass per chunk so far), so the video "
+                        "follows without a cut. Every frame before a switch is the earlier prompt's.",
+            inputs=inputs,
+            outputs=[PromptsType.Output()],
+        )
+
+    @classmethod
+    def execute(cls, prompt_1, **slots) -> io.NodeOutput:
+        schedule, last = [(0, prompt_1)], ("the first frame", 0)
+        for i in range(2, SCHEDULE_SLOTS + 1):
+            if slots.get(f"prompt_{i}") is None:
+                continue
+            start = int(slots[f"start_{i}"])
+            if start <= last[1]:
+                raise FastARError(f"FAST-AR Prompt Schedule: start_{i} ({start}) must come after {last[0]} "
+                                  f"({last[1]}); the prompts start in order")
+            schedule.append((start, slots[f"prompt_{i}"]))
+            last = (f"start_{i}", start)
+        return io.NodeOutput(schedule)
 
 
 class SaveVideo(io.ComfyNode):
@@ -366,16 +417,17 @@ class CacheEvents:
         self.t0 = time.perf_counter()
         self.last = None
         self.engine_name, self.engine_reason = None, None
+        self.prompts = 1
 
     def _send(self, data: dict) -> None:
         bridge.send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name,
                                         "engine_reason": self.engine_reason, **data})
 
-    def start(self, total_frames: int, chunks: int) -> None:
-        self.total, self.chunks, self.last = total_frames, chunks, None
+    def start(self, total_frames: int, chunks: int, prompts: int = 1) -> None:
+        self.total, self.chunks, self.prompts, self.last = total_frames, chunks, prompts, None
         self.t0 = time.perf_counter()
         self._send({"status": "running", "frames_done": 0, "total_frames": self.total, "chunk": 0,
-                    "chunks": self.chunks})
+                    "chunks": self.chunks, "prompt": 1, "prompts": prompts})
 
     def engine(self, engine) -> None:
         self.engine_name, self.engine_reason = engine.name, engine.reason
@@ -391,6 +443,7 @@ class CacheEvents:
             "relative": (s.tokens_held / s.dense_tokens) if s.dense_tokens else 1.0,
             "latency_s": r.latency_s, "chunks_per_s": (r.chunk + 1) / elapsed,
             "annsa_density": r.annsa_density,  # None without AnnSA
+            "prompt": r.prompt + 1, "prompts": self.prompts,
         }
         self._send(self.last)
 
@@ -398,4 +451,5 @@ class CacheEvents:
         self._send({**(self.last or {"frames_done": 0, "total_frames": self.total}), "status": status})
 
 
-NODES = [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo, SaveVideo]
+NODES = [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,
+         PromptSchedule, SaveVideo]

@@ -315,7 +315,7 @@ def test_nodes(comfy, models, bridge):
     ext = asyncio.run(comfy_entrypoint())
     nodes = asyncio.run(ext.get_node_list())
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
-                "FastARAutoregressiveSampler", "FastARARVideo"}
+                "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()
@@ -368,6 +368,40 @@ def test_nodes(comfy, models, bridge):
             AutoregressiveLongSampler.execute(*args)
     with pytest.raises(FastARError, match="needs a negative prompt"):
         AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3", 0.0, 2.0)
+
+
+def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, bridge):
+    """Through the nodes: a schedule of one prompt is the plain sampler bit for bit; a switch at a video
+    frame keeps every frame before it the first prompt's, bit for bit, changes the frames after, and
+    matches the library's rollout with that switch; bad schedules get one error in the nodes' words."""
+    from comfyui_fastar.fastar import FastARError, TempCacheConfig
+    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, PromptSchedule
+
+    comfy_model, core = models
+    pos, other = _prompt(1), _prompt(5)
+    model = PatchModel.execute(comfy_model, TempCacheConfig(max_cache_frames=4, sink_frames=1)).result[0]
+
+    def sample(length=29, **schedule):
+        prompts = PromptSchedule.execute([[pos, {}]], **schedule).result[0] if schedule else None
+        return AutoregressiveLongSampler.execute(model, [[pos, {}]], W, H, length, 1, 3, "1000,750,500,250", 5.0,
+                                                 "1", 0.0, 1.0, prompts=prompts).result[0]["samples"]
+
+    plain = sample()  # 29 frames: 8 latent frames, chunks of 1
+    assert torch.equal(sample(start_2=9), plain)  # prompt_2 unconnected: a schedule of one prompt
+    switched = sample(prompt_2=[[other, {}]], start_2=10)  # frame 10 lies in latent 3 (frames 9-12): the switch waits to latent 4
+    assert torch.equal(switched[:, :, :4], plain[:, :, :4])  # video frames 0..12, every one before frame 13
+    assert _rel(switched[:, :, 4:], plain[:, :, 4:]) > 1e-3
+    from comfyui_fastar.fastar import FlowMatchSchedule, rollout
+    ref = rollout(core, pos, frames=8, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(),
+                  cache=TempCacheConfig(max_cache_frames=4, sink_frames=1), seed=3, prompts=[(4, other)])
+    assert _rel(switched, comfy_model.model.process_latent_out(ref)) <= TOL
+
+    with pytest.raises(FastARError, match=r"^FAST-AR Prompt Schedule: start_3 \(9\) must come after start_2 \(20\)"):
+        PromptSchedule.execute([[pos, {}]], prompt_2=[[other, {}]], start_2=20, prompt_3=[[pos, {}]], start_3=9)
+    with pytest.raises(FastARError, match="prompt 2 starts at frame 40, past the video's end \\(its last frame is 28\\)"):
+        sample(prompt_2=[[other, {}]], start_2=40)
+    with pytest.raises(FastARError, match="prompts 2 and 3 both start with the chunk at frame 9"):
+        sample(prompt_2=[[other, {}]], start_2=6, prompt_3=[[pos, {}]], start_3=8)
 
 
 def test_a_converted_training_checkpoint_loads_in_comfyui(comfy, models, tmp_path):

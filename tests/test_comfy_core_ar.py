@@ -129,6 +129,20 @@ def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
     assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=2), plain) > 1e-3
 
 
+def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
+    """The schedule replaces SamplerCustom's positive: its first prompt equal to the graph's is the
+    plain graph bit for bit; a switch keeps the frames before it and moves the ones after."""
+    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PromptSchedule
+
+    plain = _sample_custom(causal, ARVideo.execute(1).result[0])  # 6 latent frames: video frames 0..20
+    one = PromptSchedule.execute(_conditioning(1)).result[0]
+    assert torch.equal(_sample_custom(causal, ARVideo.execute(1, prompts=one).result[0]), plain)
+    story = PromptSchedule.execute(_conditioning(1), prompt_2=_conditioning(7), start_2=9).result[0]
+    switched = _sample_custom(causal, ARVideo.execute(1, prompts=story).result[0])
+    assert torch.equal(switched[:, :, :3], plain[:, :, :3])  # latent 3 starts at video frame 9
+    assert _rel(switched[:, :, 3:], plain[:, :, 3:]) > 1e-3
+
+
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
     from comfyui_fastar.fastar import TempCacheConfig
     from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, TempCacheSettings
@@ -138,8 +152,8 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
     stats = []
 
     class Events:
-        def start(self, frames, chunks):
-            stats.append(("start", frames, chunks))
+        def start(self, frames, chunks, prompts):
+            stats.append(("start", frames, chunks, prompts))
 
         def engine(self, e):
             stats.append(("engine", e.name))
@@ -155,7 +169,7 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
     out = _sample_custom(patched, sampler, frames=6)
     assert isinstance(tc, TempCacheConfig) and out.shape[2] == 6
     tokens_per_frame = (H // 16) * (W // 16)
-    assert stats[:2] == [("start", 6, 6), ("engine", "fused")] and stats[-1] == "done"
+    assert stats[:2] == [("start", 6, 6, 1), ("engine", "fused")] and stats[-1] == "done"
     assert max(stats[2:-1]) <= 3 * tokens_per_frame  # TempCache's budget, not the whole video
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "main
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
 NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
-         "FastARAutoregressiveSampler", "FastARARVideo"}
+         "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo"}
 
 TEST_NODE = '''
 import torch
@@ -149,6 +149,12 @@ def server(tmp_path_factory):
     # the metadata that makes core ComfyUI's loader pick its causal model (WAN21_CausalAR)
     save_file(state, str(models / "fastar_tiny_causal.safetensors"),
               metadata={"config": json.dumps({"transformer": {"causal_ar": True}})})
+    (base / "models" / "vae").mkdir()
+    from test_comfy_bridge import _import_comfy
+    from test_comfy_video import wan_vae_file
+
+    _import_comfy()
+    wan_vae_file(base / "models" / "vae" / "fastar_tiny_vae.safetensors")
     stub = base / "stub"
     stub.mkdir()
     (stub / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -451,7 +457,8 @@ def test_example_workflow_validates(server, path):
     types = {n["class_type"] for n in prompt.values()}
     sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if path == CORE_AR_WORKFLOW \
         else {"FastARAutoregressiveSampler"}
-    assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode", "VAEDecode", "SaveVideo"} | sampler <= types
+    output = {"FastARSaveVideo"} if "FastARSaveVideo" in types else {"VAEDecode", "SaveVideo"}
+    assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode"} | sampler | output <= types
     status, body = _post(server["url"] + "/prompt", {"prompt": prompt})
     # The only complaints allowed are the model files this machine does not have.
     assert status == 400, body
@@ -486,6 +493,42 @@ def _core_ar_workflow_runs_to_a_latent(server):
     cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
     assert cache[-1]["status"] == "done" and cache[-1]["node"] == by_type["FastARARVideo"]
     assert {c["engine"] for c in cache if c.get("chunk")} == {"fused"}
+
+
+STORY_WORKFLOW = REPO / "example_workflows" / "FAST-AR - story in three prompts (prompt schedule, streaming save).json"
+
+
+def test_the_story_workflow_runs_to_a_playable_file(server):
+    """The story template as a prompt on the tiny model and a tiny Wan VAE, shortened: three prompts
+    switch on schedule (the widget says which is active) and FAST-AR Save Video writes a file that
+    plays back whole, shown as the node's output."""
+    import av
+
+    prompt = _to_api_prompt(json.loads(STORY_WORKFLOW.read_text()), _get(server["url"] + "/object_info"))
+    by_type = {}
+    for node_id, node in prompt.items():
+        by_type.setdefault(node["class_type"], []).append(node_id)
+    (unet,), (vae,), (sampler,) = by_type["UNETLoader"], by_type["VAELoader"], by_type["FastARAutoregressiveSampler"]
+    prompt[unet]["inputs"]["unet_name"] = "fastar_tiny.safetensors"
+    prompt[vae]["inputs"]["vae_name"] = "fastar_tiny_vae.safetensors"
+    del prompt[by_type["CLIPLoader"][0]]
+    for node_id in by_type["CLIPTextEncode"]:
+        prompt[node_id] = {"class_type": "FastARTestConditioning", "inputs": {"seed": int(node_id), "tokens": 16,
+                                                                              "width": 4096}}
+    prompt[sampler]["inputs"].update(width=32, height=32, length=45)  # 12 latent frames: 4 chunks of 3
+    prompt[by_type["FastARPromptSchedule"][0]]["inputs"].update(start_2=9, start_3=21)  # chunks 1 and 2
+    prompt[by_type["FastARTempCacheSettings"][0]]["inputs"].update(max_cache_frames=6, sink_frames=1)
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], prompt))
+    cache = [e["data"] for e in events if e["type"] == "fastar.cache" and e["data"].get("chunk")]
+    assert [(c["chunk"], c["prompt"], c["prompts"]) for c in cache if c["status"] == "running"] == [
+        (1, 1, 3), (2, 2, 3), (3, 3, 3), (4, 3, 3)]
+    history = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]
+    (saved,) = history["outputs"][by_type["FastARSaveVideo"][0]]["images"]
+    path = server["base"] / "output" / saved["subfolder"] / saved["filename"]
+    with av.open(str(path)) as f:
+        stream = f.streams.video[0]
+        frames = sum(1 for _ in f.decode(stream))
+        assert (frames, stream.codec_context.width, stream.codec_context.height, stream.average_rate) == (45, 32, 32, 16)
 
 
 def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
@@ -635,7 +678,7 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             if os.environ.get("FASTAR_WIDGET_SCREENSHOT"):  # for the README
                 page.screenshot(path=os.environ["FASTAR_WIDGET_SCREENSHOT"])
             texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
-                     ("tokens", "gb", "relative", "frames", "rate", "annsa")}
+                     ("tokens", "gb", "relative", "frames", "rate", "annsa", "prompt")}
             canvas_ink = page.evaluate("""() => {
                 const c = document.querySelector('.fastar-cache canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -647,6 +690,7 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     assert seen[-1] == ("12 / 12", "FAST-AR cache: done"), seen
     assert ("0 / 12", "FAST-AR cache: waiting for the first chunk") in seen, seen
     assert texts["tokens"] == "12"                # (1 sink + 2 window) frames x 4 tokens, formatted here
+    assert texts["prompt"] == "1 of 1"            # no prompt schedule
     assert texts["relative"].startswith("25 %")   # of the 48 tokens a dense cache would hold
     assert texts["rate"].endswith("chunks/s") and texts["gb"] == "49.2 KB (alloc 65.8 KB)"
     assert texts["annsa"] == "off"                # a window cache without AnnSA

@@ -2,7 +2,8 @@
 //
 // The sampler sends `fastar.cache` events (PromptServer.send_sync) after every chunk with plain
 // numbers: tokens, GB, dense-equivalent size, frames done / total, chunk latency, AnnSA's density (the
-// share of the cached keys its plans read; null without AnnSA), and which engine runs the forwards
+// share of the cached keys its plans read; null without AnnSA), which prompt of a prompt schedule is
+// active, and which engine runs the forwards
 // ("fused" or "comfy", with the reason as the row's tooltip). Everything shown is formatted here from
 // numbers or picked from known words; no string from the server is ever inserted as HTML.
 import { app } from "../../scripts/app.js";
@@ -61,7 +62,7 @@ class CacheView {
     this.fields = {};
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
                                 ["frames", "frames"], ["rate", "speed"], ["annsa", "AnnSA reads"],
-                                ["engine", "engine"]]) {
+                                ["prompt", "prompt"], ["engine", "engine"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -89,6 +90,8 @@ class CacheView {
     this.fields.rate.textContent = formatRate(d.chunks_per_s);
     // null: the rollout runs without AnnSA; absent: no chunk reported yet
     this.fields.annsa.textContent = d.annsa_density === null ? "off" : formatPercent(d.annsa_density);
+    const prompt = num(d.prompt), prompts = num(d.prompts);
+    this.fields.prompt.textContent = Number.isFinite(prompt) && Number.isFinite(prompts) ? prompt + " of " + prompts : "–";
     this.fields.engine.textContent = d.engine === "fused" || d.engine === "comfy" ? d.engine : "–";
     this.fields.engine.title = typeof d.engine_reason === "string" ? d.engine_reason : "";
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
@@ -134,7 +137,7 @@ app.registerExtension({
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 170 });
+                                       { serialize: false, getMinHeight: () => 184 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);
