@@ -1,0 +1,160 @@
+"""Peak RAM of writing a rollout's latent to a video file, by length: FAST-AR Save Video (streaming)
+beside ComfyUI's VAE Decode + Create Video + Save Video path, on the CPU, through ComfyUI's own VAE
+class and Wan 2.1's VAE architecture (random weights, a narrow width so 2880 frames decode in
+minutes; the frames' memory is the size's, not the width's).
+
+Each (path, length) runs in a fresh process, in torch.inference_mode() as ComfyUI's executor runs
+nodes: the peak of the C heap's live bytes (glibc mallinfo2) while the path runs, minus the bytes
+live just before it (the model and the latent already loaded), sampled every 2 ms; the peak RSS
+above its baseline beside it (RSS also counts freed memory the allocator keeps, and moves with
+it). Wall times are printed for orientation only.
+
+    COMFYUI_PATH=... python bench/stream_memory.py --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LENGTHS = (61, 601, 2881)  # video frames (1 + 4k): about 60, 600 and 2880
+PATHS = ("streaming", "stock")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def heap_bytes() -> int:
+    """Bytes the C heap holds live (glibc mallinfo2: allocated chunks plus mmapped blocks): what
+    tensors, the codec's buffers and the decoder's scratch take, free of allocator fragmentation."""
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fractions import Fraction
+
+    import torch
+
+    from test_comfy_bridge import _import_comfy
+
+    _import_comfy()
+    import comfy.ldm.wan.vae
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.utils
+    from comfy_api.latest import VideoComponents, VideoFromComponents
+    from test_comfy_video import wan_vae_file
+
+    from comfyui_fastar.nodes import video
+
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(Path(work) / "wan_vae.safetensors"))))
+    torch.manual_seed(0)
+    small = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                     temperal_downsample=[False, True, True])
+    for name, p in small.named_parameters():
+        torch.nn.init.ones_(p) if name.endswith("gamma") else torch.nn.init.normal_(p, std=p[0].numel() ** -0.5)
+    small.eval().requires_grad_(False)
+    vae.first_stage_model = small  # the same ComfyUI VAE object, narrower
+    vae.patcher = comfy.model_patcher.ModelPatcher(small, load_device=vae.device, offload_device=vae.patcher.offload_device)
+    latent = torch.randn(1, 16, (length - 1) // 4 + 1, size // 8, size // 8)
+    out = str(Path(work) / f"{path}_{length}.mp4")
+
+    def run():
+        if path == "streaming":
+            return video.write_video(out, video.decoded_frames(vae, latent), 16.0, "mp4")
+        images = vae.decode(latent)  # VAE Decode
+        images = images.reshape(-1, *images.shape[-3:])
+        VideoFromComponents(VideoComponents(images=images, frame_rate=Fraction(16))).save_to(out)  # Save Video
+        return images.shape[0]
+
+    _libc.malloc_trim(0)  # hand freed heap back, so the RSS baseline holds only live memory
+    base, peak, done = (heap_bytes(), rss_bytes()), [0, 0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0], peak[1] = max(peak[0], heap_bytes()), max(peak[1], rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    tic = time.perf_counter()
+    with torch.inference_mode():  # as ComfyUI's executor runs every node
+        frames = run()
+    seconds = time.perf_counter() - tic
+    done.set()
+    sampler.join()
+    return {"path": path, "length": length, "frames_written": frames, "seconds": round(seconds, 2),
+            "peak_mb": round((max(peak[0], heap_bytes()) - base[0]) / 2**20, 1),
+            "rss_peak_mb": round((max(peak[1], rss_bytes()) - base[1]) / 2**20, 1),
+            "file_mb": round(os.path.getsize(out) / 2**20, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results", help="folder for stream_memory.json / .png")
+    p.add_argument("--size", type=int, default=128, help="frame width and height in pixels (default 128)")
+    p.add_argument("--dim", type=int, default=16, help="the VAE's base width (Wan 2.1's is 96; default 16)")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--child", nargs=3, metavar=("PATH", "LENGTH", "WORK"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.size, args.dim, args.child[2])))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for length in map(int, args.lengths.split(",")):
+            for path in PATHS:
+                cmd = [sys.executable, __file__, "--size", str(args.size), "--dim", str(args.dim),
+                       "--child", path, str(length), work]
+                run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+                print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
+                      f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
+    stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
+    result = {"device": "CPU (this machine: " + os.uname().machine + f", {os.cpu_count()} cores)",
+              "size": f"{args.size}x{args.size}", "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
+              "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream_memory.json").write_text(json.dumps(result, indent=1) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for path, label in (("stock", "VAE Decode + Save Video"), ("streaming", "FAST-AR Save Video (streaming)")):
+        pts = [(r["length"], r["peak_mb"]) for r in rows if r["path"] == path]
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("video frames")
+    ax.set_ylabel("peak live heap above the loaded model, MB")
+    ax.set_title(f"{result['device']}, {result['size']} frames, {result['vae']}", fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "stream_memory.png", dpi=120)
+    print(f"streaming peak spread across lengths: {result['streaming_peak_spread']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
