@@ -109,6 +109,25 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
             "file_mb": round(os.path.getsize(out) / 2**20, 2)}
 
 
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, label in (("stock", "VAE Decode + Save Video"), ("streaming", "FAST-AR Save Video (streaming)")):
+        pts = [(r["length"], r["peak_mb"]) for r in result["rows"] if r["path"] == name]
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("video frames")
+    ax.set_ylabel("peak live heap above the loaded model, MB")
+    ax.set_title(f"{result['device']}, {result['size']} frames, {result['vae']}", fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for stream_memory.json / .png")
@@ -131,28 +150,13 @@ def main() -> None:
                 print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
                       f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
     stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
-    result = {"device": "CPU (this machine: " + os.uname().machine + f", {os.cpu_count()} cores)",
+    result = {"device": f"CPU ({os.uname().machine}, {os.cpu_count()} cores)",
               "size": f"{args.size}x{args.size}", "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
               "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_memory.json").write_text(json.dumps(result, indent=1) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for path, label in (("stock", "VAE Decode + Save Video"), ("streaming", "FAST-AR Save Video (streaming)")):
-        pts = [(r["length"], r["peak_mb"]) for r in rows if r["path"] == path]
-        ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("video frames")
-    ax.set_ylabel("peak live heap above the loaded model, MB")
-    ax.set_title(f"{result['device']}, {result['size']} frames, {result['vae']}", fontsize=7)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "stream_memory.png", dpi=120)
+    plot(result, out / "stream_memory.png")
     print(f"streaming peak spread across lengths: {result['streaming_peak_spread']:.1%}")
 
 
