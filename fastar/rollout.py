@@ -242,19 +242,37 @@ class Rollout:
 
     def switch_prompt(self, context: torch.Tensor, done: torch.Tensor) -> None:
         """From the next chunk on, condition on ``context``; first re-encode the history (``done``:
-        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache."""
+        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache. On
+        CUDA the clean passes replay from one graph once the cache's key repeats, as chunks do."""
         self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
         self._graph = self._last_key = None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = KVCache(**self._cache_args)
         self.attention = FastARAttention(self.cache, ann=self.ann)
         self.attention.num_steps = len(self.sigmas)
+        last, graph = None, None  # graph: (key, CUDA graph, latent buffer, frame-offset buffer)
         for start in range(0, done.shape[2], self.chunk_frames):
+            x0 = done[:, :, start:start + self.chunk_frames]
             self.cache.begin_chunk(start, self.chunk_frames)
+            key = self.attention.graph_key() if self.cuda_graphs and self.attention.graph_safe else None
             self.cache.begin_clean_pass()
             self.attention.step = len(self.sigmas)
-            self.fill_cache(done[:, :, start:start + self.chunk_frames], start)
-            self.cache.join_writes()
+            if key is None or key != last:
+                last = key
+                self.fill_cache(x0, start)
+                self.cache.join_writes()
+            else:
+                if graph is None or graph[0] != key:
+                    graph = None
+                    buffers = torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=self.device)
+                    captured = torch.cuda.CUDAGraph()
+                    with torch.no_grad(), torch.cuda.graph(captured):  # records; the replay below computes
+                        self.fill_cache(*buffers)
+                        self.cache.join_writes()
+                    graph = (key, captured, *buffers)
+                graph[2].copy_(x0)
+                graph[3].fill_(start)
+                graph[1].replay()
             self.cache.commit()
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:

@@ -88,3 +88,22 @@ def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(cuda_graphs, dtype)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     for a, b in ((direct.cache.k, copied.cache.k), (direct.cache.v, copied.cache.v)):
         torch.testing.assert_close(a[:, :, :-1].float(), b[:, :, :-1].float(), rtol=tol, atol=tol)  # not the dump row
+
+
+@pytest.mark.parametrize("cache,ann", [
+    (TempCacheConfig(max_cache_frames=6, sink_frames=3), AnnConfig(keep_fraction=0.5, keep_mass=0.0)),
+    (CacheConfig("window", 3, 3), None),
+], ids=["tempcache+quant", "window"])
+def test_a_prompt_switch_replays_graphs_that_equal_eager_chunks(cache, ann):
+    """A switch drops the chunk graph (it read the old text) and re-encodes the history, its clean
+    passes replayed from a graph of their own: the video equals the eager rollout's."""
+    model = build_model("tiny", device="cuda", seed=0)
+    g = torch.Generator("cuda").manual_seed(1)
+    ctx, other = (torch.randn(1, 5, model.text_dim, device="cuda", generator=g) for _ in range(2))
+    settings = dict(frames=36, height=64, width=96, chunk_frames=3, cache=cache, ann=ann,
+                    prompts=[(7, other), (10, ctx)])
+    eager = Rollout(model, ctx, cuda_graphs=False, **settings)
+    graphed = Rollout(model, ctx, **settings)
+    want, got = eager.run(), graphed.run()
+    assert graphed.graph_replays >= 4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

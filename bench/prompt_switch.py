@@ -1,0 +1,99 @@
+"""What a prompt switch costs: the KV re-cache (one clean pass per earlier chunk, through a fresh
+cache) and the chunks after it (eager until the CUDA graph is captured again), on the library path
+at Wan 2.1 1.3B shapes (832x480, 3-frame chunks, 4 steps + clean pass), random weights made
+sensitive (bench/testbed.py), the real clip's prompt and a second random prompt.
+
+One rollout per cache setting with switches after 4, 10, 20 and 40 chunks; the switch's cost is
+its chunk's latency minus the median steady chunk's, the re-cache alone is timed inside it.
+
+    python bench/prompt_switch.py --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pkg import fastar  # noqa: E402
+from testbed import CHUNK, HEIGHT, WIDTH, testbed  # noqa: E402
+
+SWITCHES = (4, 10, 20, 40)
+SETTINGS = {
+    "fastar_defaults": lambda: dict(cache=fastar.TempCacheConfig(), ann=fastar.AnnConfig()),
+    "window_3_12": lambda: dict(cache=fastar.CacheConfig("window", sink_frames=3, window_frames=12)),
+}
+
+
+class TimedRollout(fastar.Rollout):
+    """A rollout that times each re-cache on the device."""
+
+    def switch_prompt(self, context, done):
+        torch.cuda.synchronize()
+        tic = time.perf_counter()
+        super().switch_prompt(context, done)
+        torch.cuda.synchronize()
+        self.recache_ms.append(1e3 * (time.perf_counter() - tic))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--chunks", type=int, default=44)
+    args = p.parse_args()
+    model, context = testbed(prompt="wan")
+    other = torch.randn(context.shape, device=context.device, dtype=context.dtype,
+                        generator=torch.Generator(device=context.device).manual_seed(11))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": f"{WIDTH}x{HEIGHT}",
+              "chunk_frames": CHUNK, "chunks": args.chunks, "switch_after_chunks": list(SWITCHES), "settings": {}}
+    for name, make in SETTINGS.items():
+        prompts = [(c, other if i % 2 == 0 else context) for i, c in enumerate(SWITCHES)]
+        run = TimedRollout(model, context, frames=args.chunks * CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK,
+                           prompts=prompts, seed=0, **make())
+        run.recache_ms = []
+        ms = []
+        run.run(lambda r: ms.append(1e3 * r.latency_s))
+        switched = set(SWITCHES)
+        after = {c + 1 for c in SWITCHES} | {c + 2 for c in SWITCHES}
+        steady = statistics.median(m for c, m in enumerate(ms) if c >= 8 and c not in switched | after)
+        rows = [{"after_chunks": c, "recache_ms": round(r, 1), "clean_passes": c,
+                 "ms_per_clean_pass": round(r / c, 1),
+                 "switch_chunk_extra_ms": round(ms[c] - steady, 1),
+                 "next_two_chunks_extra_ms": round(ms[c + 1] + ms[c + 2] - 2 * steady, 1)}
+                for c, r in zip(SWITCHES, run.recache_ms)]
+        result["settings"][name] = {"steady_ms_per_chunk": round(steady, 1), "switches": rows,
+                                    "ms_per_chunk": [round(m, 1) for m in ms]}
+        print(f"{name}: steady {steady:.1f} ms/chunk")
+        for r in rows:
+            print(f"  switch after {r['after_chunks']:3d} chunks: re-cache {r['recache_ms']:8.1f} ms "
+                  f"({r['ms_per_clean_pass']:.1f} ms per clean pass), switch chunk +{r['switch_chunk_extra_ms']:.1f} ms, "
+                  f"next two +{r['next_two_chunks_extra_ms']:.1f} ms")
+        del run
+        torch.cuda.empty_cache()
+    # a switch drops the captured CUDA graph and replays the re-cache from its own: graphed vs eager,
+    # beside eager vs eager (TempCache's merge adds a group's values with atomics, in no fixed order:
+    # once several tokens merge into one slot, two runs round differently) and the same without a switch
+    for label, prompts in (("with_switch", [(5, other)]), ("without_switch", [])):
+        kw = dict(frames=12 * CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK, prompts=prompts, seed=0,
+                  **SETTINGS["fastar_defaults"]())
+        graphed = fastar.Rollout(model, context, **kw)
+        out = graphed.run()
+        eager = [fastar.Rollout(model, context, cuda_graphs=False, **kw).run() for _ in range(2)]
+        rel = {name: ((a - b).float().norm() / b.float().norm()).item()
+               for name, a, b in (("graphs_vs_eager", out, eager[0]), ("eager_vs_eager", eager[1], eager[0]))}
+        result[label] = rel
+        print(f"{label.replace('_', ' ')}: graphed vs eager rel {rel['graphs_vs_eager']:.2e}, eager vs eager "
+              f"{rel['eager_vs_eager']:.2e} ({graphed.graph_replays} replays)")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "prompt_switch.json"), "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
