@@ -524,10 +524,17 @@ def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int
     contexts = [conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
                 for i, (_, cond) in enumerate(schedule, 1)]
     chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node)
-    logging.info("%s: %d prompts; %s", node, len(schedule), ", ".join(
-        f"prompt {i} from frame {video_frame(c * chunk_frames)} (asked {start})"
-        for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2)))
+    starts = "".join(f"; prompt {i} from frame {video_frame(c * chunk_frames)} (asked {start})"
+                     for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2))
+    logging.info("%s: the prompt schedule conditions the video (positive is not used)%s", node, starts)
     return contexts[0], list(zip(chunks, contexts[1:]))
+
+
+def _one_token_count(context, switches, negative):
+    """The first prompt, the switches' prompts and the negative (or None) at one token count."""
+    n = 1 + len(switches)
+    texts = _match_tokens(context, *(t for _, t in switches), *([] if negative is None else [negative]))
+    return texts[0], [(c, t) for (c, _), t in zip(switches, texts[1:n])], None if negative is None else texts[n]
 
 
 def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
@@ -607,12 +614,9 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
                                                    settings.chunk_frames, node)
         else:
             context = conditioning_context(model, positive, noise_like, device, node, "positive")
-        texts = [context] + [t for _, t in switches]
-        if guided:
-            texts.append(conditioning_context(model, negative, noise_like, device, node, "negative"))
-        texts = _match_tokens(*texts)
-        context, negative_context = texts[0], texts[-1] if guided else None
-        switches = [(c, t.to(device)) for (c, _), t in zip(switches, texts[1:])]
+        negative_context = conditioning_context(model, negative, noise_like, device, node, "negative") \
+            if guided else None
+        context, switches, negative_context = _one_token_count(context, switches, negative_context)
         engine = choose_engine(model, _transformer_options(model, model_options, prepared=True), model_options, node)
         log_engine(engine, node)
         if on_engine is not None:
@@ -623,7 +627,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
                           width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
                           cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
                           negative_context=None if negative_context is None else negative_context.to(device),
-                          cfg=settings.cfg, prompts=switches,
+                          cfg=settings.cfg, prompts=[(c, t.to(device)) for c, t in switches],
                           **({"ann": settings.ann} if settings.ann is not None else {}))
         progress = ChunkProgress(model, rollout.num_chunks, preview)
 
@@ -727,18 +731,15 @@ class ARVideoSampler(comfy.samplers.Sampler):
         if self.prompts:
             context, switches = scheduled_contexts(patcher, self.prompts, torch.zeros_like(noise), device, x.shape[2],
                                                    self.chunk_frames, node)
-            logging.info("%s: the prompt schedule conditions the video; SamplerCustom's positive is not used", node)
         else:
             context = text_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
         cfg = float(getattr(model_wrap, "cfg", 1.0))
-        texts = [context] + [t for _, t in switches]
+        negative = None
         if cfg != 1.0 and model_wrap.conds.get("negative"):
-            texts.append(text_context(model_wrap.conds["negative"], batch, device, node, "negative"))
+            negative = text_context(model_wrap.conds["negative"], batch, device, node, "negative")
         else:
             cfg = 1.0
-        texts = _match_tokens(*texts)
-        context, negative = texts[0], texts[-1] if cfg != 1.0 else None
-        switches = [(c, t.to(device)) for (c, _), t in zip(switches, texts[1:])]
+        context, switches, negative = _one_token_count(context, switches, negative)
         if self.events is not None:
             self.events.start(x.shape[2], x.shape[2] // self.chunk_frames, 1 + len(switches))
         engine = choose_engine(patcher, options, model_options, node)
@@ -752,7 +753,8 @@ class ARVideoSampler(comfy.samplers.Sampler):
                           chunk_frames=self.chunk_frames, schedule=FlowMatchSchedule.from_sigmas(steps),
                           cache=cache, seed=int(extra_args.get("seed", 0)),
                           negative_context=None if negative is None else negative.to(device), cfg=cfg,
-                          prompts=switches, noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
+                          prompts=[(c, t.to(device)) for c, t in switches],
+                          noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
                           **({"ann": settings["ann"]} if settings.get("ann") is not None else {}))
         done = torch.zeros_like(x)
         total = len(sigmas) - 1

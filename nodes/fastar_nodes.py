@@ -3,7 +3,6 @@ bridge runs them, results go back to ComfyUI."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 
@@ -269,8 +268,6 @@ class AutoregressiveLongSampler(io.ComfyNode):
         except FastARError as exc:
             raise FastARError(f"Autoregressive Long Sampler: {exc}") from None
         settings.ann, settings.prompts = fastar.get("ann"), prompts
-        if prompts:
-            logging.info("Autoregressive Long Sampler: the prompt schedule conditions the video; positive is not used")
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
         events.start(chunks * settings.chunk_frames, chunks, len(prompts or [None]))  # a last chunk whole
@@ -378,7 +375,6 @@ class SaveVideo(io.ComfyNode):
                                tooltip="mp4 (H.264) or webm (VP9); both play in the browser."),
             ],
             outputs=[],
-            hidden=[io.Hidden.unique_id],
             is_output_node=True,
         )
 
