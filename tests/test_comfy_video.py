@@ -138,3 +138,35 @@ def test_the_node_saves_to_the_output_folder_and_refuses_bad_input(vae, tmp_path
     with pytest.raises(FastARError, match=r"must be a Wan video latent \[B, 16, T, h, w\], got \[1, 48, 2, 4, 4\]"):
         fastar_nodes.SaveVideo.execute({"samples": torch.zeros(1, 48, 2, 4, 4)}, vae, 16.0, "video/x", "mp4")
     assert not list((tmp_path / "video").glob("x_*"))  # nothing written for refused input
+
+
+def test_cancel_from_the_ui_stops_the_node_and_leaves_a_playable_file(vae, tmp_path, monkeypatch):
+    """ComfyUI's interrupt (the Cancel button) between latent frames: the node stops with ComfyUI's
+    interrupt exception and the file holds the frames decoded so far."""
+    import comfy.model_management
+    import comfy.utils
+
+    from comfyui_fastar.nodes import fastar_nodes
+
+    try:
+        import folder_paths
+    except ImportError:
+        from comfy.cmd import folder_paths
+    monkeypatch.setattr(folder_paths, "get_output_directory", lambda: str(tmp_path))
+    seen = []
+
+    def update_absolute(self, value, *args, **kwargs):
+        seen.append(value)
+        if value == 2:
+            comfy.model_management.interrupt_current_processing(True)
+
+    monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", update_absolute)
+    try:
+        with pytest.raises(Exception) as info:
+            fastar_nodes.SaveVideo.execute({"samples": _latent(6)}, vae, 16.0, "video/cancel", "mp4")
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert type(info.value).__name__ == "InterruptProcessingException"  # (its module differs by version)
+    assert seen == [1, 2]
+    (path,) = (tmp_path / "video").glob("cancel_*.mp4")
+    assert len(_read(path)[0]) == 1 + 4
