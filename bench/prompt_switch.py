@@ -4,9 +4,13 @@ at Wan 2.1 1.3B shapes (832x480, 3-frame chunks, 4 steps + clean pass), random w
 sensitive (bench/testbed.py), the real clip's prompt and a second random prompt.
 
 One rollout per cache setting with switches after 4, 10, 20 and 40 chunks; the switch's cost is
-its chunk's latency minus the median steady chunk's, the re-cache alone is timed inside it.
+its chunk's latency minus the median steady chunk's, the re-cache alone is timed inside it. With
+``--comfyui`` the same rollouts also run as a user runs them: UNETLoader -> FAST-AR Patch Model ->
+Autoregressive Long Sampler with a FAST-AR Prompt Schedule, in ``torch.inference_mode``, the chunk
+latencies from the pack's own ``fastar.cache`` events (``bench/comfy_bench.py``'s helpers).
 
     python bench/prompt_switch.py --out bench/results
+    PYTHONPATH=.comfyui/gpu/site python bench/prompt_switch.py --comfyui .comfyui/gpu/tree --out bench/results
 """
 from __future__ import annotations
 
@@ -41,10 +45,66 @@ class TimedRollout(fastar.Rollout):
         self.recache_ms.append(1e3 * (time.perf_counter() - tic))
 
 
+def through_the_nodes(args, model, context, other) -> dict:
+    """The switches' cost through UNETLoader and the pack's nodes, as ComfyUI's executor runs them."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    import comfy_bench
+
+    comfy = comfy_bench.import_comfy(args.comfyui, cpu=False)
+    import comfy.cmd.folder_paths as folder_paths
+
+    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, PromptSchedule
+
+    folder = tempfile.mkdtemp(prefix="fastar_prompt_switch_")
+    save_file({k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
+              os.path.join(folder, "testbed.safetensors"))
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    switches = SWITCHES[1::2]  # after 10 and 40 chunks: a short and a long history
+    starts = {f"start_{i}": bridge.video_frame(CHUNK * c) for i, c in enumerate(switches, 2)}  # chunk c's first frame
+    prompts = {f"prompt_{i}": [[(other if i % 2 == 0 else context).float().cpu(), {}]] for i in range(2, 2 + len(switches))}
+    out = {}
+    for setting in comfy_bench.SETTINGS:
+        ms = {}
+
+        def record(event, data):
+            if data.get("status") == "running" and data.get("chunk"):
+                ms[data["chunk"] - 1] = 1e3 * data["latency_s"]
+
+        send, bridge.send_event = bridge.send_event, record
+        try:
+            with torch.inference_mode():
+                unet = comfy_bench.load_unet(comfy, folder, "testbed.safetensors", None)
+                patched = PatchModel.execute(unet, *comfy_bench._fastar_nodes(setting)).result[0]
+                schedule = PromptSchedule.execute([[context.float().cpu(), {}]], **prompts, **starts).result[0]
+                AutoregressiveLongSampler.execute(patched, [[context.float().cpu(), {}]], WIDTH, HEIGHT,
+                                                  (args.chunks * CHUNK - 1) * 4 + 1, 1, 0, "1000,750,500,250", 5.0,
+                                                  "3", 0.0, 1.0, prompts=schedule)
+                del unet, patched
+        finally:
+            bridge.send_event = send
+            comfy.model_management.unload_all_models()
+            comfy.model_management.soft_empty_cache()
+        near = set(switches) | {c + 1 for c in switches} | {c + 2 for c in switches}
+        steady = statistics.median(m for c, m in ms.items() if c >= 8 and c not in near)
+        out[setting] = {"steady_ms_per_chunk": round(steady, 1),
+                        "switches": [{"after_chunks": c, "switch_chunk_extra_ms": round(ms[c] - steady, 1),
+                                      "next_two_chunks_extra_ms": round(ms[c + 1] + ms[c + 2] - 2 * steady, 1)}
+                                     for c in switches]}
+        print(f"nodes, {setting}: steady {steady:.1f} ms/chunk; " + ", ".join(
+            f"switch after {r['after_chunks']} chunks +{r['switch_chunk_extra_ms']:.0f} ms"
+            for r in out[setting]["switches"]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--chunks", type=int, default=44)
+    p.add_argument("--comfyui", help="also through the nodes, on this ComfyUI tree (core-ar-2026 or a packed one)")
     args = p.parse_args()
     model, context = testbed(prompt="wan")
     other = torch.randn(context.shape, device=context.device, dtype=context.dtype,
@@ -89,6 +149,8 @@ def main() -> None:
         result[label] = rel
         print(f"{label.replace('_', ' ')}: graphed vs eager rel {rel['graphs_vs_eager']:.2e}, eager vs eager "
               f"{rel['eager_vs_eager']:.2e} ({graphed.graph_replays} replays)")
+    if args.comfyui:
+        result["comfyui"] = through_the_nodes(args, model, context, other)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "prompt_switch.json"), "w") as f:
         json.dump(result, f, indent=1)
