@@ -521,9 +521,9 @@ def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int
                        node: str) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
     """A FAST-AR Prompt Schedule as the rollout's first context and its (chunk, context) switches;
     logs where each prompt starts (a chunk's first frame, at or after the asked one)."""
+    chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node)
     contexts = [conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
                 for i, (_, cond) in enumerate(schedule, 1)]
-    chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node)
     starts = "".join(f"; prompt {i} from frame {video_frame(c * chunk_frames)} (asked {start})"
                      for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2))
     logging.info("%s: the prompt schedule conditions the video (positive is not used)%s", node, starts)

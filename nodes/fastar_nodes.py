@@ -270,7 +270,7 @@ class AutoregressiveLongSampler(io.ComfyNode):
         settings.ann, settings.prompts = fastar.get("ann"), prompts
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
-        events.start(chunks * settings.chunk_frames, chunks, len(prompts or [None]))  # a last chunk whole
+        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1)  # a last chunk whole
         try:
             latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:
@@ -384,8 +384,6 @@ class SaveVideo(io.ComfyNode):
             import folder_paths
         except ImportError:  # the pip-installable ComfyUI
             from comfy.cmd import folder_paths
-        if format not in video.FORMATS:
-            raise FastARError(f"{video.NODE}: format {format!r} is not one of {', '.join(video.FORMATS)}")
         latent = samples["samples"]
         if latent.ndim != 5:
             raise FastARError(f"{video.NODE}: samples must be a video latent [B, C, T, h, w], got "
