@@ -55,9 +55,9 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
 
     import torch
 
-    from test_comfy_bridge import _import_comfy
+    import comfy_bench
 
-    _import_comfy()
+    comfy_bench.import_comfy(os.environ["COMFYUI_PATH"], cpu=True)
     import comfy.ldm.wan.vae
     import comfy.model_patcher
     import comfy.sd
@@ -67,7 +67,10 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
 
     from comfyui_fastar.nodes import video
 
-    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(Path(work) / "wan_vae.safetensors"))))
+    weights = Path(work) / "wan_vae.safetensors"
+    if not weights.exists():  # written by the first child, read by every one
+        wan_vae_file(weights)
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(weights)))
     torch.manual_seed(0)
     small = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                                      temperal_downsample=[False, True, True])
