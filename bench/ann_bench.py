@@ -1,12 +1,15 @@
-"""AnnSA on the H200: recall, density and time on real-video queries and keys, lsh against quant.
+"""AnnSA on the H200: recall, density and time of its fixed-share plans on real-video queries and keys.
 
 Keys, values and queries come from the same teacher-forced pass as bench/tempcache_bench.py (the three real
 clips through the 1.3B-shaped model, 81 cached frames; the next chunk's queries at sigma 0.625). For each
-setting, each measured layer's history is written into an unbounded cache through the cache protocol, AnnSA
-hashes and bucket-sorts it after every clean pass, and the next chunk's queries are planned and attended:
-  recall    dense attention mass inside the plan's key ranges (every query block)
+keep fraction of the quant plan (``keep_mass`` 0: each query block reads that share of the history's key
+blocks), each measured layer's history is written into an unbounded cache through the cache protocol, AnnSA
+indexes it after every clean pass, and the next chunk's queries are planned and attended:
+  recall    dense attention mass inside the plan's key ranges (every query block), and of the history's
+            share alone
   density   keys read / keys, over all query blocks
-  time      planning (hash + sort queries + range lists) and the sparse kernel, against cuDNN dense
+  time      planning (block scores + selection) and the sparse kernel, against cuDNN dense, eagerly and as
+            GPU time of CUDA-graph replays; the planning kernels against their torch twins on these plans
 and, for AnnCA, the same layers' cross-attention over the real clip's prompt (bench/testbed.prompt_context):
 kept-token density, the dense cross-attention mass on the kept tokens, output error and op time.
 
@@ -31,18 +34,16 @@ from _pkg import fastar  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
 from timing import op_ms, side_by_side_ms  # noqa: E402
 
-from comfyui_fastar.fastar import ann as ann_mod  # noqa: E402
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
-from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_auto  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
 
 
-def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(), sort_queries=False):
-    """``sort_queries``: each head's queries reordered by their LSH bucket before planning, so quant
-    blocks group queries by bucket instead of by position (attention per query is unchanged)."""
+def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
+    """One layer's history replayed into an unbounded cache, the next chunk's queries planned by
+    ``cfg`` (a fixed-share quant plan) and attended: recall, density, error, times."""
     heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
     tpf = kv_dense.tokens_per_frame
     kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
@@ -60,9 +61,6 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(),
     kv.begin_chunk(history_frames, CHUNK)
     keys, values, bias = kv.extend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
     q = query_q[layer]
-    if sort_queries:
-        order = torch.argsort(annsa.lsh.hash(annsa.lsh.planes[0], q), dim=-1, stable=True)  # [B, H, n]
-        q = q.gather(1, order.transpose(1, 2)[..., None].expand_as(q))
     plan = annsa.plan(0, q)
     every = 10**6  # sample every query block
     recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
@@ -73,25 +71,18 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(),
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
     row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
            "ranges_per_block": plan[2].float().mean().item()}
-    if cfg.method == "lsh":  # bucket plans replay a CUDA graph: against the same plan launched eagerly
-        graphed = [t.clone() for t in plan]
-        annsa.graphs = False
-        eager = annsa.plan(0, q)
-        row["plan_eager_ms"] = op_ms(lambda: annsa.plan(0, q), device)
-        annsa.graphs = True
-        row["graph_plan_equals_eager"] = all(torch.equal(a, b) for a, b in zip(graphed, eager))
-    else:  # the planning kernels against their twins, on this device's data
-        k8, logit_scale, log_mass, held = annsa.reps[0]
-        args = (q.transpose(1, 2), k8, logit_scale, log_mass, cfg.block_q)
-        got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
-        row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
-        rows = kv.sorted_rows(clean_pass=False)
-        top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])  # as the plan picks
-        chunk = kv.chunk_rows()
-        sel = dict(key_block=ann_mod.KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.sink_rows,
-                   chunk_start=chunk.start, chunk_stop=chunk.stop)
-        picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
-        row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
+    # the planning kernels against their twins, on this device's data
+    k8, logit_scale, log_mass, held = annsa.reps[0]
+    args = (q.transpose(1, 2), k8, logit_scale, log_mass, cfg.block_q)
+    got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
+    row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
+    rows = kv.sorted_rows(clean_pass=False)
+    top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])  # as the plan picks
+    chunk = kv.chunk_rows()
+    sel = dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.sink_rows,
+               chunk_start=chunk.start, chunk_stop=chunk.stop)
+    picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
+    row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
     t_plan = op_ms(lambda: annsa.plan(0, q), device)
     t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
     t_dense = op_ms(lambda: attend(q, keys, values), device)
@@ -101,12 +92,6 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames, launches=(),
                            "dense": lambda: attend(q, keys, values)}, device)
     row["call_graph_ms"], row["dense_graph_ms"] = statistics.median(gpu["call"]), statistics.median(gpu["dense"])
     row["call_over_dense_graph"] = statistics.median(c / d for c, d in zip(gpu["call"], gpu["dense"]))
-    # the sparse kernel on this plan at other launch configurations (block_n, num_warps, num_stages)
-    row["launch_ms"] = {}
-    for bn, warps, stages in launches:
-        row["launch_ms"][f"{bn}/{warps}/{stages}"] = op_ms(lambda: block_sparse_attention_auto(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), plan[1], plan[2], key_bias=bias,
-            q_perm=plan[0], block_q=cfg.block_q, block_n=bn, num_warps=warps, num_stages=stages), device)
     return {**row, "plan_ms": t_plan, "sparse_ms": t_sparse, "dense_cudnn_ms": t_dense,
             "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
 
@@ -135,21 +120,19 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for method, marker in (("lsh", "o"), ("quant", "s")):
-        rows = [r for r in result["settings"] if r["method"] == method]
-        ax.scatter([r["density"] for r in rows], [r["recall"] for r in rows], marker=marker, label=method)
-        bx.scatter([r["density"] for r in rows], [r["speedup_incl_plan"] for r in rows], marker=marker, label=method)
-        for r in rows:
-            name = f"{r['bits']}b/{r['probes']}p" if method == "lsh" else f"keep {r['keep_fraction']:g}"
-            name += "/bq128" if r["block_q"] == 128 else ""
-            name += "/q sorted" if method == "quant" and r.get("query_order") == "lsh bucket" else ""
-            ax.annotate(name, (r["density"], r["recall"]), fontsize=7)
+    rows = result["settings"]
+    density = [r["density"] for r in rows]
+    ax.scatter(density, [r["recall"] for r in rows], marker="s", label="recall")
+    ax.scatter(density, [r["history_recall"] for r in rows], marker="o", label="recall of the history's share")
+    bx.scatter(density, [r["speedup_incl_plan"] for r in rows], marker="s")
+    for r in rows:
+        ax.annotate(f"keep {r['keep_fraction']:g}", (r["density"], r["recall"]), fontsize=7)
     ax.axhline(0.93, color="gray", ls="--", lw=0.8, label="recall target 0.93")
     ax.set(xlabel="key density (keys read / keys)", ylabel="recall of dense attention mass",
            title=f"AnnSA, {result['history_frames']} cached real frames")
     bx.axhline(1.0, color="gray", ls="--", lw=0.8)
     bx.set(xlabel="key density", ylabel="speedup over cuDNN dense (planning included)", title="AnnSA time")
-    ax.legend(), bx.legend()
+    ax.legend()
     fig.suptitle(f"Wan 1.3B shapes, sensitized random weights, bf16; {result['device']}, {result['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -161,20 +144,10 @@ def main():
     ap.add_argument("--history-frames", type=int, default=81)
     ap.add_argument("--layers", default="9,19")
     ap.add_argument("--tag", default="ann_bench", help="name of the JSON / PNG written")
-    ap.add_argument("--lsh", default="6:0,6:2,8:0,8:2,10:0,10:2", help="lsh settings as bits:probes,...")
-    ap.add_argument("--block-q128", type=int, default=2, help="how many of the block_q=128 lsh settings to run")
-    ap.add_argument("--quant-keep", default="0.125,0.25,0.5", help="quant keep fractions")
-    ap.add_argument("--quant-keep-bq128", default="", help="quant keep fractions to run at block_q 128 too")
-    ap.add_argument("--quant-keep-sorted", default="", help="quant keep fractions to run with the queries in LSH "
-                                                             "bucket order too (the plan takes them in position order)")
-    ap.add_argument("--key-block", type=int, default=KEY_BLOCK, help="quant: history keys per scored block")
-    ap.add_argument("--launch-sweep", default="", help="sparse-kernel launches to time on every plan too, as "
-                                                         "block_n:num_warps:num_stages,...")
+    ap.add_argument("--quant-keep", default="0.125,0.25,0.35,0.5", help="quant keep fractions")
     ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
     ap.add_argument("--prompt", default="wan", choices=("wan", "random"),
                     help="wan: the real clip's prompt (bench/testbed.prompt_context); random: a Gaussian one")
-    ap.add_argument("--plain", action="store_true", help="the plain random init instead of bench/testbed's "
-                                                           "sensitized one")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -183,41 +156,24 @@ def main():
         args.tag += "_smoke"
     else:
         device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
-    ann_mod.KEY_BLOCK = args.key_block
-    model, context = testbed(sensitive=not args.plain, size=size, device=str(device), prompt=args.prompt)
+    model, context = testbed(size=size, device=str(device), prompt=args.prompt)
     layers = [int(x) for x in args.layers.split(",")]
     kv_dense, clean_q, query_q, cross = capture(model, context, args.history_frames, layers, height=hw[0], width=hw[1])
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    settings = [AnnConfig(method="lsh", bits=int(b), probes=int(p))
-                for b, p in (x.split(":") for x in args.lsh.split(",") if x)]
-    settings += [AnnConfig(method="lsh", bits=8, probes=2, block_q=128),
-                 AnnConfig(method="lsh", bits=8, probes=0, block_q=128)][:args.block_q128]
-    settings += [AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0) for f in args.quant_keep.split(",") if f]
-    settings += [AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0, block_q=128)
-                 for f in args.quant_keep_bq128.split(",") if f]
-    settings = [(cfg, False) for cfg in settings]
-    settings += [(AnnConfig(method="quant", keep_fraction=float(f), keep_mass=0.0), True) for f in args.quant_keep_sorted.split(",") if f]
     rows = []
-    for cfg, sort_queries in settings:
-        launches = [tuple(int(x) for x in c.split(":")) for c in args.launch_sweep.split(",") if c]
-        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames, launches, sort_queries)
-                     for layer in layers]
-        row = {"method": cfg.method, "bits": cfg.bits, "probes": cfg.probes, "block_q": cfg.block_q,
-               "query_order": "lsh bucket" if cfg.method == "lsh" or sort_queries else "position",
-               "keep_fraction": cfg.keep_fraction if cfg.method == "quant" else None,
-               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0]
-                  if not isinstance(per_layer[0][k], (bool, dict))},
-               "launch_ms": {c: statistics.mean(r["launch_ms"][c] for r in per_layer) for c in per_layer[0]["launch_ms"]},
+    for keep in (float(f) for f in args.quant_keep.split(",") if f):
+        cfg = AnnConfig(keep_fraction=keep, keep_mass=0.0)
+        per_layer = [measure(cfg, kv_dense, layer, clean_q, query_q, args.history_frames) for layer in layers]
+        row = {"keep_fraction": keep, "block_q": cfg.block_q,
+               **{k: statistics.mean(r[k] for r in per_layer) for k in per_layer[0] if not isinstance(per_layer[0][k], bool)},
                "per_layer": per_layer}
         rows.append(row)
-        print(f"{cfg.method:5s} bits {cfg.bits:2d} probes {cfg.probes} bq {cfg.block_q:3d} keep {row['keep_fraction']} "
-              f"({row['query_order']} order): recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density {row['density']:.3f} "
-              f"err {row['rel_error']:.3f} ranges {row['ranges_per_block']:.0f} plan {row['plan_ms']:.2f} ms "
-              + (f"(eager {row['plan_eager_ms']:.2f}) " if "plan_eager_ms" in row else "") + f"sparse {row['sparse_ms']:.2f} ms "
-              f"dense {row['dense_cudnn_ms']:.2f} ms speedup {row['speedup_incl_plan']:.2f}x"
-              + "".join(f"\n      launch {c}: {ms:.2f} ms" for c, ms in row["launch_ms"].items()), flush=True)
+        print(f"quant keep {keep:g}: recall {row['recall']:.3f} (history {row['history_recall']:.3f}) density "
+              f"{row['density']:.3f} err {row['rel_error']:.3f} ranges {row['ranges_per_block']:.0f} plan "
+              f"{row['plan_ms']:.2f} ms sparse {row['sparse_ms']:.2f} ms dense {row['dense_cudnn_ms']:.2f} ms "
+              f"speedup {row['speedup_incl_plan']:.2f}x", flush=True)
     annca = []
     for bits in (int(b) for b in args.annca_bits.split(",") if b):
         cfg = AnnConfig(bits=bits, probes=min(AnnConfig.probes, bits))
@@ -231,10 +187,9 @@ def main():
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
               "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
-              "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights"
-                        + ("" if args.plain else ", sensitized: bench/testbed.py") + ", bf16), "
-                        "next chunk's queries at sigma 0.625; prompt: " + args.prompt,
-              "key_block": ann_mod.KEY_BLOCK, "settings": rows, "annca": annca}
+              "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights, sensitized: "
+                        "bench/testbed.py, bf16), next chunk's queries at sigma 0.625; prompt: " + args.prompt,
+              "key_block": KEY_BLOCK, "settings": rows, "annca": annca}
     with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, args.tag + ".png"))

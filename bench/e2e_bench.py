@@ -28,7 +28,6 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -76,22 +75,6 @@ def reset_peak(device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-
-@contextlib.contextmanager
-def patched(obj, attr, value):
-    """``obj.attr`` set to ``value`` for the duration (module constants, class defaults)."""
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attr, old)
-
-
-def key_block(n):
-    """AnnSA quant scoring blocks of n history keys instead of ``fastar.ann.KEY_BLOCK``."""
-    return patched(fastar.ann, "KEY_BLOCK", n)
 
 
 def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True):

@@ -3,7 +3,7 @@
 Fidelity. The three real clips (bench/realvideo.py) become latents-like inputs at 30x52 tokens per
 frame and run, teacher-forced, through the 1.3B-shaped model (random weights, bf16): the clean
 pass of each 3-frame chunk fills a dense cache, recording every layer's K/V and clean-pass
-queries. For a sweep of (budget, matching, grouping, threshold), each measured layer's chunks
+queries. For a sweep of (budget, threshold), each measured layer's chunks
 are replayed into a TempCache through the cache protocol, and the next chunk's queries (a
 denoising step at sigma 0.625) attend the compressed cache. Reported per setting:
   merge ratio   merged / non-sink tokens written
@@ -140,21 +140,17 @@ def main():
     ap.add_argument("--layers", default="0,9,19,29")
     ap.add_argument("--thresholds", default="0.6,0.7,0.8,0.85,0.9,0.93,0.95,0.97")
     ap.add_argument("--budgets", default="21,42")
-    ap.add_argument("--matchings", default="key,query")
     ap.add_argument("--rollout-chunks", type=int, default=240, help="0: skip the long rollout")
     ap.add_argument("--tag", default="tempcache_bench", help="name of the JSON/PNG written")
     ap.add_argument("--fidelity-only", action="store_true", help="skip the speed measurements")
-    ap.add_argument("--plain", action="store_true", help="the plain random init instead of bench/testbed's "
-                                                           "sensitized one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model, context = testbed(sensitive=not args.plain)
+    model, context = testbed()
     layers = [int(x) for x in args.layers.split(",")]
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
               "inputs": "real clips (bench/data) via bench/realvideo.real_latents, 480x832, stride 1; "
-                        "1.3B-shaped model, random weights" + ("" if args.plain else " sensitized (bench/testbed.py)")
-                        + ", bf16; queries at sigma 0.625"}
+                        "1.3B-shaped model, random weights sensitized (bench/testbed.py), bf16; queries at sigma 0.625"}
 
     # ---- fidelity sweep --------------------------------------------------------------------
     tic = time.time()
@@ -164,12 +160,8 @@ def main():
     for budget in [int(b) for b in args.budgets.split(",")]:
         settings = [("window", CacheConfig("window", SINK, budget - SINK)),
                     ("evict-only", TempCacheConfig(enabled=False, max_cache_frames=budget, sink_frames=SINK))]
-        for matching in args.matchings.split(","):
-            for grouping in ("head", "shared"):
-                for thr in [float(t) for t in args.thresholds.split(",")]:
-                    settings.append((f"{matching}/{grouping}/{thr}",
-                                     TempCacheConfig(merge_threshold=thr, max_cache_frames=budget, sink_frames=SINK,
-                                                     matching=matching, grouping=grouping)))
+        settings += [(f"merge/{thr}", TempCacheConfig(merge_threshold=thr, max_cache_frames=budget, sink_frames=SINK))
+                     for thr in [float(t) for t in args.thresholds.split(",")]]
         for name, cfg in settings:
             rows = [replay(cfg, kv_dense, layer, clean_q, query_q, args.history_frames) for layer in layers]
             row = {"budget_frames": budget, "setting": name,
@@ -306,11 +298,10 @@ def plot(result, path):
     ax_r, ax_e, ax_t = axes
     for budget in sorted({r["budget_frames"] for r in result["fidelity"]}):
         rows = [r for r in result["fidelity"] if r["budget_frames"] == budget]
-        for prefix in ("key/head", "key/shared", "query/head", "query/shared"):
-            sel = [r for r in rows if r["setting"].startswith(prefix + "/")]
-            thr = [float(r["setting"].split("/")[-1]) for r in sel]
-            ax_r.plot(thr, [r["recall"] for r in sel], ".-", label=f"{prefix}, budget {budget}")
-            ax_e.plot(thr, [r["rel_error"] for r in sel], ".-", label=f"{prefix}, budget {budget}")
+        sel = [r for r in rows if r["setting"].startswith("merge/")]
+        thr = [float(r["setting"].split("/")[-1]) for r in sel]
+        ax_r.plot(thr, [r["recall"] for r in sel], ".-", label=f"budget {budget}")
+        ax_e.plot(thr, [r["rel_error"] for r in sel], ".-", label=f"budget {budget}")
         for base, style in (("window", ":"), ("evict-only", "--")):
             r = next(r for r in rows if r["setting"] == base)
             ax_r.axhline(r["recall"], ls=style, color="gray", lw=1)
