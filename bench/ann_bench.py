@@ -18,10 +18,7 @@ kept-token density, the dense cross-attention mass on the kept tokens, output er
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
 import math
 import os
 import statistics
@@ -30,9 +27,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402
+from common import fastar, header, op_ms, parser, shapes, side_by_side_ms, write_json  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
-from timing import op_ms, side_by_side_ms  # noqa: E402
 
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
 from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
@@ -139,8 +135,7 @@ def plot(result, path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__, smoke=True)
     ap.add_argument("--history-frames", type=int, default=81)
     ap.add_argument("--layers", default="9,19")
     ap.add_argument("--tag", default="ann_bench", help="name of the JSON / PNG written")
@@ -148,14 +143,10 @@ def main():
     ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
     ap.add_argument("--prompt", default="wan", choices=("wan", "random"),
                     help="wan: the real clip's prompt (bench/testbed.prompt_context); random: a Gaussian one")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    device, size, hw = shapes(args.smoke)
     if args.smoke:
-        device, size, hw, args.history_frames, args.layers = torch.device("cpu"), "tiny", (64, 96), 6, "0"
-        args.tag += "_smoke"
-    else:
-        device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
+        args.history_frames, args.layers, args.tag = 6, "0", args.tag + "_smoke"
     model, context = testbed(size=size, device=str(device), prompt=args.prompt)
     layers = [int(x) for x in args.layers.split(",")]
     kv_dense, clean_q, query_q, cross = capture(model, context, args.history_frames, layers, height=hw[0], width=hw[1])
@@ -184,14 +175,11 @@ def main():
         print(f"AnnCA bits {cfg.bits:2d} probes {cfg.probes}: kept {row['density']:.3f} recall {row['recall']:.3f} "
               f"err {row['rel_error']:.3f} {row['annca_ms']:.3f} ms vs dense {row['dense_cudnn_ms']:.3f} ms "
               f"({row['speedup']:.2f}x)", flush=True)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
-              "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
+    result = {**header(device), "history_frames": args.history_frames, "layers": layers,
               "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights, sensitized: "
                         "bench/testbed.py, bf16), next chunk's queries at sigma 0.625; prompt: " + args.prompt,
               "key_block": KEY_BLOCK, "settings": rows, "annca": annca}
-    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, args.tag + ".json", result)
     plot(result, os.path.join(args.out, args.tag + ".png"))
 
 

@@ -19,9 +19,6 @@ launches). The verdict is on GPU time, as the median over rounds of time / T_cud
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -29,22 +26,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ann_bench import AnnConfig, measure  # noqa: E402
+from common import header, parser, shapes, write_json  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__, smoke=True)
     ap.add_argument("--frames", default="21,81,240", help="cached frames")
     ap.add_argument("--densities", default="0.5,0.25,0.125")
     ap.add_argument("--layer", type=int, default=9)
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
     args = ap.parse_args()
+    device, size, hw = shapes(args.smoke)
     if args.smoke:
-        device, size, hw, args.frames, args.layer = "cpu", "tiny", (64, 96), "6,12", 1
-    else:
-        device, size, hw = "cuda", "1.3B", (480, 832)
-    model, context = testbed(size=size, device=device, prompt="random")
+        args.frames, args.layer = "6,12", 1
+    model, context = testbed(size=size, device=str(device), prompt="random")
     rows = []
     for frames in (int(f) for f in args.frames.split(",")):
         kv, clean_q, query_q, _ = capture(model, context, frames, [args.layer], height=hw[0], width=hw[1])
@@ -74,13 +69,10 @@ def main():
                       f"{'within' if t_eager <= bound_eager else 'OVER'}", flush=True)
             rows.append(row)
         del kv, clean_q, query_q
-        if device == "cuda":
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
-              "date": datetime.date.today().isoformat(), "layer": args.layer, "prompt": "random", "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ann_bound" + ("_smoke" if args.smoke else "") + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
+    result = {**header(device), "layer": args.layer, "prompt": "random", "rows": rows}
+    write_json(args.out, "ann_bound" + ("_smoke" if args.smoke else "") + ".json", result)
 
 
 if __name__ == "__main__":

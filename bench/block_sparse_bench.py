@@ -18,8 +18,6 @@ Planning (ANN hashing and range lists) is not part of the timings. About 2 minut
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import sys
@@ -30,8 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _pkg  # noqa: E402,F401
-from timing import cuda_ms  # noqa: E402
+from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
 from comfyui_fastar.kernels import block_sparse_attention as bsa  # noqa: E402
 
 TPF, Q, H, D = 1560, 3 * 1560, 12, 128
@@ -133,15 +130,12 @@ def check_grid(q, g):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     g = torch.Generator().manual_seed(0)
     grid = [tuple(c) for c in bsa.HOPPER_LAUNCH_GRID]
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "triton": __import__("triton").__version__,
+    result = {**header("cuda"), "triton": __import__("triton").__version__,
               "grid": [list(c) for c in grid], "grid_fields": ["block_q", "block_n", "num_warps", "num_stages"]}
 
     result["gpu_kernel_vs_twin_max_rel_err"] = check_small_cases(g)
@@ -235,8 +229,7 @@ def main():
             extra = f"bound {row['bound_ms']:.3f} ms ({'within' if row['within_bound'] else 'OVER'})"
         print(f"  {key:22s} {row['config']}: {row['ms']:7.3f} ms  {extra}")
     print(f"best over all points: {result['best_overall_config']}   (run took {result['runtime_s']:.0f} s)")
-    with open(os.path.join(args.out, "block_sparse_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "block_sparse_bench.json", result)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ the host or the GPU sets the pace) and the kernels grouped by what they do. Writ
     python bench/chunk_profile.py --smoke --out /tmp       # tiny model on the CPU: checks the script only
 """
 import collections
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
+from common import device_name, parser, shapes, write_json  # noqa: E402
 from testbed import testbed  # noqa: E402
 
 # kernel-name fragments -> group, first match wins (cuDNN / Triton / cuBLAS / ATen kernel names)
@@ -42,19 +42,20 @@ def group(name: str) -> str:
 def profile_chunk(model, ctx, hw, name, chunks, device):
     """Profile the last of ``chunks`` chunks of a rollout of setting ``name``."""
     run = E.make_run(model, ctx, chunks * E.CHUNK, hw, name)
-    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []))
+    cuda = device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     wall = {}
     with torch.inference_mode():
         for c in range(chunks):
             if c == chunks - 1:
                 prof.start()
-            if device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             tic = time.perf_counter()
             run.cache.begin_chunk(c * E.CHUNK, E.CHUNK)
             run.sample_chunk(c)
             run.cache.commit()
-            if device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             wall[c] = 1e3 * (time.perf_counter() - tic)
         prof.stop()
@@ -73,17 +74,21 @@ def profile_chunk(model, ctx, hw, name, chunks, device):
 
 
 def main():
-    smoke = "--smoke" in sys.argv
-    out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "bench/results"
-    dev, size, hw = ("cpu", "tiny", (64, 96)) if smoke else ("cuda", "1.3B", (480, 832))
-    model, ctx = testbed(size=size, device=dev)
-    chunks = 3 if smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", "chunk": chunks - 1}
+    ap = parser(__doc__, smoke=True)
+    ap.add_argument("--settings", default="tempcache,fastar,sink+window",
+                    help=f"settings of bench/e2e_bench.py, comma-separated: {', '.join(E.SETTINGS)}")
+    args = ap.parse_args()
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in E.SETTINGS]
+    if unknown:
+        ap.error(f"unknown settings {', '.join(unknown)}; choose among {', '.join(E.SETTINGS)}")
+    device, size, hw = shapes(args.smoke)
+    model, ctx = testbed(size=size, device=str(device))
+    chunks = 3 if args.smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
+    out = {"device": device_name(device), "chunk": chunks - 1}
     E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
-    names = sys.argv[sys.argv.index("--settings") + 1].split(",") if "--settings" in sys.argv else \
-        ["tempcache", "fastar", "sink+window"]
     for name in names:
-        r = profile_chunk(model, ctx, hw, name, chunks, dev)
+        r = profile_chunk(model, ctx, hw, name, chunks, device)
         out[name] = r
         print(f"{name}: wall {r['wall_ms']:.1f} ms (previous chunk {r['wall_previous_ms']:.1f}), "
               f"GPU kernels {r['gpu_ms']:.1f} ms", flush=True)
@@ -91,9 +96,7 @@ def main():
             print(f"   {g:24s} {ms:8.1f} ms")
         for k in r["top_kernels"][:12]:
             print(f"     {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name'][:100]}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "chunk_profile.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, "chunk_profile_smoke.json" if args.smoke else "chunk_profile.json", out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import statistics
@@ -45,6 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import header  # noqa: E402  (the pack itself is imported after ComfyUI: import_comfy)
 
 SETTINGS = ("fastar", "window")  # FAST-AR defaults; dense sink 3 + window 12
 PATHS = ("library", "comfy-default", "comfy-bf16", "comfy-fp8", "core-ar", "comfy-fallback")
@@ -117,7 +117,7 @@ def import_comfy(path: str, cpu: bool):
         comfy.cli_args.args.cpu = True
     import comfy.model_management  # noqa: F401
     import comfy.sd  # noqa: F401
-    from _pkg import fastar  # noqa: F401  (the pack as comfyui_fastar)
+    from common import fastar  # noqa: F401  (the pack as comfyui_fastar)
 
     return comfy
 
@@ -196,7 +196,7 @@ def memory(device, out: dict):
 
 def full_after(setting: str) -> int:
     """The first chunk whose cache is full (TempCache's 21-frame budget, or 3 + 12 frames)."""
-    from _pkg import fastar
+    from common import fastar
 
     frames = fastar.TempCacheConfig().max_cache_frames if setting == "fastar" else 15
     return -(-frames // 3)
@@ -204,7 +204,7 @@ def full_after(setting: str) -> int:
 
 # -- the paths -------------------------------------------------------------------------------------
 def run_library(path, context, setting, chunks, device, dims, profile_at):
-    from _pkg import fastar
+    from common import fastar
 
     model = fastar.models.load_wan(path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cache = fastar.TempCacheConfig() if setting == "fastar" else fastar.CacheConfig("window", 3, 12)
@@ -394,7 +394,7 @@ def main(argv=None):
     import comfy.cmd.folder_paths as folder_paths
     from safetensors.torch import save_file
 
-    from _pkg import fastar
+    from common import fastar
     from testbed import prompt_context, testbed
 
     if args.smoke:
@@ -415,8 +415,7 @@ def main(argv=None):
     positive = [[context, {}]]
     plain = os.path.join(folder, "testbed.safetensors")
 
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    results = {**header(device),
                "shapes": {"height": dims[0], "width": dims[1], "chunk_frames": 3, "chunks": args.chunks,
                           "steps": 4}, "weights": "bench/testbed.py sensitized random weights, the Wan clip's prompt",
                "runs": {}}

@@ -12,9 +12,6 @@ The check: engine dense time <= 1.10 x (floor + raw SDPA) at every point.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -24,9 +21,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402  (the repository as package comfyui_fastar)
+from common import cuda_ms, fastar, header, parser, wall_ms, write_json  # noqa: E402
 from testbed import NoAttention, prefill  # noqa: E402
-from timing import cuda_ms, wall_ms  # noqa: E402
 
 CacheConfig, Rollout = fastar.CacheConfig, fastar.Rollout
 build_model = fastar.models.build_model
@@ -51,16 +47,14 @@ def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--points", default="21,81,162,240,321,402,450")
     ap.add_argument("--rollout-frames", type=int, default=81)
     ap.add_argument("--window-frames-total", type=int, default=240)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    dev = torch.cuda.get_device_name()
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = True
     model = build_model("1.3B", device="cuda", dtype=torch.bfloat16)
     cfg = model.config
@@ -68,7 +62,7 @@ def main():
     forwards = 5  # 4 denoising steps + clean pass
     calls = forwards * cfg.num_layers
     q_len = CHUNK * TPF
-    result = {"device": dev, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    result = {**header("cuda"),
               "shapes": {"height": HEIGHT, "width": WIDTH, "chunk_frames": CHUNK, "tokens_per_frame": TPF,
                          "layers": cfg.num_layers, "heads": cfg.num_heads, "head_dim": cfg.head_dim,
                          "text_tokens": 512, "forwards_per_chunk": forwards, "dtype": "bfloat16"}}
@@ -164,9 +158,7 @@ def main():
 
     ok = [p for p in points if not p.get("oom")]
     result["max_ratio_to_floor_plus_sdpa"] = max(p["ratio_to_floor_plus_sdpa"] for p in ok)
-    path = os.path.join(args.out, "core_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(args.out, "core_bench.json", result)
     plot(result, os.path.join(args.out, "core_bench.png"))
     print(f"max engine/(floor+SDPA) ratio: {result['max_ratio_to_floor_plus_sdpa']:.3f}; wrote {path}")
 

@@ -27,9 +27,6 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -38,10 +35,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402
-from testbed import (CHUNK, SENSITIVE, AnnProbe, NoAttention, OwnChunkOnly, continue_real_video, prefill,  # noqa: E402
-                     psnr, ssim, testbed)
-from timing import wall_ms  # noqa: E402
+from common import SENSITIVE, fastar, header, parser, shapes, wall_ms, write_json  # noqa: E402
+from testbed import (CHUNK, AnnProbe, NoAttention, OwnChunkOnly, continue_real_video, prefill, psnr, ssim,  # noqa: E402
+                     testbed)
 
 AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
 Rollout, attend = fastar.Rollout, fastar.attend
@@ -77,8 +73,8 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True):
-    cache, ann = SETTINGS[name]
+def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True, settings=SETTINGS):
+    cache, ann = settings[name]
     run = Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache, ann=ann,
                   cuda_graphs=cuda_graphs)
     if attention is not None:
@@ -86,13 +82,13 @@ def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True)
     return run
 
 
-def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=True):
+def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=True, settings=SETTINGS):
     """Per-chunk latency and peak memory of a real rollout (peak reset before every chunk), and AnnSA's density
     after the last chunk (its plans' own output: no kernel in the timed chunks)."""
     device = context.device
     reset_peak(device)
     rows = []
-    run = make_run(model, context, chunks * CHUNK, hw, name, cuda_graphs=cuda_graphs)
+    run = make_run(model, context, chunks * CHUNK, hw, name, cuda_graphs=cuda_graphs, settings=settings)
 
     def on_chunk(r):
         rows.append({"frames": r.frames_done, "latency_ms": 1e3 * r.latency_s, "peak_gb": peak_gb(device),
@@ -162,17 +158,17 @@ def linear_floor_ms(model, tokens, device, reps):
         return statistics.median(wall_ms(chunk, reps, device))
 
 
-def fidelity(model, model32, context, horizons, hw, gen_frames):
-    """Generated latents after each horizon of real cached frames, against dense bf16; beside each
-    setting's PSNR / SSIM, the share of the dense cache it holds and, where AnnSA runs, the recall and
-    density of its sparse calls on the generated chunks (``AnnProbe``)."""
+def fidelity(model, model32, context, horizons, hw, gen_frames, settings=SETTINGS):
+    """Generated latents after each horizon of real cached frames, against dense bf16 (``settings``'
+    "dense"); beside each other setting's PSNR / SSIM, the share of the dense cache it holds and, where
+    AnnSA runs, the recall and density of its sparse calls on the generated chunks (``AnnProbe``)."""
     rows = []
     probe_layers = [i for i in PROBE_LAYERS if i < model.num_layers] or [model.num_layers - 1]
     for history in horizons:
         frames = history + gen_frames
 
         def gen(name, m=model, ctx=context, attention=None):
-            run = make_run(m, ctx, frames, hw, name, attention)
+            run = make_run(m, ctx, frames, hw, name, attention, settings=settings)
             arm = getattr(run.attention, "arm", None)
             with torch.inference_mode():
                 out = continue_real_video(run, history, on_chunk=lambda c: arm and (c + 1) * CHUNK == history
@@ -187,10 +183,9 @@ def fidelity(model, model32, context, horizons, hw, gen_frames):
                "noise_floor": {"psnr": psnr(ref, ref32), "ssim": ssim(ref, ref32)}}
         own, _, _ = gen("dense", attention=OwnChunkOnly)
         row["own_chunk_only"] = {"psnr": psnr(own, ref), "ssim": ssim(own, ref)}
-        for name in SETTINGS:
+        for name, (_, ann) in settings.items():
             if name == "dense":
                 continue
-            ann = SETTINGS[name][1]
             probe = (lambda cache, ann=ann: AnnProbe(cache, ann, probe_layers)) if ann and ann.annsa else None
             out, held, attn = gen(name, attention=probe)
             row[name] = {"psnr": psnr(out, ref), "ssim": ssim(out, ref), "kv_held": held}
@@ -282,8 +277,7 @@ def plot(result, path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__, smoke=True)
     ap.add_argument("--chunks", type=int, default=240, help="FAST-AR rollout length (240 chunks = 2880 frames)")
     ap.add_argument("--component-chunks", type=int, default=40)
     ap.add_argument("--dense-chunks", type=int, default=27)
@@ -293,22 +287,17 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", choices=("random", "wan"), default="random",
                     help="text context: a Gaussian stand-in, or the real clip's prompt (bench/testbed.prompt_context)")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU at 64x96: checks the script only")
     ap.add_argument("--fidelity-only", action="store_true",
                     help="only the fidelity table (~2.5 min on an H200), written as e2e_fidelity.json")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    device, size, hw = shapes(args.smoke)
     if args.smoke:
-        device, size, hw = torch.device("cpu"), "tiny", (64, 96)
         args.chunks, args.component_chunks, args.dense_chunks = 24, 4, 4
         args.dense_points, args.compose_frames, args.horizons, args.reps = "15,21", 30, "6,9", 1
-    else:
-        device, size, hw = torch.device("cuda"), "1.3B", (480, 832)
     model32, context32 = testbed(dtype=torch.float32, size=size, device=str(device), prompt=args.prompt)
     model, context = testbed(dtype=torch.bfloat16, size=size, device=str(device), prompt=args.prompt)
     tokens = CHUNK * (hw[0] // 16) * (hw[1] // 16)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    result = {**header(device),
               "shapes": {"height": hw[0], "width": hw[1], "chunk_frames": CHUNK, "tokens_per_chunk": tokens,
                          "forwards_per_chunk": FORWARDS, "model": size, "dtype": "bfloat16"},
               "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)",
@@ -323,8 +312,7 @@ def main():
     del model32, context32
     print(f"[{time.time() - tic:.0f} s] fidelity done", flush=True)
     if args.fidelity_only:
-        with open(os.path.join(args.out, "e2e_fidelity" + ("_smoke" if args.smoke else "") + ".json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, "e2e_fidelity" + ("_smoke" if args.smoke else "") + ".json", result)
         return
 
     result["floor"] = {"linear_ms": linear_floor_ms(model, tokens, device, args.reps)}
@@ -367,8 +355,7 @@ def main():
     result["summary"] = summarize(result, args.chunks)
     print("summary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result["summary"].items()})
     tag = "e2e_bench_smoke" if args.smoke else "e2e_bench"
-    with open(os.path.join(args.out, tag + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, tag + ".json", result)
     plot(result, os.path.join(args.out, tag + ".png"))
     print(f"[{time.time() - tic:.0f} s] wrote {os.path.join(args.out, tag)}.json/.png")
 

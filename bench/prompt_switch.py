@@ -14,8 +14,6 @@ latencies from the pack's own ``fastar.cache`` events (``bench/comfy_bench.py``'
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402
+from common import fastar, header, parser, write_json  # noqa: E402
 from testbed import CHUNK, HEIGHT, WIDTH, testbed  # noqa: E402
 
 SWITCHES = (4, 10, 20, 40)
@@ -101,15 +99,14 @@ def through_the_nodes(args, model, context, other) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results")
+    p = parser(__doc__)
     p.add_argument("--chunks", type=int, default=44)
     p.add_argument("--comfyui", help="also through the nodes, on this ComfyUI tree (core-ar-2026 or a packed one)")
     args = p.parse_args()
     model, context = testbed(prompt="wan")
     other = torch.randn(context.shape, device=context.device, dtype=context.dtype,
                         generator=torch.Generator(device=context.device).manual_seed(11))
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": f"{WIDTH}x{HEIGHT}",
+    result = {**header("cuda"), "shape": f"{WIDTH}x{HEIGHT}",
               "chunk_frames": CHUNK, "chunks": args.chunks, "switch_after_chunks": list(SWITCHES), "settings": {}}
     for name, make in SETTINGS.items():
         prompts = [(c, other if i % 2 == 0 else context) for i, c in enumerate(SWITCHES)]
@@ -151,10 +148,7 @@ def main() -> None:
               f"{rel['eager_vs_eager']:.2e} ({graphed.graph_replays} replays)")
     if args.comfyui:
         result["comfyui"] = through_the_nodes(args, model, context, other)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prompt_switch.json"), "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    write_json(args.out, "prompt_switch.json", result)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import device_name, parser, write_json  # noqa: E402
+
 LENGTHS = (61, 601, 2881)  # video frames (1 + 4k): about 60, 600 and 2880
 PATHS = ("streaming", "stock")
 
@@ -132,8 +135,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results", help="folder for stream_memory.json / .png")
+    p = parser(__doc__)
     p.add_argument("--size", type=int, default=128, help="frame width and height in pixels (default 128)")
     p.add_argument("--dim", type=int, default=16, help="the VAE's base width (Wan 2.1's is 96; default 16)")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -153,13 +155,11 @@ def main() -> None:
                 print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
                       f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
     stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
-    result = {"device": f"CPU ({os.uname().machine}, {os.cpu_count()} cores)",
+    result = {"device": device_name("cpu"),
               "size": f"{args.size}x{args.size}", "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
               "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "stream_memory.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out / "stream_memory.png")
+    write_json(args.out, "stream_memory.json", result)
+    plot(result, Path(args.out) / "stream_memory.png")
     print(f"streaming peak spread across lengths: {result['streaming_peak_spread']:.1%}")
 
 

@@ -21,9 +21,6 @@ the default TempCache: per-chunk latency and peak memory must stay flat (last/fi
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -34,9 +31,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402
+from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402
 from testbed import CHUNK, HEIGHT, SINK, TPF, WIDTH, capture, testbed  # noqa: E402
-from timing import cuda_ms  # noqa: E402
 
 CacheConfig, TempCacheConfig, KVCache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.KVCache
 Rollout, attend = fastar.Rollout, fastar.attend
@@ -134,8 +130,7 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--history-frames", type=int, default=81)
     ap.add_argument("--layers", default="0,9,19,29")
     ap.add_argument("--thresholds", default="0.6,0.7,0.8,0.85,0.9,0.93,0.95,0.97")
@@ -144,11 +139,9 @@ def main():
     ap.add_argument("--tag", default="tempcache_bench", help="name of the JSON/PNG written")
     ap.add_argument("--fidelity-only", action="store_true", help="skip the speed measurements")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     model, context = testbed()
     layers = [int(x) for x in args.layers.split(",")]
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "history_frames": args.history_frames, "layers": layers,
+    result = {**header("cuda"), "history_frames": args.history_frames, "layers": layers,
               "inputs": "real clips (bench/data) via bench/realvideo.real_latents, 480x832, stride 1; "
                         "1.3B-shaped model, random weights sensitized (bench/testbed.py), bf16; queries at sigma 0.625"}
 
@@ -175,8 +168,7 @@ def main():
     del kv_dense, clean_q, query_q
     torch.cuda.empty_cache()
     if args.fidelity_only:
-        with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, args.tag + ".json", result)
         return
 
     # ---- speed: one write vs the attention it saves ------------------------------------------
@@ -237,8 +229,7 @@ def main():
                        "saved_ms_per_layer_per_chunk": saved, "write_over_saved": t_write / saved,
                        "biased_sdpa_backends_ms": backends}
     print("speed:", result["speed"])
-    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-        json.dump(result, f, indent=1)  # saved early: the rollout below is the longest part
+    write_json(args.out, args.tag + ".json", result)  # saved early: the rollout below is the longest part
     del kv, k81, keys, values, bias
     torch.cuda.empty_cache()
 
@@ -256,8 +247,7 @@ def main():
     pipeline["per_layer_over_saved"] = pipeline["per_layer_ms"] / result["speed"]["saved_ms_per_layer_per_chunk"]
     result["pipeline"] = pipeline
     print("pipeline:", pipeline)
-    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, args.tag + ".json", result)
     if args.rollout_chunks == 0:
         return
 
@@ -283,8 +273,7 @@ def main():
                                  "last_over_first": last / first, "peak_gb_first": steady[0]["peak_gb"],
                                  "peak_gb_last": steady[-1]["peak_gb"]}
     print("rollout:", {k: round(v, 3) for k, v in result["rollout_summary"].items()})
-    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, args.tag + ".json", result)
     plot(result, os.path.join(args.out, args.tag + ".png"))
 
 

@@ -5,7 +5,7 @@ query and key projections are independent, so every query spreads its attention 
 over all keys of similar content, and dropping half of the cache barely moves the output. A
 trained video DiT concentrates attention on a few corresponding tokens (same content, nearby
 place and time: the correspondence TempCache and AnnSA rely on). ``sensitize`` gives the random
-model that property, touching only its self-attention weights:
+model that property, touching only its self-attention weights (``common.sensitize``):
 
   * the key projection is tied to the query projection (plus ``k_noise`` of fresh noise), so a
     token's query matches the keys of tokens with similar content;
@@ -26,32 +26,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _pkg import fastar  # noqa: E402
+from common import fastar, random_prompt, testbed_model  # noqa: E402
 from realvideo import DATA, _orthogonal, real_latents  # noqa: E402
 
 CacheConfig, KVCache, FastARAttention = fastar.CacheConfig, fastar.KVCache, fastar.FastARAttention
 
 HEIGHT, WIDTH, CHUNK, TPF, SINK = 480, 832, 3, 1560, 3
-# Chosen on the H200 (bench/NOTES.md, "Testbed"): with these, the own-chunk-only control falls 18 dB
-# below the bf16 noise floor, and at layer 15 the top 1% of keys hold 0.70 of the attention mass.
-SENSITIVE = {"qk_gain": 1.5, "k_noise": 0.5, "self_gain": 5.0}
-
-
-@torch.no_grad()
-def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: float = 5.0, seed: int = 0):
-    """Tie each self-attention's key projection to its query projection, sharpen its logits and
-    scale its output projection by ``self_gain`` (the gated branch is otherwise a few % of the
-    residual stream, so the cached history could not move the output)."""
-    for i, block in enumerate(model.blocks):
-        attn = block.self_attn
-        attn.o.weight.mul_(self_gain)
-        g = torch.Generator(device=attn.q.weight.device).manual_seed(seed * 1009 + i)
-        noise = torch.randn(attn.q.weight.shape, device=attn.q.weight.device, generator=g)
-        attn.k.weight.copy_(attn.q.weight + k_noise * attn.q.weight.float().std() * noise.to(attn.q.weight.dtype))
-        attn.k.bias.copy_(attn.q.bias)
-        attn.norm_q.weight.fill_(qk_gain)
-        attn.norm_k.weight.fill_(qk_gain)
-    return model
 
 
 def prompt_context(text_dim: int, tokens: int = 512, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -72,20 +52,14 @@ def prompt_context(text_dim: int, tokens: int = 512, device="cpu", dtype=torch.f
     return out.to(device=device, dtype=dtype)
 
 
-def testbed(sensitive: bool = True, dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda",
-            prompt: str = "random", **gains):
-    """The model (1.3B-shaped, sensitized unless told not to) and its prompt: ``random`` (a seeded
+def testbed(dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda", prompt: str = "random"):
+    """The sensitized model (1.3B-shaped unless told otherwise) and its prompt: ``random`` (a seeded
     Gaussian stand-in, 512 tokens) or ``wan`` (the real clip's prompt, ``prompt_context``)."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = fastar.models.build_model(size, device=device, dtype=torch.float32)
-    if sensitive:
-        sensitize(model, **{**SENSITIVE, **gains})
-    model = model.to(dtype)  # built in fp32 first, so every dtype holds the same weights
+    model = testbed_model(fastar, size, device, dtype)
     if prompt == "wan":
         context = prompt_context(model.text_dim, device=device, dtype=dtype)
     elif prompt == "random":
-        context = torch.randn(1, 512, model.text_dim, device=device, dtype=dtype,
-                              generator=torch.Generator(device=device).manual_seed(0))
+        context = random_prompt(model.text_dim, device, dtype)
     else:
         raise ValueError(f"prompt must be 'random' or 'wan', got {prompt!r}")
     return model, context

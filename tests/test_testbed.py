@@ -11,13 +11,14 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # their own tests; the ann_bench smoke run keeps the interpreter to compare its kernels on real plans).
 TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 sys.path.insert(0, BENCH)
+import common  # noqa: E402
 import testbed  # noqa: E402
 from testbed import fastar  # noqa: E402
 
 
 def test_sensitize_ties_keys_to_queries_and_touches_nothing_else():
     plain = fastar.models.build_model("tiny", seed=3)
-    model = testbed.sensitize(fastar.models.build_model("tiny", seed=3), qk_gain=1.5, k_noise=0.5, self_gain=5.0)
+    model = common.sensitize(fastar.models.build_model("tiny", seed=3), qk_gain=1.5, k_noise=0.5, self_gain=5.0)
     changed = set()
     for (name, p0), (_, p1) in zip(plain.named_parameters(), model.named_parameters()):
         if not torch.equal(p0, p1):
@@ -41,7 +42,7 @@ def _continue(model, ctx, prefix, attention=None):
 
 
 def test_continuing_a_video_reads_the_prefix_only_through_the_cache():
-    model = testbed.sensitize(fastar.models.build_model("tiny", seed=0))
+    model = common.sensitize(fastar.models.build_model("tiny", seed=0))
     ctx = torch.randn(1, 5, model.text_dim, generator=torch.Generator().manual_seed(0))
     a = testbed.real_latents(6, 64, 96)
     b = a.flip(2)  # the same frames in another order
