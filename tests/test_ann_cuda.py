@@ -6,7 +6,6 @@ CUDA-only, and meaningful only in a process where Triton compiles for the GPU: t
 kernel tests switch Triton to its interpreter at import, so run this file on its own
 (``pytest tests/test_ann_cuda.py tests/test_gpu_memory.py``); it skips otherwise.
 """
-import os
 
 import pytest
 import torch
@@ -18,9 +17,7 @@ from comfyui_fastar.fastar.models import build_model
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("cache_cfg", [CacheConfig(), TempCacheConfig(max_cache_frames=6, sink_frames=2)],

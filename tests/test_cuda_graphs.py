@@ -2,7 +2,6 @@
 
 CUDA-only; run on its own like tests/test_ann_cuda.py (the CPU suite puts Triton in interpreter mode).
 """
-import os
 
 import pytest
 import torch
@@ -10,9 +9,7 @@ import torch
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import build_model
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("cache,ann", [

@@ -1,25 +1,18 @@
-"""The per-head row gather: the Triton kernel (under the CPU interpreter) equals its twin, and the
-twin equals indexing row by row."""
-import os
+"""The per-head row gather: the Triton kernel equals its twin, and the twin equals indexing row by
+row."""
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from comfyui_fastar.kernels import gather_rows as gr  # noqa: E402
-from comfyui_fastar.kernels.gather_rows import gather_rows, gather_rows_auto, gather_rows_torch  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not gr.HAS_TRITON, reason="triton not importable")
+from comfyui_fastar.kernels.gather_rows import gather_rows, gather_rows_auto, gather_rows_torch
 
 
-def _case(seed, dtype, b=2, m=70, h=3, d=16, n=None):
+def _case(seed, dtype, b=2, m=70, h=3, d=16, n=None, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    buf = (1000 * torch.randn(b, m + 9, h + 2, d, generator=g)).to(dtype)
+    buf = (1000 * torch.randn(b, m + 9, h + 2, d, generator=g)).to(device, dtype)
     src = buf[:, 4:m + 4, 1:h + 1]  # a [B, M, H, D] slice of a wider cache buffer
     n = m if n is None else n
     index = torch.stack([torch.stack([torch.randint(0, m, (n,), generator=g) for _ in range(h)]) for _ in range(b)])
-    return src, index
+    return src, index.to(device)
 
 
 def test_twin_equals_row_indexing():
@@ -31,34 +24,31 @@ def test_twin_equals_row_indexing():
             assert torch.equal(out[b, :, h], src[b, index[b, h], h])
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
 @pytest.mark.parametrize("n", [70, 5, 33])
-def test_kernel_equals_twin(dtype, n):
-    src, index = _case(1, dtype, n=n)
+def test_kernel_equals_twin(dtype, n, device):
+    src, index = _case(1, dtype, n=n, device=device)
     out = gather_rows(src, index)
     assert out.dtype == src.dtype and torch.equal(out, gather_rows_torch(src, index))
 
 
-@needs_triton
-def test_permutation_in_place_round_trip():
+def test_permutation_in_place_round_trip(device):
     """As the cache re-sorts a layer: gathering by a permutation, then by its inverse, restores it."""
-    src, _ = _case(2, torch.bfloat16)
+    src, _ = _case(2, torch.bfloat16, device=device)
     before = src.clone()
-    perm = torch.stack([torch.stack([torch.randperm(70) for _ in range(3)]) for _ in range(2)])
+    perm = torch.stack([torch.stack([torch.randperm(70) for _ in range(3)]) for _ in range(2)]).to(device)
     src.copy_(gather_rows(src, perm))
     assert not torch.equal(src, before)
     src.copy_(gather_rows(src, torch.argsort(perm, dim=-1)))
     assert torch.equal(src, before)
 
 
-@needs_triton
-def test_auto_falls_back_and_bad_inputs_raise():
-    src, index = _case(3, torch.float32, d=12)  # D not a power of two: the twin
+def test_auto_falls_back_and_bad_inputs_raise(device):
+    src, index = _case(3, torch.float32, d=12, device=device)  # D not a power of two: the twin
     assert torch.equal(gather_rows_auto(src, index), gather_rows_torch(src, index))
     with pytest.raises(ValueError, match="power of two"):
         gather_rows(src, index)
-    src, index = _case(4, torch.float32)
+    src, index = _case(4, torch.float32, device=device)
     for fn in (gather_rows, gather_rows_torch):
         with pytest.raises(ValueError, match="src must be"):
             fn(src[0], index)

@@ -1,6 +1,5 @@
 """On a GPU, a finished or cancelled rollout leaves no device memory behind (skipped without CUDA)."""
 import gc
-import os
 
 import pytest
 import torch
@@ -8,9 +7,7 @@ import torch
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import build_model
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+pytestmark = pytest.mark.cuda
 
 
 class Cancel(Exception):

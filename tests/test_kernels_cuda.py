@@ -1,18 +1,12 @@
 """On a GPU: the compiled kernels equal their twins (adaLN and q/k norm + RoPE at the Wan 1.3B chunk
 shape and at odd ones; the block-sparse attention with a bias window), the FFN's GELU epilogue
 equals GEMM + tanh GELU, TempCache's fp8 match finds the best cosine, and its history writes through
-the row kernels equal the twins'.
-
-CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
-kernel tests switch Triton to its interpreter at import, so run this file on its own; it skips
-otherwise.
+the row kernels equal the twins'. CUDA-only: skipped without a GPU.
 """
-import os
-
 import pytest
 import torch
 
-from comfyui_fastar.fastar.attention import attend, attend_biased, attend_lse
+from comfyui_fastar.fastar.sdpa import attend, attend_biased, attend_lse
 from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig, rope_frequencies
 from comfyui_fastar.kernels.adaln import adaln, adaln_torch
@@ -22,9 +16,7 @@ from comfyui_fastar.kernels import block_sparse_attention as bsa
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_torch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                                 reason="Triton is in interpreter mode in this process: run this file on its own")]
+pytestmark = pytest.mark.cuda
 
 SHAPES = [(1, 3, 1560, 1536, 3), (2, 2, 37, 96, 1), (1, 1, 5, 40, 1)]  # B, F, S, C, T
 

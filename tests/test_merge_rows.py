@@ -1,32 +1,25 @@
 """TempCache's group merge: the twin makes each merged slot the mean of its group (old mean
 weighted by its count) with the newest member's key and leaves other rows alone; the Triton
-kernel (under the CPU interpreter) equals the twin."""
-import os
+kernel equals the twin."""
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from comfyui_fastar.kernels import merge_rows as mr  # noqa: E402
-from comfyui_fastar.kernels.merge_rows import merge_rows, merge_rows_auto, merge_rows_torch  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not mr.HAS_TRITON, reason="triton not importable")
+from comfyui_fastar.kernels.merge_rows import merge_rows, merge_rows_auto, merge_rows_torch
 
 
-def _case(seed, dtype, m=20, n=45, h=3, d=16):
+def _case(seed, dtype, m=20, n=45, h=3, d=16, device="cpu"):
     """History rows as a strided slice; ~half the tokens merge, several into one slot; the group
     state (count, added, rep) as TempCache derives it."""
     g = torch.Generator().manual_seed(seed)
-    buf_k, buf_v = (torch.randn(m + 6, h + 1, d, generator=g).to(dtype) for _ in range(2))
-    k, v = buf_k[3:m + 3, :h], buf_v[3:m + 3, :h]
+    buf_k, buf_v = (torch.randn(m + 6, h + 1, d, generator=g).to(device, dtype) for _ in range(2))
     new_k, new_v = (torch.randn(h, n, d, generator=g).to(dtype).transpose(0, 1) for _ in range(2))
     slot = torch.randint(0, m // 2, (h, n), generator=g)          # crowded: groups of several tokens
     count = torch.randint(0, 4, (h, m), generator=g).float()
     merge = (torch.rand(h, n, generator=g) < 0.5) & (count.gather(1, slot) > 0)
     added = torch.zeros(h, m).scatter_add_(1, slot, merge.float())
     rep = torch.full((h, m), -1).scatter_reduce_(1, slot, torch.where(merge, torch.arange(n), -1), "amax")
-    return buf_k, buf_v, k, v, new_k, new_v, slot, merge, count, added, rep
+    k, v = buf_k[3:m + 3, :h], buf_v[3:m + 3, :h]
+    return (buf_k, buf_v, k, v, *(t.to(device) for t in (new_k, new_v, slot, merge, count, added, rep)))
 
 
 def test_twin_averages_each_group_and_keeps_the_newest_key():
@@ -48,10 +41,9 @@ def test_twin_averages_each_group_and_keeps_the_newest_key():
     assert torch.equal(buf_k, want_k)
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-def test_kernel_equals_twin(dtype, tol):
-    case = _case(1, dtype)
+def test_kernel_equals_twin(dtype, tol, device):
+    case = _case(1, dtype, device=device)
     twin = [t.clone() if torch.is_tensor(t) else t for t in case]
     # the views of the clones' buffers, then the same inputs
     twin[2], twin[3] = twin[0][3:23, :3], twin[1][3:23, :3]
@@ -59,14 +51,15 @@ def test_kernel_equals_twin(dtype, tol):
     merge_rows_torch(*twin[2:])
     assert torch.equal(case[0], twin[0])  # keys: copies
     torch.testing.assert_close(case[1], twin[1], rtol=tol, atol=tol)
-    untouched = torch.ones(26, 4, dtype=torch.bool)
+    untouched = torch.ones(26, 4, dtype=torch.bool, device=device)
     untouched[3:23, :3] = (case[9] == 0).t()
-    assert torch.equal(case[1][untouched], _case(1, dtype)[1][untouched])  # rows no token merges into
+    assert torch.equal(case[1][untouched], _case(1, dtype, device=device)[1][untouched])  # rows no token merges into
 
 
-@needs_triton
-def test_auto_takes_the_twin_for_bf16_under_the_interpreter():
-    """Triton's CPU interpreter has no bf16 atomics: the dispatcher must not pick the kernel there."""
+def test_auto_takes_the_twin_for_bf16_under_the_interpreter(monkeypatch):
+    """Triton's CPU interpreter has no bf16 atomics: the dispatcher must not pick the kernel there
+    (a kernel picked on CPU tensors would fail, interpreted or not)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = _case(2, torch.bfloat16)
     twin = [t.clone() if torch.is_tensor(t) else t for t in case]
     twin[2], twin[3] = twin[0][3:23, :3], twin[1][3:23, :3]

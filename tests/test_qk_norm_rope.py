@@ -1,21 +1,11 @@
-"""Fused q/k RMS norm + RoPE: twin vs an independent complex-number reference, kernel vs twin.
+"""Fused q/k RMS norm + RoPE: twin vs an independent complex-number reference, kernel vs twin."""
 
-The kernel runs under Triton's CPU interpreter, so the flag is set before anything imports triton.
-"""
+import pytest
+import torch
+import torch.nn.functional as F
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from comfyui_fastar.fastar.models.wan import rope_frequencies  # noqa: E402
-from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
-from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_auto, qk_norm_rope_torch  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+from comfyui_fastar.fastar.models.wan import rope_frequencies
+from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_auto, qk_norm_rope_torch
 
 
 def _reference(x, weight, freqs, heads, eps):
@@ -26,10 +16,10 @@ def _reference(x, weight, freqs, heads, eps):
     return torch.view_as_real(y * rot[None, :, None]).flatten(-2)
 
 
-def _case(gen, b, length, heads, d, dtype, offset=0):
-    x = torch.randn(b, length, heads * d, generator=gen).to(dtype)
-    weight = (1 + 0.3 * torch.randn(heads * d, generator=gen)).to(dtype)
-    freqs = rope_frequencies(d, (length, 1, 1), offset)
+def _case(gen, b, length, heads, d, dtype, offset=0, device="cpu"):
+    x = torch.randn(b, length, heads * d, generator=gen).to(device, dtype)
+    weight = (1 + 0.3 * torch.randn(heads * d, generator=gen)).to(device, dtype)
+    freqs = rope_frequencies(d, (length, 1, 1), offset).to(device)
     return x, weight, freqs
 
 
@@ -52,13 +42,12 @@ def test_rotation_keeps_pair_norms_and_offset_zero_frame_is_identity():
     torch.testing.assert_close(pairs(out.flatten(2)), pairs(x))
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", [True, False])
-def test_kernel_matches_twin(dtype, norm):
+def test_kernel_matches_twin(dtype, norm, device):
     gen = torch.Generator().manual_seed(2)
     for b, length, heads, d in [(1, 1, 1, 2), (2, 7, 3, 16), (1, 5, 12, 8), (1, 3, 5, 32)]:
-        x, weight, freqs = _case(gen, b, length, heads, d, dtype, offset=3)
+        x, weight, freqs = _case(gen, b, length, heads, d, dtype, offset=3, device=device)
         w = weight if norm else None
         want = qk_norm_rope_torch(x, w, freqs, heads, 1e-6)
         got = qk_norm_rope(x, w, freqs, heads, 1e-6)
@@ -67,37 +56,34 @@ def test_kernel_matches_twin(dtype, norm):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-@needs_triton
-def test_kernel_reads_strided_rows():
+def test_kernel_reads_strided_rows(device):
     gen = torch.Generator().manual_seed(3)
-    base, weight, freqs = _case(gen, 2, 6, 4, 8, torch.float32)
+    base, weight, freqs = _case(gen, 2, 6, 4, 8, torch.float32, device=device)
     x = torch.cat([base, base], dim=-1)[..., ::2]  # channel stride 2, rows not contiguous
     torch.testing.assert_close(qk_norm_rope(x, weight, freqs, 4), qk_norm_rope_torch(x, weight, freqs, 4))
 
 
-@needs_triton
-def test_kernel_and_twin_write_into_the_cache_rows_given():
+def test_kernel_and_twin_write_into_the_cache_rows_given(device):
     """``out`` as the KV cache's rows of an open chunk: a [B, n, H, D] slice of a longer buffer
     (batch stride past n rows); rows outside it stay untouched."""
     gen = torch.Generator().manual_seed(6)
-    x, weight, freqs = _case(gen, 2, 5, 3, 8, torch.float32, offset=2)
+    x, weight, freqs = _case(gen, 2, 5, 3, 8, torch.float32, offset=2, device=device)
     want = qk_norm_rope_torch(x, weight, freqs, 3)
     for fn in (qk_norm_rope, qk_norm_rope_torch):
-        cache = torch.full((2, 9, 3, 8), 7.0)
+        cache = torch.full((2, 9, 3, 8), 7.0, device=device)
         rows = cache[:, 2:7]
         assert fn(x, weight, freqs, 3, out=rows) is rows
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
         assert cache[:, :2].eq(7).all() and cache[:, 7:].eq(7).all()
     with pytest.raises(ValueError, match="out must be"):
-        qk_norm_rope(x, weight, freqs, 3, out=torch.empty(2, 5, 3, 8, dtype=torch.float16))
+        qk_norm_rope(x, weight, freqs, 3, out=torch.empty(2, 5, 3, 8, dtype=torch.float16, device=device))
     with pytest.raises(ValueError, match="contiguous"):
-        qk_norm_rope_torch(x, weight, freqs, 3, out=torch.empty(2, 5, 8, 3).transpose(2, 3))
+        qk_norm_rope_torch(x, weight, freqs, 3, out=torch.empty(2, 5, 8, 3, device=device).transpose(2, 3))
 
 
-@needs_triton
-def test_kernel_takes_any_even_head_dim():
+def test_kernel_takes_any_even_head_dim(device):
     gen = torch.Generator().manual_seed(4)
-    x, weight, freqs = _case(gen, 1, 9, 3, 12, torch.float32)  # D/2 = 6, C = 36: neither a power of two
+    x, weight, freqs = _case(gen, 1, 9, 3, 12, torch.float32, device=device)  # D/2 = 6, C = 36: neither a power of two
     torch.testing.assert_close(qk_norm_rope(x, weight, freqs, 3), qk_norm_rope_torch(x, weight, freqs, 3))
 
 

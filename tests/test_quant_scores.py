@@ -1,17 +1,9 @@
-"""AnnSA 'quant' planning scores: twin vs brute force, Triton kernel vs twin (CPU interpreter).
+"""AnnSA 'quant' planning scores: twin vs brute force, Triton kernel vs twin."""
 
-The flag must be set before anything imports triton.
-"""
+import pytest
+import torch
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
-from comfyui_fastar.kernels.quant_scores import (  # noqa: E402
+from comfyui_fastar.kernels.quant_scores import (
     quant_block_scores,
     quant_block_scores_torch,
     quant_block_shares,
@@ -19,15 +11,13 @@ from comfyui_fastar.kernels.quant_scores import (  # noqa: E402
     quantize_blocks,
 )
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
 
-
-def _case(gen, b, h, lq, d, nkb, dtype=torch.float32):
-    q = torch.randn(b, lq, h, d, generator=gen).to(dtype).transpose(1, 2)  # the [B, n, H, D] cache view
+def _case(gen, b, h, lq, d, nkb, dtype=torch.float32, device="cpu"):
+    q = torch.randn(b, lq, h, d, generator=gen).to(device, dtype).transpose(1, 2)  # the [B, n, H, D] cache view
     means = torch.randint(-127, 128, (b, h, nkb, d), generator=gen, dtype=torch.int8)
     logit_scale = torch.rand(b, h, generator=gen) * 1e-3 + 1e-4
     bias = torch.randn(b, h, nkb, generator=gen).masked_fill(torch.rand(b, h, nkb, generator=gen) < 0.2, float("-inf"))
-    return q, means, logit_scale, bias
+    return q, means.to(device), logit_scale.to(device), bias.to(device)
 
 
 def _brute(q, means, logit_scale, bias, block_q):
@@ -76,13 +66,12 @@ def test_twin_takes_the_cache_view_of_whole_blocks():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_twin(dtype):
+def test_kernel_matches_twin(dtype, device):
     gen = torch.Generator().manual_seed(2)
     for b, h, lq, d, nkb, block_q in [(1, 1, 1, 16, 1, 64), (2, 3, 70, 16, 67, 64), (1, 2, 33, 32, 130, 16),
                                       (1, 1, 129, 64, 3, 128), (1, 2, 5, 16, 0, 4)]:
-        case = _case(gen, b, h, lq, d, nkb, dtype)
+        case = _case(gen, b, h, lq, d, nkb, dtype, device)
         case[0][..., :block_q, :] = 0  # an all-zero query block: its scale is clamped, its scores the bias
         want = quant_block_scores_torch(*case, block_q)
         got = quant_block_scores(*case, block_q)
@@ -110,11 +99,11 @@ def _shares_brute(q, means, logit_scale, bias, fmeans, fcounts, block_q):
     return out.float(), out_f.float()
 
 
-def _fixed_case(gen, b, h, d, nf):
+def _fixed_case(gen, b, h, d, nf, device="cpu"):
     means = torch.randn(b, h, nf, d, generator=gen) * 0.05
     counts = torch.randint(1, 129, (b, h, nf), generator=gen).float()
     counts[..., 0] = 0  # an empty fixed block (an unwritten sink block)
-    return means, counts
+    return means.to(device), counts.to(device)
 
 
 def test_shares_twin_matches_brute_force():
@@ -145,13 +134,12 @@ def test_shares_credit_each_cluster_of_a_mixed_block():
     assert top.softmax(-1)[1] < 1e-10
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shares_kernel_matches_twin(dtype):
+def test_shares_kernel_matches_twin(dtype, device):
     gen = torch.Generator().manual_seed(4)
     for b, h, lq, d, nkb, nf, block_q in [(1, 1, 1, 16, 1, 1, 64), (2, 3, 70, 16, 67, 5, 64),
                                           (1, 2, 33, 32, 130, 70, 16), (1, 1, 129, 64, 3, 2, 128)]:
-        case = (*_case(gen, b, h, lq, d, nkb, dtype), *_fixed_case(gen, b, h, d, nf))
+        case = (*_case(gen, b, h, lq, d, nkb, dtype, device), *_fixed_case(gen, b, h, d, nf, device))
         case[0][..., :block_q, :] = 0
         want = quant_block_shares_torch(*case, block_q)
         got = quant_block_shares(*case, block_q)

@@ -1,20 +1,12 @@
-"""AnnSA 'quant' selection (scores -> key ranges): twin vs brute force, Triton kernel vs twin (CPU interpreter).
-
-The flag must be set before anything imports triton.
-"""
+"""AnnSA 'quant' selection (scores -> key ranges): twin vs brute force, Triton kernel vs twin."""
 
 import math
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, range_reads, slots
 
-from comfyui_fastar.kernels import HAS_TRITON  # noqa: E402
-from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, range_reads, slots  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
 NEG_INF = float("-inf")
 
 
@@ -114,9 +106,8 @@ def test_twin_matches_brute_force(ties):
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (nkb, top)
 
 
-@needs_triton
 @pytest.mark.parametrize("ties", [True, False])
-def test_kernel_equals_twin_on_random_rows(ties):
+def test_kernel_equals_twin_on_random_rows(ties, device):
     """Rows streamed in chunks shorter than the row (runs and ties crossing chunk edges) and rows
     held whole (the default chunk), every top."""
     gen = torch.Generator().manual_seed(10 + ties)
@@ -124,11 +115,11 @@ def test_kernel_equals_twin_on_random_rows(ties):
         nkb = int(torch.randint(1, 70, (1,), generator=gen))
         top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
         # two batches or two heads: each stride is walked, at a third of the interpreter's time of both
-        score, held = _case(gen, *((2, 1, 2), (1, 2, 2))[case // 2 % 2], nkb, ties)
+        score, held = (t.to(device) for t in _case(gen, *((2, 1, 2), (1, 2, 2))[case // 2 % 2], nkb, ties))
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, **kw)
         for chunk in (16, None):
-            reads = torch.full(want[1].shape, -1, dtype=torch.int32)
+            reads = torch.full(want[1].shape, -1, dtype=torch.int32, device=device)
             got = quant_select(score, held, top, chunk=chunk, reads=reads, **kw)
             assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
             assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
@@ -169,27 +160,25 @@ def test_mass_reads_fewer_blocks_where_the_fixed_keys_hold_the_mass():
     assert ranges[0, 0, :, 2].tolist() == [[kw["rows_start"], kw["rows_stop"]]] * 2
 
 
-@needs_triton
 @pytest.mark.parametrize("ties", [True, False])
-def test_mass_kernel_equals_twin_on_random_rows(ties):
+def test_mass_kernel_equals_twin_on_random_rows(ties, device):
     gen = torch.Generator().manual_seed(20 + ties)
     for case, mass in enumerate((0.93, 0.5, 0.0, 1.0, 0.8, 0.99)):
         nkb = int(torch.randint(1, 70, (1,), generator=gen))
         top = int(torch.randint(1, nkb + 1, (1,), generator=gen))
-        score, held, fixed = _mass_case(gen, 1, 2, 2, nkb, ties)
+        score, held, fixed = (t.to(device) for t in _mass_case(gen, 1, 2, 2, nkb, ties))
         kw = _fixed(nkb, key_block=[64, 128][case % 2])
         want = quant_select_torch(score, held, top, mass=mass, fixed=fixed, **kw)
         for chunk in (16, None):
-            reads = torch.full(want[1].shape, -1, dtype=torch.int32)
+            reads = torch.full(want[1].shape, -1, dtype=torch.int32, device=device)
             got = quant_select(score, held, top, mass=mass, fixed=fixed, chunk=chunk, reads=reads, **kw)
             assert torch.equal(got[1], want[1]), (case, nkb, top, chunk)
             assert torch.equal(got[0], want[0]), (case, nkb, top, chunk)
             assert torch.equal(reads, range_reads(*want)), (case, nkb, top, chunk)
 
 
-@needs_triton
-def test_kernel_every_block_picked_is_one_run():
-    score, held = torch.zeros(1, 1, 2, 37), torch.ones(1, 1, 37, dtype=torch.bool)
+def test_kernel_every_block_picked_is_one_run(device):
+    score, held = torch.zeros(1, 1, 2, 37, device=device), torch.ones(1, 1, 37, dtype=torch.bool, device=device)
     kw = _fixed(37)
     ranges, counts = quant_select(score, held, 37, chunk=16, **kw)
     assert counts.tolist() == [[[3, 3]]]

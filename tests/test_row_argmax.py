@@ -1,22 +1,15 @@
-"""Each row's argmax: the twin takes the first index of the maximum, the Triton kernel (under the
-CPU interpreter) equals the twin, ties and all."""
-import os
+"""Each row's argmax: the twin takes the first index of the maximum, the Triton kernel equals the
+twin, ties and all."""
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from comfyui_fastar.kernels import row_argmax as ra  # noqa: E402
-from comfyui_fastar.kernels.row_argmax import row_argmax, row_argmax_auto, row_argmax_torch  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not ra.HAS_TRITON, reason="triton not importable")
+from comfyui_fastar.kernels.row_argmax import row_argmax, row_argmax_auto, row_argmax_torch
 
 
-def _scores(seed, dtype, r=9, m=5000):
+def _scores(seed, dtype, r=9, m=5000, device="cpu"):
     """Integer-valued scores (exact in every dtype) with repeated maxima, in a strided view."""
     g = torch.Generator().manual_seed(seed)
-    buf = torch.randint(-50, 50, (r, m + 7), generator=g).to(dtype)
+    buf = torch.randint(-50, 50, (r, m + 7), generator=g).to(device, dtype)
     s = buf[:, 3:m + 3]
     s[0, [4100, 17, 2049]] = 90  # ties across lanes and blocks: the first wins
     s[1, m - 1] = 95             # the last column
@@ -32,11 +25,10 @@ def test_twin_takes_the_first_maximum():
         assert got[i] == min(j for j in range(5000) if s[i, j] == s[i].max())
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [5000, 2048, 7])
-def test_kernel_equals_twin(dtype, m):
-    s = _scores(1, dtype, m=max(m, 5000))[:, :m]
+def test_kernel_equals_twin(dtype, m, device):
+    s = _scores(1, dtype, m=max(m, 5000), device=device)[:, :m]
     if m < 5000:
         s = s.contiguous()
         s[0, 3] = 99
