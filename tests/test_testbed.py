@@ -1,9 +1,11 @@
 """The benchmarks' testbed (bench/testbed.py) and the end-to-end runner's CPU smoke mode."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
+import pytest
 import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -161,3 +163,38 @@ def test_frontier_smoke(tmp_path):
     fid = result["fidelity"]
     assert all(name in fid and fid[name]["psnr"] > 0 for name in names)
     assert fid["budget12"]["kv_held"] < fid["fastar"]["kv_held"]  # the smaller budget holds fewer keys
+
+
+def test_ab_smoke(tmp_path):
+    """A and B the same tree: two packages, one model's weights, so the latents must agree exactly."""
+    root = os.path.dirname(BENCH)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ab.py"), root, "--smoke", "--out", str(tmp_path)],
+                          env=TWINS, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "ab_smoke.json").read_text())
+    assert list(result["settings"]) == ["fastar", "window"]
+    for row in result["settings"].values():
+        assert len(row["a_chunk_ms"]) == len(row["b_chunk_ms"]) == result["repeats"] == 2
+        assert all(len(t) == result["chunks"] for t in row["a_chunk_ms"] + row["b_chunk_ms"])
+        for ms, chunks in zip(row["a_ms_per_round"], row["a_chunk_ms"]):  # a round: the median of its last chunks
+            assert abs(ms - statistics.median(chunks[-result["steady"]:])) <= 0.05 + 1e-9  # (stored to 0.1 ms)
+        assert row["b_over_a"] == statistics.median(b / a for a, b in zip(row["a_ms_per_round"], row["b_ms_per_round"]))
+        assert row["b_vs_a_latents_rel"] == 0.0
+    assert "TempCacheConfig" in result["settings"]["fastar"]["a"] and "window" in result["settings"]["window"]["b"]
+    assert "B/A" in proc.stdout
+
+
+def test_ab_exports_a_revision_without_the_bench(tmp_path, monkeypatch):
+    import ab
+
+    try:
+        head = ab.git("rev-parse", "HEAD")
+    except Exception:  # not a git checkout (an unpacked archive)
+        pytest.skip("no git history here")
+    monkeypatch.setattr(ab, "EXPORTS", str(tmp_path))
+    folder, commit = ab.export("HEAD")
+    assert commit == head and folder == str(tmp_path / head)
+    assert os.path.isfile(os.path.join(folder, "fastar", "__init__.py")) and os.path.isfile(os.path.join(folder, "__init__.py"))
+    assert not os.path.exists(os.path.join(folder, "bench")) and not os.path.exists(os.path.join(folder, "tests"))
+    assert ab.resolve(folder) == (folder, head)  # the exported folder names its commit
+    assert ab.export("HEAD") == (folder, commit)  # exported once
