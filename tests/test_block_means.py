@@ -84,3 +84,18 @@ def test_no_mask_and_a_slice_of_a_buffer_as_out(fn, device):
     assert torch.equal(tcounts, want_count)
     with pytest.raises(ValueError, match="out must be fp32"):
         fn(k, None, 64, out=(buf[:, :, 3:], counts[:, :, 3:]))
+
+
+def test_kernel_equals_twin_at_the_budget(device):
+    """A layer's history at the TempCache budget (18 frames of keys, natively Wan 1.3B's 28080 keys
+    x 12 heads) as a slice of a [B, L, H, D] cache buffer, a tenth of the slots empty."""
+    chunk = device.chunk
+    g = torch.Generator().manual_seed(7)
+    hist = 18 * chunk.frame_tokens
+    buf = torch.randn(1, 24 * chunk.frame_tokens, chunk.heads, chunk.head_dim, generator=g).to(device, torch.bfloat16)
+    k = buf[:, chunk.tokens:chunk.tokens + hist]
+    filled = (torch.rand(1, chunk.heads, hist, generator=g) > 0.1).to(device)
+    mean, count = block_means(k, filled, 128)
+    want_mean, want_count = block_means_torch(k, filled, 128)
+    assert torch.equal(count, want_count)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)

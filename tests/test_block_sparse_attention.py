@@ -338,6 +338,64 @@ def test_running_max_jumps_late(jump, device):
         assert rel_err(out, ref) <= 1e-5, (jump, kw.keys())
 
 
+def test_bias_window_equals_twin(device):
+    """A TempCache-like layout: sink [0, 40), history [40, 260) with log m / -inf biases, the open
+    chunk [260, 300); the sink's and chunk's ranges skip the bias, the history's read it."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Lq, Lk, D, bq = 1, 2, 100, 300, 128, 32
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, torch.bfloat16) for n in (Lq, Lk, Lk))
+    bias = torch.zeros(B, H, Lk)
+    bias[..., 40:260] = torch.log(torch.randint(1, 5, (B, H, 220), generator=g).float())
+    bias[..., 100:130] = NEG_INF  # empty history slots
+    nqb = n_query_blocks(Lq, bq)
+    ranges = torch.zeros(B, H, nqb, 5, 2, dtype=torch.int32)
+    ranges[..., 0, :] = torch.tensor([0, 40])
+    ranges[..., 1, :] = torch.tensor([260, 300])
+    ranges[..., 2, :] = torch.tensor([40, 77])
+    ranges[..., 3, :] = torch.tensor([95, 190])  # straddles the empty slots
+    ranges[..., 4, :] = torch.tensor([200, 260])
+    counts = torch.full((B, H, nqb), 5, dtype=torch.int32)
+    counts[0, 1, 1] = 2  # one block reads only the sink and the chunk
+    bias, ranges, counts = bias.to(device), ranges.to(device), counts.to(device)
+    kw = dict(key_bias=bias, block_q=bq, bias_window=(40, 260))
+    got = block_sparse_attention(q, k, v, ranges, counts, **kw).float()
+    want = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    whole = block_sparse_attention(q, k, v, ranges, counts, key_bias=bias, block_q=bq).float()
+    assert ((got - whole).norm() / whole.norm()).item() < 1e-2  # the bias is 0 outside the window anyway
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", [12, 40], ids=["wan1.3B", "wan14B"])
+@pytest.mark.parametrize("splits", [None, 2, 3], ids=["last-wave", "2", "3"])
+def test_key_splits_equal_unsplit_at_the_chunk_shape(splits, heads, device):
+    """At a Wan chunk's shape (4680 queries of 12 heads, 1.3B, or 40, 14B; sink + biased history +
+    chunk), a split kernel's output (the default splits the last wave's blocks) equals the unsplit
+    one's to bf16 rounding, with and without a permutation."""
+    chunk = device.chunk
+    g = torch.Generator(device=device).manual_seed(4)
+    H, Lq, Lk, lo, hi = heads, chunk.tokens, 2 * chunk.tokens, chunk.frame_tokens, chunk.tokens
+    q, k, v = (torch.randn(1, H, n, chunk.head_dim, device=device, generator=g).bfloat16() for n in (Lq, Lk, Lk))
+    bias = torch.zeros(1, H, Lk, device=device)
+    bias[..., lo:hi] = torch.log(torch.randint(1, 4, (1, H, hi - lo), device=device, generator=g).float())
+    nqb = n_query_blocks(Lq, 64)
+    ranges = torch.zeros(1, H, nqb, 9, 2, dtype=torch.int32, device=device)
+    ranges[..., 0, 1], ranges[..., 1, 0], ranges[..., 1, 1] = lo, hi, Lk
+    starts = lo + 128 * torch.rand(1, H, nqb, 24, device=device, generator=g).argsort(-1)[..., :7].sort(-1).values
+    ranges[..., 2:, 0], ranges[..., 2:, 1] = starts.int(), (starts + 100).int()
+    counts = torch.randint(0, 10, (1, H, nqb), dtype=torch.int32, device=device, generator=g)
+    perm = torch.stack([torch.randperm(Lq, device=device, generator=g) for _ in range(H)])[None]
+    for kw in ({}, {"q_perm": perm}):
+        kw.update(key_bias=bias, bias_window=(lo, hi))
+        one = block_sparse_attention(q, k, v, ranges, counts, num_splits=1, **kw).float()
+        split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
+        assert ((split - one).norm() / one.norm()).item() < 4e-3
+    if splits is None:  # the wave was read from the compiled kernel: a whole number of programs per SM
+        waves = [w for key, w in bsa._WAVES.items() if key[0] == q.device]
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        assert waves and all(w > 0 and w % sms == 0 for w in waves)
+
+
 def test_tail_split_fills_the_last_wave():
     """Only a last wave under half full splits, into as many shares as fit (at most four)."""
     assert bsa.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs

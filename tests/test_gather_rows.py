@@ -56,3 +56,15 @@ def test_auto_falls_back_and_bad_inputs_raise(device):
             fn(src, index.int())
         with pytest.raises(ValueError, match="index must be int64"):
             fn(src, index[:, :2])
+
+
+def test_kernel_equals_torch_gather_at_the_budget(device):
+    """AnnSA's re-sort of a layer's history (18 frames of rows, natively Wan 1.3B's 28080 x 12 heads)
+    in a slice of a cache buffer."""
+    chunk = device.chunk
+    g = torch.Generator().manual_seed(8)
+    hist = 18 * chunk.frame_tokens
+    buf = torch.randn(1, 24 * chunk.frame_tokens, chunk.heads, chunk.head_dim, generator=g).to(device, torch.bfloat16)
+    part = buf[:, chunk.tokens:chunk.tokens + hist]
+    perm = torch.stack([torch.randperm(hist, generator=g) for _ in range(chunk.heads)])[None].to(device)
+    assert torch.equal(gather_rows(part, perm), gather_rows_torch(part, perm))

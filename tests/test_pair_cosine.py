@@ -45,3 +45,19 @@ def test_bad_calls_name_the_problem():
         pair_cosine_torch(x, src, rows[:, :5])
     with pytest.raises(ValueError, match="x and src must be"):
         pair_cosine_torch(x, src[..., :8], rows)
+
+
+def test_kernel_equals_twin_at_the_chunk_shape(device):
+    """A chunk's tokens against a history at the budget, each head its own slot order (natively Wan
+    1.3B's 4680 tokens against 28080), the first 100 paired with themselves: cosine 1."""
+    chunk = device.chunk
+    g = torch.Generator().manual_seed(8)
+    hist = 18 * chunk.frame_tokens
+    x = torch.randn(chunk.tokens, chunk.heads, chunk.head_dim, generator=g).to(device, torch.bfloat16)
+    src = (torch.randn(hist + 1, chunk.heads, chunk.head_dim, generator=g) * 2).to(device, torch.bfloat16)[1:]
+    rows = torch.randint(0, hist, (chunk.heads, chunk.tokens), generator=g).to(device)
+    rows[:, :100] = torch.arange(100, device=device)
+    x[:100] = src[:100]  # pairs of a token with itself
+    got, want = pair_cosine(x, src, rows), pair_cosine_torch(x, src, rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:100], torch.ones(100, device=device), rtol=1e-5, atol=1e-6)

@@ -45,8 +45,12 @@ def test_rotation_keeps_pair_norms_and_offset_zero_frame_is_identity():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", [True, False])
 def test_kernel_matches_twin(dtype, norm, device):
+    """Odd and tiny shapes (B, L, H, D) and the device's chunk: Wan 1.3B's 4680 tokens of 12 heads
+    of 128 natively."""
     gen = torch.Generator().manual_seed(2)
-    for b, length, heads, d in [(1, 1, 1, 2), (2, 7, 3, 16), (1, 5, 12, 8), (1, 3, 5, 32)]:
+    chunk = device.chunk
+    for b, length, heads, d in [(1, 1, 1, 2), (2, 7, 3, 16), (1, 5, 12, 8), (1, 3, 5, 32), (2, 37, 3, 24),
+                                (1, 5, 1, 2), (1, chunk.tokens, chunk.heads, chunk.head_dim)]:
         x, weight, freqs = _case(gen, b, length, heads, d, dtype, offset=3, device=device)
         w = weight if norm else None
         want = qk_norm_rope_torch(x, w, freqs, heads, 1e-6)

@@ -41,3 +41,14 @@ def test_bad_calls_name_the_problem():
         row_argmax_torch(torch.zeros(3, 0))
     with pytest.raises(ValueError, match="floating point"):
         row_argmax_torch(torch.zeros(3, 4, dtype=torch.long))
+
+
+def test_kernel_equals_twin_on_a_block_of_match_scores(device):
+    """A block of the fp8 match's bf16 scores (many exact ties at bf16's resolution): natively 1024
+    new tokens against Wan 1.3B's 28080 history tokens."""
+    chunk = device.chunk
+    g = torch.Generator().manual_seed(10)
+    s = (torch.randn(device.pick(64, 1024), 18 * chunk.frame_tokens, generator=g) * 4096).to(device, torch.bfloat16)
+    s[::7, 5] = 1e6
+    assert torch.equal(row_argmax(s), row_argmax_torch(s))
+    assert torch.equal(row_argmax(s[:, 1:]), row_argmax_torch(s[:, 1:]))

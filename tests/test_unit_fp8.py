@@ -1,10 +1,10 @@
 """The fp8 operands of TempCache's match: the twin's rows are the tokens (through the head
-alignment) at unit norm x 256, empty and padding rows zero. The kernel is compared with the twin
-on a GPU (tests/test_kernels_cuda.py): fp8 casts need one."""
+alignment) at unit norm x 256, empty and padding rows zero; the kernel equals the twin on a GPU
+(Triton's interpreter rounds to e4m3 otherwise than the GPU does)."""
 import pytest
 import torch
 
-from comfyui_fastar.kernels.unit_fp8 import UNIT, unit_fp8_torch
+from comfyui_fastar.kernels.unit_fp8 import UNIT, unit_fp8, unit_fp8_torch
 
 E4M3_STEP = 2.0 ** -3  # relative spacing of e4m3 values (3 mantissa bits)
 
@@ -48,3 +48,23 @@ def test_bad_inputs_raise(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         unit_fp8_torch(**args)
+
+
+@pytest.mark.cuda
+def test_kernel_equals_its_twin(device):
+    """The history's side at the budget (natively Wan 1.3B's 28080 tokens, heads lined up through a
+    per-head order, empty slots), the chunk's side (no order) and odd sizes: the same fp8 values up
+    to one rounding step where the fp32 norms differ in their last bit."""
+    chunk = device.chunk
+    g = torch.Generator(device=device).manual_seed(6)
+    for m, h, d, aligned in ((18 * chunk.frame_tokens, chunk.heads, chunk.head_dim, True),
+                             (chunk.tokens, chunk.heads, chunk.head_dim, False), (37, 3, 16, True)):
+        src = (torch.randn(m + 3, h, d, device=device, generator=g) * 3)[2:m + 2].bfloat16()
+        index = torch.stack([torch.randperm(m, device=device, generator=g) for _ in range(h)]) if aligned else None
+        held = torch.rand(m, device=device, generator=g) > 0.1 if aligned else None
+        m_out = -(-m // 16) * 16
+        got, want = unit_fp8(src, index, held, m_out).float(), unit_fp8_torch(src, index, held, m_out).float()
+        assert got.shape == want.shape == (m_out, h * d)
+        assert (got - want).abs().le(E4M3_STEP * want.abs()).all()
+        assert (got != want).float().mean().item() < 1e-3
+        assert got[m:].eq(0).all()
