@@ -5,16 +5,13 @@ oracle the kernel is tested against and the fallback wherever Triton cannot run 
 
 Semantics (the twin defines them)
 ---------------------------------
-Queries are cut into *query blocks* of ``block_q`` consecutive queries, taken in the
-order given by ``q_perm`` (AnnSA sorts queries by ANN bucket so a block shares keys);
-without ``q_perm`` the natural order is used. Query block ``i`` of head ``(b, h)``
-attends to the union of its key ranges::
+Queries are cut into *query blocks* of ``block_q`` consecutive queries. Query block ``i``
+of head ``(b, h)`` attends to the union of its key ranges::
 
     keys(b, h, i) = U_{r < range_counts[b, h, i]} [ranges[b, h, i, r, 0], ranges[b, h, i, r, 1])
 
 with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias`` is TempCache's
-``log m``) and a softmax over exactly those keys. The output is written back at each
-query's *original* position, so ``q_perm`` never shows in the result's order.
+``log m``) and a softmax over exactly those keys.
 
 - Ranges are half-open ``(start, end)`` pairs of key indices with ``0 <= start <= end
   <= Lk``; they may be empty, unsorted and unaligned to any block size. Ranges are
@@ -32,17 +29,15 @@ query's *original* position, so ``q_perm`` never shows in the result's order.
   reads. The result is the softmax over both key sets: the kernel starts each block's online
   softmax from it, so it reads only the plan's keys and needs no combine pass.
 
-Validation of tensor *values* (range bounds, counts <= R, ``q_perm`` being a
-permutation, bias free of NaN/+inf) needs a host sync, which the kernel path must not
-do (DESIGN.md §3). :func:`validate_plan` does it; the twin always calls it and raises
-``ValueError``; the kernel only checks shapes, dtypes and devices and, for memory
-safety, clamps counts to ``[0, R]``, ranges to ``[0, Lk]`` (a reversed range reads
-nothing) and permutation entries to ``[0, Lq)`` instead of raising.
+Validation of tensor *values* (range bounds, counts <= R, bias free of NaN/+inf) needs a
+host sync, which the kernel path must not do (DESIGN.md §3). :func:`validate_plan` does it;
+the twin always calls it and raises ``ValueError``; the kernel only checks shapes, dtypes
+and devices and, for memory safety, clamps counts to ``[0, R]`` and ranges to ``[0, Lk]``
+(a reversed range reads nothing) instead of raising.
 
 Kernel layout
 -------------
-One program holds one query block (gathered through ``q_perm``) in registers and
-streams the keys of its ranges in tiles of ``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
+One program holds one query block in registers and streams the keys of its ranges in tiles of ``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
 into the scale, and into the bias once per call by the wrapper). Each range is
 ``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
 bias, scaling and the max shift fuse into one FMA per score), then at most one masked
@@ -223,7 +218,7 @@ def _check_prior(prior, q: Tensor) -> tuple[Tensor, Tensor] | None:
     return o, lse
 
 
-def _check_inputs(q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale):
+def _check_inputs(q, k, v, ranges, range_counts, key_bias, block_q, scale):
     """Shape / dtype / device checks (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q, scale)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
         if not isinstance(t, Tensor):
@@ -274,16 +269,6 @@ def _check_inputs(q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scal
                 f"key_bias must have shape [B, H, Lk] = [{B}, {H}, {Lk}], got {tuple(key_bias.shape)}"
             )
         named["key_bias"] = key_bias
-    if q_perm is not None:
-        if not isinstance(q_perm, Tensor):
-            raise ValueError(f"q_perm must be a tensor or None, got {type(q_perm).__name__}")
-        if q_perm.dtype != torch.int64:
-            raise ValueError(f"q_perm must be int64, got {q_perm.dtype}")
-        if tuple(q_perm.shape) != (B, H, Lq):
-            raise ValueError(
-                f"q_perm must have shape [B, H, Lq] = [{B}, {H}, {Lq}], got {tuple(q_perm.shape)}"
-            )
-        named["q_perm"] = q_perm
     for name, t in named.items():
         if t.device != dev:
             raise ValueError(f"device mismatch: q on {dev}, {name} on {t.device}")
@@ -301,13 +286,12 @@ def validate_plan(
     ranges: Tensor,
     range_counts: Tensor,
     Lk: int,
-    q_perm: Tensor | None = None,
     key_bias: Tensor | None = None,
 ) -> None:
     """Check the *values* of a plan; raises ValueError. Syncs with the host: not for hot paths.
 
-    Counts in ``[0, R]``; every used range ``0 <= start <= end <= Lk``; ``q_perm`` a
-    permutation of ``range(Lq)`` per head; ``key_bias`` without NaN or ``+inf``.
+    Counts in ``[0, R]``; every used range ``0 <= start <= end <= Lk``; ``key_bias`` without
+    NaN or ``+inf``.
     """
     R = ranges.shape[-2]
     if range_counts.numel():
@@ -323,11 +307,6 @@ def validate_plan(
                 raise ValueError(f"ranges: end must be <= Lk={Lk}, got {int(ends.max())}")
             if bool((starts > ends).any()):
                 raise ValueError("ranges: start must be <= end (a reversed range is a planning bug)")
-    if q_perm is not None and q_perm.numel():
-        Lq = q_perm.shape[-1]
-        want = torch.arange(Lq, device=q_perm.device, dtype=q_perm.dtype)
-        if not bool((q_perm.sort(dim=-1).values == want).all()):
-            raise ValueError(f"q_perm must be a permutation of range(Lq={Lq}) for every (b, h)")
     if key_bias is not None and key_bias.numel():
         if bool(torch.isnan(key_bias).any()) or bool((key_bias == float("inf")).any()):
             raise ValueError("key_bias must be finite or -inf (found NaN or +inf)")
@@ -341,7 +320,6 @@ def block_sparse_attention_torch(
     range_counts: Tensor,
     *,
     key_bias: Tensor | None = None,
-    q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
@@ -362,10 +340,10 @@ def block_sparse_attention_torch(
     joined in, so the result is the softmax over both key sets.
     """
     B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
-        q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
+        q, k, v, ranges, range_counts, key_bias, block_q, scale
     )
     prior = _check_prior(prior, q)
-    validate_plan(ranges, range_counts, Lk, q_perm, key_bias)
+    validate_plan(ranges, range_counts, Lk, key_bias)
     lo, hi = _check_bias_window(bias_window, Lk)
     if key_bias is not None and (lo, hi) != (0, Lk):
         windowed = torch.zeros_like(key_bias)
@@ -379,14 +357,12 @@ def block_sparse_attention_torch(
         plan = ranges.tolist()
         for b in range(B):
             for h in range(H):
-                order = q_perm[b, h] if q_perm is not None else None
                 for i in range(nqb):
                     spans = [(s, e) for s, e in plan[b][h][i][: counts[b][h][i]] if e > s]
                     if not spans:
                         continue  # no keys: the block's rows stay zero
                     idx = torch.cat([torch.arange(s, e, device=q.device) for s, e in spans])
-                    lo, hi = i * block_q, min((i + 1) * block_q, Lq)
-                    rows = order[lo:hi] if order is not None else slice(lo, hi)
+                    rows = slice(i * block_q, min((i + 1) * block_q, Lq))
                     qs = q[b, h, rows].to(acc_dtype)
                     logits = (qs @ k[b, h, idx].to(acc_dtype).T) * scale
                     if key_bias is not None:
@@ -538,7 +514,6 @@ if HAS_TRITON:
         ranges_ptr,
         counts_ptr,
         bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
-        perm_ptr,
         part_ptr,  # SPLITS: [split items, n_split, BLOCK_M, D] fp32, each share's normalised output
         lse_ptr,  # SPLITS: [split items, n_split, BLOCK_M] fp32, each share's log2-sum-exp2 per row
         prior_o_ptr,  # HAS_PRIOR: [B, H, Lq, D] output of a softmax over keys outside the plan
@@ -578,9 +553,6 @@ if HAS_TRITON:
         stride_cb,
         stride_ch,
         stride_cq,
-        stride_pb,
-        stride_ph,
-        stride_pl,
         stride_pob,
         stride_poh,
         stride_pol,
@@ -592,7 +564,6 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        HAS_PERM: tl.constexpr,
         HAS_PRIOR: tl.constexpr,
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
@@ -620,16 +591,8 @@ if HAS_TRITON:
         offs_i = tl.arange(0, BLOCK_M)
         offs_d = tl.max_contiguous(tl.multiple_of(tl.arange(0, D), D), D)
         offs_n = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
-        slot = pid_m * block_q + offs_i  # position in the (permuted) query order
-        row_ok = (offs_i < block_q) & (slot < Lq)
-        if HAS_PERM:
-            p_ptrs = perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl
-            rows = tl.load(p_ptrs, mask=row_ok, other=0)
-            # Clamped for memory safety only; int32 (Lq < 2**31) keeps it cheap to hold
-            # until the store, widened where it multiplies a stride.
-            rows = tl.minimum(tl.maximum(rows, 0), Lq - 1).to(tl.int32)
-        else:
-            rows = slot
+        rows = pid_m * block_q + offs_i  # the block's queries
+        row_ok = (offs_i < block_q) & (rows < Lq)
 
         q_base = q_ptr + b * stride_qb + h * stride_qh
         q_ptrs = q_base + rows.to(tl.int64)[:, None] * stride_ql + offs_d[None, :] * stride_qd
@@ -722,7 +685,7 @@ if HAS_TRITON:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_base = o_ptr + b * stride_ob + h * stride_oh
         o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
-        if is_split:  # partials by the block's rows, which the combine maps back to queries
+        if is_split:  # partials by the block's rows, which the combine joins into the output
             row_off = (share * BLOCK_M).to(tl.int64) + offs_i
             lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + row_off, lse, mask=row_ok)
@@ -732,9 +695,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["H", "Lq", "block_q", "n_qblocks", "n_whole", "n_split"])
     def _combine_splits_kernel(
-        part_ptr, lse_ptr, o_ptr, perm_ptr, H, Lq, block_q, n_qblocks, n_whole, n_split,
-        stride_ob, stride_oh, stride_ol, stride_od, stride_pb, stride_ph, stride_pl,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr,
+        part_ptr, lse_ptr, o_ptr, H, Lq, block_q, n_qblocks, n_whole, n_split,
+        stride_ob, stride_oh, stride_ol, stride_od,
+        D: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         """One split item: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), the
         shares' softmaxes joined into one; a query no share saw a finite logit for gets 0."""
@@ -746,13 +709,8 @@ if HAS_TRITON:
         h = (pid_bh % H).to(tl.int64)
         offs_i = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        slot = pid_m * block_q + offs_i
-        ok = (offs_i < block_q) & (slot < Lq)
-        if HAS_PERM:
-            p_ptrs = perm_ptr + b * stride_pb + h * stride_ph + slot.to(tl.int64) * stride_pl
-            rows = tl.minimum(tl.maximum(tl.load(p_ptrs, mask=ok, other=0), 0), Lq - 1)
-        else:
-            rows = slot
+        rows = pid_m * block_q + offs_i
+        ok = (offs_i < block_q) & (rows < Lq)
         base = (j * n_split * BLOCK_M).to(tl.int64) + offs_i
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for s in range(n_split):
@@ -841,7 +799,6 @@ def block_sparse_attention(
     range_counts: Tensor,
     *,
     key_bias: Tensor | None = None,
-    q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
@@ -871,7 +828,7 @@ def block_sparse_attention(
     if not HAS_TRITON:
         raise RuntimeError("block_sparse_attention needs triton, which is not importable")
     B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
-        q, k, v, ranges, range_counts, key_bias, q_perm, block_q, scale
+        q, k, v, ranges, range_counts, key_bias, block_q, scale
     )
     prior = _check_prior(prior, q)
     if q.dtype not in _KERNEL_DTYPES:
@@ -916,8 +873,6 @@ def block_sparse_attention(
         bias = (key_bias * _LOG2E).contiguous()
         bias[..., :lo] = 0.0
         bias[..., hi:] = 0.0
-    perm = q_perm if q_perm is not None else q  # dummy pointer, never read
-    perm_strides = q_perm.stride() if q_perm is not None else (0, 0, 0)
     prior_o, prior_lse = prior if prior is not None else (q, q)  # dummy pointers, never read
     prior_strides = (*prior_o.stride(), *prior_lse.stride()) if prior is not None else (0,) * 7
     # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
@@ -941,12 +896,11 @@ def block_sparse_attention(
         kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
             (n_whole + (n_items - n_whole) * n_split,)]
         return kernel(
-            q, k, v, out, ranges, range_counts, bias, perm, part, lse, prior_o, prior_lse, scale * _LOG2E,
+            q, k, v, out, ranges, range_counts, bias, part, lse, prior_o, prior_lse, scale * _LOG2E,
             H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
-            *perm_strides, *prior_strides,
-            D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PERM=q_perm is not None,
-            HAS_PRIOR=prior is not None,
+            *prior_strides,
+            D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PRIOR=prior is not None,
             SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
             R_BLOCK=r_block if splits else 1,
             num_warps=launch_cfg["num_warps"], num_stages=launch_cfg["num_stages"],
@@ -958,7 +912,7 @@ def block_sparse_attention(
     elif num_splits is None:  # the last wave's items split
         if wave is None:
             variant = (q.device, q.dtype, D, block_m, bn, launch_cfg["num_warps"], launch_cfg["num_stages"],
-                       key_bias is not None, q_perm is not None, prior is not None, r_block)
+                       key_bias is not None, prior is not None, r_block)
             wave = _device_wave(variant, lambda: launch(0, 2, warmup=True))
         n_whole, n_split = tail_split(n_items, wave)
     else:
@@ -970,8 +924,8 @@ def block_sparse_attention(
     launch(n_whole, n_split)
     if n_whole < n_items:
         _combine_splits_kernel[(n_items - n_whole,)](
-            part, lse, out, perm, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(), *perm_strides,
-            D=D, BLOCK_M=block_m, HAS_PERM=q_perm is not None, num_warps=4,
+            part, lse, out, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(),
+            D=D, BLOCK_M=block_m, num_warps=4,
         )
     return out
 
@@ -987,7 +941,6 @@ def block_sparse_attention_auto(
     range_counts: Tensor,
     *,
     key_bias: Tensor | None = None,
-    q_perm: Tensor | None = None,
     block_q: int = 64,
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
@@ -1012,7 +965,6 @@ def block_sparse_attention_auto(
         ranges,
         range_counts,
         key_bias=key_bias,
-        q_perm=q_perm,
         block_q=block_q,
         scale=scale,
         bias_window=bias_window,

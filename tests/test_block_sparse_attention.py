@@ -46,23 +46,21 @@ def rel_err(out, ref):
     return float((out - ref).norm() / den) if den > 0 else float(out.norm())
 
 
-def oracle(q, k, v, ranges, counts, key_bias=None, q_perm=None, block_q=64, scale=None, bias_window=None):
+def oracle(q, k, v, ranges, counts, key_bias=None, block_q=64, scale=None, bias_window=None):
     """Dense float64 attention with a boolean visibility mask built from the plan.
 
     Independent of the twin: no gathering, no block loop over keys. Assumes ranges do
     not overlap (the documented contract). Keys outside ``bias_window`` get no bias. On the CPU.
     """
-    q, k, v, ranges, counts, key_bias, q_perm = (t if t is None else t.cpu()
-                                                 for t in (q, k, v, ranges, counts, key_bias, q_perm))
+    q, k, v, ranges, counts, key_bias = (t if t is None else t.cpu() for t in (q, k, v, ranges, counts, key_bias))
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mask = torch.zeros(B, H, Lq, Lk, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
-            order = q_perm[b, h] if q_perm is not None else torch.arange(Lq)
             for i in range(n_query_blocks(Lq, block_q)):
-                rows = order[i * block_q : (i + 1) * block_q]
+                rows = slice(i * block_q, (i + 1) * block_q)
                 for s, e in ranges[b, h, i, : int(counts[b, h, i])].tolist():
                     mask[b, h, rows, s:e] = True
     logits = q.double() @ k.double().transpose(-1, -2) * scale
@@ -114,12 +112,6 @@ def random_bias(gen, rng, B, H, Lk):
     return bias
 
 
-def random_perm(gen, B, H, Lq):
-    return torch.stack(
-        [torch.stack([torch.randperm(Lq, generator=gen) for _ in range(H)]) for _ in range(B)]
-    )
-
-
 def as_cache_view(t):
     """Same values, stored like the KV cache ([B, L, H, D]) and viewed as [B, H, L, D]."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -144,10 +136,9 @@ def random_case(seed, device="cpu"):
         k, v = as_cache_view(k), as_cache_view(v)
     ranges, counts = random_plan(rng, B, H, Lq, Lk, block_q, R)
     bias = random_bias(gen, rng, B, H, Lk) if rng.random() < 0.6 else None
-    perm = random_perm(gen, B, H, Lq) if rng.random() < 0.5 else None
     scale = None if rng.random() < 0.8 else rng.uniform(0.05, 0.3)
-    bias, perm = (t if t is None else t.to(device) for t in (bias, perm))
-    kw = dict(key_bias=bias, q_perm=perm, block_q=block_q, scale=scale)
+    bias = bias if bias is None else bias.to(device)
+    kw = dict(key_bias=bias, block_q=block_q, scale=scale)
     if rng.random() < 0.4:  # bias on a window of keys only (may be empty, or reach past Lk)
         lo = rng.randint(0, Lk)
         kw["bias_window"] = (lo, rng.randint(lo, Lk + 8))
@@ -223,8 +214,7 @@ def test_key_splits_match_twin_random(split, device):
 
 def test_key_splits_cut_at_tile_boundaries_of_many_ranges(device):
     """Cuts land inside ranges, between ranges and on empty ranges; a split with no keys (more
-    splits than tiles) contributes nothing; rows every split sees only -inf for are zero; split
-    and whole blocks' rows land at their queries through the permutation."""
+    splits than tiles) contributes nothing; rows every split sees only -inf for are zero."""
     gen = torch.Generator().manual_seed(5)
     B, H, Lq, Lk, D = 1, 2, 40, 200, 64
     q, k, v = (torch.randn(B, H, L, D, generator=gen) for L in (Lq, Lk, Lk))
@@ -233,15 +223,14 @@ def test_key_splits_cut_at_tile_boundaries_of_many_ranges(device):
     counts = torch.tensor([[6, 6, 2], [6, 0, 3]], dtype=torch.int32)[None]
     bias = torch.randn(B, H, Lk)
     bias[0, 1, :51] = NEG_INF  # head 1, block 2 reads keys 0..50 only: all -inf
-    perm = torch.stack([torch.randperm(Lq, generator=gen) for _ in range(H)])[None]
-    q, k, v, ranges, counts, bias, perm = (t.to(device) for t in (q, k, v, ranges, counts, bias, perm))
-    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160), q_perm=perm)
+    q, k, v, ranges, counts, bias = (t.to(device) for t in (q, k, v, ranges, counts, bias))
+    kw = dict(key_bias=bias, block_q=16, bias_window=(0, 160))
     ref = block_sparse_attention_torch(q, k, v, ranges, counts, **kw)
     # every block split 1-16 ways; of the 6 blocks, for the last wave: none, 2 x 2 shares, 1 x 4, all 6 x 2
     for split in [{"num_splits": n} for n in (1, 2, 3, 7, 16)] + [{"wave": w} for w in (0, 4, 5, 16)]:
         out = block_sparse_attention(q, k, v, ranges, counts, block_n=16, **split, **kw)
         assert rel_err(out, ref) <= 1e-5, split
-        assert bool((out[0, 1, perm[0, 1, 16:]] == 0).all())  # block 1 reads nothing, block 2 only -inf keys
+        assert bool((out[0, 1, 16:] == 0).all())  # block 1 reads nothing, block 2 only -inf keys
 
 
 def test_key_splits_of_a_plan_with_hundreds_of_ranges(device):
@@ -274,7 +263,7 @@ def _softmax_with_lse(q, k, v, scale=None):
 @pytest.mark.parametrize("fn", ["kernel", "twin"])
 def test_prior_joins_a_softmax_over_other_keys(fn, device):
     """A prior (out, lse) over keys the plan does not hold starts each block's softmax: the result
-    is attention over both key sets, with or without splits, permutation or bias; a query block
+    is attention over both key sets, with or without splits or bias; a query block
     with no ranges returns the prior's rows; a prior of lse -inf adds nothing."""
     for c in range(10):
         seed = BASE_SEED + 31337 + c
@@ -371,7 +360,7 @@ def test_bias_window_equals_twin(device):
 def test_key_splits_equal_unsplit_at_the_chunk_shape(splits, heads, device):
     """At a Wan chunk's shape (4680 queries of 12 heads, 1.3B, or 40, 14B; sink + biased history +
     chunk), a split kernel's output (the default splits the last wave's blocks) equals the unsplit
-    one's to bf16 rounding, with and without a permutation."""
+    one's to bf16 rounding."""
     chunk = device.chunk
     g = torch.Generator(device=device).manual_seed(4)
     H, Lq, Lk, lo, hi = heads, chunk.tokens, 2 * chunk.tokens, chunk.frame_tokens, chunk.tokens
@@ -384,12 +373,10 @@ def test_key_splits_equal_unsplit_at_the_chunk_shape(splits, heads, device):
     starts = lo + 128 * torch.rand(1, H, nqb, 24, device=device, generator=g).argsort(-1)[..., :7].sort(-1).values
     ranges[..., 2:, 0], ranges[..., 2:, 1] = starts.int(), (starts + 100).int()
     counts = torch.randint(0, 10, (1, H, nqb), dtype=torch.int32, device=device, generator=g)
-    perm = torch.stack([torch.randperm(Lq, device=device, generator=g) for _ in range(H)])[None]
-    for kw in ({}, {"q_perm": perm}):
-        kw.update(key_bias=bias, bias_window=(lo, hi))
-        one = block_sparse_attention(q, k, v, ranges, counts, num_splits=1, **kw).float()
-        split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
-        assert ((split - one).norm() / one.norm()).item() < 4e-3
+    kw = dict(key_bias=bias, bias_window=(lo, hi))
+    one = block_sparse_attention(q, k, v, ranges, counts, num_splits=1, **kw).float()
+    split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
+    assert ((split - one).norm() / one.norm()).item() < 4e-3
     if splits is None:  # the wave was read from the compiled kernel: a whole number of programs per SM
         waves = [w for key, w in bsa._WAVES.items() if key[0] == q.device]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -436,9 +423,8 @@ def test_kernel_matches_twin_fixed(dtype, D, block_q, block_n, device):
     q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype) for L in (Lq, Lk, Lk))
     ranges, counts = random_plan(rng, B, H, Lq, Lk, block_q, 3, p_zero=0.0)
     bias = random_bias(gen, rng, B, H, Lk)
-    perm = random_perm(gen, B, H, Lq)
-    q, k, v, ranges, counts, bias, perm = (t.to(device) for t in (q, k, v, ranges, counts, bias, perm))
-    kw = dict(key_bias=bias, q_perm=perm, block_q=block_q)
+    q, k, v, ranges, counts, bias = (t.to(device) for t in (q, k, v, ranges, counts, bias))
+    kw = dict(key_bias=bias, block_q=block_q)
     out = block_sparse_attention(q, k, v, ranges, counts, block_n=block_n, **kw)
     ref = block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, **kw)
     assert rel_err(out, ref) <= TOL[dtype]
@@ -518,27 +504,6 @@ def test_all_neg_inf_rows_and_empty_blocks_give_zeros(fn, device):
     assert bool((out[0, 0, 32:] == 0).all()) and bool((out[0, 1, 16:32] == 0).all())
     ref = oracle(q, k, v, ranges, counts, key_bias=bias, block_q=16)
     assert rel_err(out, ref) <= 1e-2
-
-
-@pytest.mark.parametrize("fn", [block_sparse_attention, block_sparse_attention_torch])
-def test_q_perm_round_trip(fn, device):
-    """Querying through q_perm == querying pre-permuted queries, then un-permuting."""
-    gen = torch.Generator().manual_seed(2)
-    rng = random.Random(2)
-    B, H, Lq, Lk, bq = 2, 1, 37, 70, 16
-    q, k, v = (torch.randn(B, H, L, 64, generator=gen) for L in (Lq, Lk, Lk))
-    perm = random_perm(gen, B, H, Lq)
-    ranges, counts = random_plan(rng, B, H, Lq, Lk, bq, 3, p_zero=0.0)
-    q, k, v, perm, ranges, counts = (t.to(device) for t in (q, k, v, perm, ranges, counts))
-    out = fn(q, k, v, ranges, counts, q_perm=perm, block_q=bq)
-    q_sorted = torch.gather(q, 2, perm[..., None].expand(-1, -1, -1, 64))
-    out_sorted = fn(q_sorted, k, v, ranges, counts, block_q=bq)
-    back = torch.empty_like(out_sorted).scatter_(2, perm[..., None].expand(-1, -1, -1, 64), out_sorted)
-    assert rel_err(out, back) <= 1e-5
-    # With every block reading the same keys, the permutation cannot change anything.
-    dr, dc = dense_ranges(B, H, Lq, Lk, bq, device=device)
-    a = fn(q, k, v, dr, dc, q_perm=perm, block_q=bq)
-    assert rel_err(a, fn(q, k, v, dr, dc, block_q=bq)) <= 1e-5
 
 
 def test_kernel_reads_cache_views_in_place_and_keeps_q_layout(device):
@@ -648,7 +613,7 @@ def _base(device="cpu"):
     q = torch.randn(1, 2, 20, 64, device=device)
     k = torch.randn(1, 2, 30, 64, device=device)
     r, c = dense_ranges(1, 2, 20, 30, 16, device=device)
-    return dict(q=q, k=k, v=k.clone(), ranges=r, range_counts=c, key_bias=None, q_perm=None, block_q=16)
+    return dict(q=q, k=k, v=k.clone(), ranges=r, range_counts=c, key_bias=None, block_q=16)
 
 
 def _call(fn, d, **extra):
@@ -680,8 +645,6 @@ _SHAPE_ERRORS = [
     (_with(range_counts=lambda d: d["range_counts"][..., :1]), "range_counts must have shape"),
     (_with(key_bias=lambda d: d["q"].new_zeros(1, 2, 30).half()), "key_bias must be float32"),
     (_with(key_bias=lambda d: d["q"].new_zeros(1, 2, 29)), r"key_bias must have shape \[B, H, Lk\]"),
-    (_with(q_perm=lambda d: d["range_counts"].new_zeros(1, 2, 20)), "q_perm must be int64"),
-    (_with(q_perm=lambda d: d["range_counts"].new_zeros(1, 2, 19).long()), r"q_perm must have shape \[B, H, Lq\]"),
     (_with(block_q=lambda d: 0), "block_q must be >= 1"),
     (_with(block_q=lambda d: 16.0), "block_q must be an int"),
     (_with(ranges=lambda d: d["ranges"].to("meta")), "device mismatch"),
@@ -697,7 +660,6 @@ _VALUE_ERRORS = [  # need a host sync: the twin (and validate_plan) raise, the k
     (_with(ranges=lambda d: d["ranges"] + 1), "end must be <= Lk=30"),
     (_with(ranges=lambda d: d["ranges"] - 1), "start must be >= 0"),
     (_with(ranges=lambda d: d["ranges"].flip(-1)), "start must be <= end"),
-    (_with(q_perm=lambda d: torch.zeros(1, 2, 20, dtype=torch.int64)), "q_perm must be a permutation"),
     (_with(key_bias=lambda d: torch.full((1, 2, 30), float("nan"))), "key_bias must be finite or -inf"),
     (_with(key_bias=lambda d: torch.full((1, 2, 30), float("inf"))), "key_bias must be finite or -inf"),
 ]
@@ -832,19 +794,19 @@ from comfyui_fastar.kernels import block_sparse_attention as bsa
 jf = bsa._block_sparse_attention_kernel
 names = jf.arg_names
 results = []
-for elem, D, block_q, bias, perm, launch in json.loads(sys.argv[1]):
+for elem, D, block_q, bias, launch in json.loads(sys.argv[1]):
     if launch is None:
         launch = bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
-                bias_ptr="fp32", perm_ptr="i64", part_ptr="fp32", lse_ptr="fp32", prior_o_ptr=elem,
+                bias_ptr="fp32", part_ptr="fp32", lse_ptr="fp32", prior_o_ptr=elem,
                 prior_lse_ptr="fp32")
     split = launch.pop("split", 1)
     prior = launch.pop("prior", False)
     const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
-                 HAS_PERM=perm, HAS_PRIOR=prior, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
+                 HAS_PRIOR=prior, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
                  SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
-                                 "stride_cq", "stride_pl")})
+                                 "stride_cq")})
     aligned = {"stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
                "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_ol"}
     sig, attrs = {}, {}
@@ -900,13 +862,13 @@ def _check_native(info):
 
 
 @pytest.mark.parametrize(
-    "elem,D,block_q,bias,perm,split,prior",
-    [("bf16", 128, 128, True, True, 1, False), ("fp16", 64, 64, False, False, 1, False),
-     ("bf16", 128, 64, True, True, 2, False), ("bf16", 128, 64, True, False, 2, True)],
+    "elem,D,block_q,bias,split,prior",
+    [("bf16", 128, 128, True, 1, False), ("fp16", 64, 64, False, 1, False),
+     ("bf16", 128, 64, True, 2, False), ("bf16", 128, 64, True, 2, True)],
 )
-def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, perm, split, prior):
+def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, split, prior):
     launch = dict(bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split, prior=prior)
-    (info,) = _aot_compile([[elem, D, block_q, bias, perm, launch]])
+    (info,) = _aot_compile([[elem, D, block_q, bias, launch]])
     _check_native(info)
 
 
@@ -914,7 +876,7 @@ def test_native_benchmark_grid_compiles_for_hopper():
     """Every launch the benchmark sweeps compiles for sm_90 and fits shared memory (with
     the bias, whose pipelined tile is the only extra buffer)."""
     cases = [
-        ["bf16", 128, bq, True, False, {"block_n": bn, "num_warps": w, "num_stages": st}]
+        ["bf16", 128, bq, True, {"block_n": bn, "num_warps": w, "num_stages": st}]
         for bq, bn, w, st in bsa.HOPPER_LAUNCH_GRID
     ]
     for info in _aot_compile(cases):
