@@ -3,15 +3,19 @@
 Pure torch; imports no ComfyUI. The node pack (``nodes/``) and the CLI (``python -m
 comfyui_fastar.fastar`` or ``fastar``) are thin layers over this package.
 """
-from .ann import AnnCA, AnnConfig, AnnSA
-from .attention import FastARAttention, attend, block_causal_mask, frame_visibility
+from .annca import AnnCA
+from .annsa import AnnSA
+from .attention import FastARAttention
+from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
-from .kvcache import CACHE_MODES, CacheConfig, CacheStats, KVCache
-from .rollout import ChunkModel, ChunkReport, Rollout, pad_context, rollout
+from .kvcache import CacheStats, FrameCache, KVCache, Layout
+from .rollout import ChunkModel, ChunkReport, Rollout, make_cache, pad_context, rollout
 from .schedule import FlowMatchSchedule
-from .tempcache import TempCache, TempCacheConfig
+from .sdpa import attend
+from .tempcache import TempCache
 
 __all__ = [
-    "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport", "FastARAttention", "FastARError",
-    "FlowMatchSchedule", "KVCache", "Rollout", "TempCache", "TempCacheConfig", "attend", "block_causal_mask", "frame_visibility", "pad_context", "rollout",
+    "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport",
+    "FastARAttention", "FastARError", "FlowMatchSchedule", "FrameCache", "KVCache", "Layout", "Rollout", "TempCache",
+    "TempCacheConfig", "attend", "make_cache", "pad_context", "rollout",
 ]

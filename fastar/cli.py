@@ -13,14 +13,12 @@ import sys
 
 import torch
 
-from .ann import ANN_METHODS, AnnConfig
+from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
-from .kvcache import CACHE_MODES, CacheConfig
 from .models import WAN_CONFIGS, build_model, convert_checkpoint, load_wan
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
-from .tempcache import TempCacheConfig
 
 # (model size, pixel height, width, latent frames, dtype) of the embedded defaults
 DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
@@ -43,8 +41,8 @@ def parse_args(argv):
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
-    p.add_argument("--ann", choices=("none",) + ANN_METHODS,
-                   help="AnnSA sparse attention with the default AnnConfig of that method (AnnCA off; needs --cache "
+    p.add_argument("--ann", choices=("none", "quant"),
+                   help="AnnSA sparse attention at the default AnnConfig (AnnCA off; needs --cache "
                         "tempcache or unbounded); default quant with tempcache (all of FAST-AR), none with the "
                         "unbounded and window baselines")
     p.add_argument("--keep-mass", type=float, help="--ann quant: each query block reads history blocks until they, the "
@@ -125,7 +123,7 @@ def run(args) -> list[dict]:
     keep = {k: v for k, v in (("keep_mass", args.keep_mass), ("keep_fraction", args.keep_fraction)) if v is not None}
     if keep and args.ann != "quant":
         raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's quant plan: add --ann quant")
-    ann = None if args.ann == "none" else AnnConfig(method=args.ann, **keep)
+    ann = None if args.ann == "none" else AnnConfig(**keep)
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
                      cuda_graphs=not args.eager)
@@ -134,7 +132,7 @@ def run(args) -> list[dict]:
           + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
           + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
              if args.cache == "tempcache" else "")
-          + (f", {args.ann} sparse attention" if ann is not None else "")
+          + (", AnnSA sparse attention" if ann is not None else "")
           + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else ""))
     rows = []
     bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)

@@ -27,12 +27,13 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .ann import AnnConfig, AnnSA
+from .annsa import AnnSA
 from .attention import FastARAttention
+from .config import AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
-from .kvcache import CacheConfig, CacheStats, KVCache
-from .tempcache import TempCacheConfig
+from .kvcache import CacheStats, FrameCache, KVCache
 from .schedule import FlowMatchSchedule
+from .tempcache import TempCache
 
 VAE_SCALE = 8  # Wan 2.1 VAE: 8x spatial compression
 
@@ -76,6 +77,37 @@ class ChunkReport:
         Read when first asked, inside ``on_chunk`` (the next chunk's plans overwrite what it reads):
         a report nobody asks costs no host sync."""
         return None if self.annsa is None else self.annsa.density.mean().item()
+
+
+def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
+    """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
+    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype)."""
+    if isinstance(config, TempCacheConfig):
+        geometry.pop("max_frames", None)
+        return TempCache(config, **geometry)
+    return FrameCache(config, **geometry)
+
+
+class ReplayGraph:
+    """One CUDA graph, the latest key's: ``run`` captures ``fn`` on fixed input buffers the first
+    time a key comes, then fills those buffers and replays. Why: a chunk is ~150 layer forwards
+    whose Python launches otherwise set the pace, not the GPU (bench/NOTES.md)."""
+
+    def __init__(self):
+        self.key = self.graph = self.inputs = self.out = None
+
+    def run(self, key, make_inputs: Callable, fn: Callable, fill: Callable):
+        """``fn(*inputs)`` for the buffers ``make_inputs()`` made, after ``fill(*inputs)``."""
+        if self.key is None or self.key != key:
+            self.key = self.graph = self.inputs = self.out = None  # free the old graph's memory first
+            inputs = make_inputs()
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph):  # records; the replay below computes
+                out = fn(*inputs)
+            self.key, self.graph, self.inputs, self.out = key, graph, inputs, out
+        fill(*self.inputs)
+        self.graph.replay()
+        return self.out
 
 
 def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,13 +195,13 @@ class Rollout:
                                 num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                                 chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
         self.ann = ann
-        self.cache = KVCache(**self._cache_args)
+        self.cache = make_cache(**self._cache_args)
         self.attention = FastARAttention(self.cache, ann=ann)
         self.prompt = 0
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
         self.graph_replays = 0
         self._last_key = None  # the previous chunk's graph key
-        self._graph = None     # (key, CUDA graph, noise buffers, frame-offset buffer, x0 buffer)
+        self._graph = ReplayGraph()
 
     @property
     def num_chunks(self) -> int:
@@ -206,22 +238,20 @@ class Rollout:
         if not repeat:
             noise = [self.noise(c, s, self.chunk_shape, self.device) for s in range(len(self.sigmas))]
             return self._denoise(noise, start)
-        if self._graph is None or self._graph[0] != key:
-            self._graph = None  # free the old graph's memory before capturing
-            noise = [torch.empty(self.chunk_shape, device=self.device) for _ in self.sigmas]
-            offset = torch.zeros((), dtype=torch.float64, device=self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph):  # records; the replay below computes
-                x0 = self._denoise(noise, offset)
-            self._graph = (key, graph, noise, offset, x0)
-        else:  # the Python-level transitions a chunk's forwards make; the device work is the graph's
+        if self._graph.key == key:  # the Python-level transitions a chunk's forwards make; the graph's device work
             self.cache.begin_clean_pass()
             self.attention.step = len(self.sigmas)
-        _, graph, noise, offset, x0 = self._graph
-        for s, buf in enumerate(noise):
-            self.noise(c, s, self.chunk_shape, self.device, out=buf)
-        offset.fill_(start)
-        graph.replay()
+
+        def buffers():
+            return ([torch.empty(self.chunk_shape, device=self.device) for _ in self.sigmas],
+                    torch.zeros((), dtype=torch.float64, device=self.device))
+
+        def fill(noise, offset):
+            for s, buf in enumerate(noise):
+                self.noise(c, s, self.chunk_shape, self.device, out=buf)
+            offset.fill_(start)
+
+        x0 = self._graph.run(key, buffers, self._denoise, fill)
         self.graph_replays += 1
         return x0.clone()
 
@@ -245,12 +275,17 @@ class Rollout:
         the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache. On
         CUDA the clean passes replay from one graph once the cache's key repeats, as chunks do."""
         self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
-        self._graph = self._last_key = None  # a captured graph read the old text
+        self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
-        self.cache = KVCache(**self._cache_args)
+        self.cache = make_cache(**self._cache_args)
         self.attention = FastARAttention(self.cache, ann=self.ann)
         self.attention.num_steps = len(self.sigmas)
-        last, graph = None, None  # graph: (key, CUDA graph, latent buffer, frame-offset buffer)
+        last, graph = None, ReplayGraph()
+
+        def clean_pass(x0, offset):
+            self.fill_cache(x0, offset)
+            self.cache.join_writes()
+
         for start in range(0, done.shape[2], self.chunk_frames):
             x0 = done[:, :, start:start + self.chunk_frames]
             self.cache.begin_chunk(start, self.chunk_frames)
@@ -259,20 +294,10 @@ class Rollout:
             self.attention.step = len(self.sigmas)
             if key is None or key != last:
                 last = key
-                self.fill_cache(x0, start)
-                self.cache.join_writes()
+                clean_pass(x0, start)
             else:
-                if graph is None or graph[0] != key:
-                    graph = None
-                    buffers = torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=self.device)
-                    captured = torch.cuda.CUDAGraph()
-                    with torch.no_grad(), torch.cuda.graph(captured):  # records; the replay below computes
-                        self.fill_cache(*buffers)
-                        self.cache.join_writes()
-                    graph = (key, captured, *buffers)
-                graph[2].copy_(x0)
-                graph[3].fill_(start)
-                graph[1].replay()
+                graph.run(key, lambda: (torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=self.device)),
+                          clean_pass, lambda buf, offset: (buf.copy_(x0), offset.fill_(start)))
             self.cache.commit()
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """TempCache: KV-cache compression by temporal correspondence (FAST-AR §5.2, Lemma 5.1).
 
-When the clean pass writes a chunk, each new token finds its top-1 nearest cached history key
-(``kernels.correspondence``). A pair whose key cosine similarity clears ``merge_threshold``
+When the clean pass writes a chunk, each new token finds its top-1 nearest cached history token
+(the cosine of whole tokens, all heads concatenated: per-head matching found no better groups
+at three times the cost, bench/results/tempcache_bench.json). A pair whose key cosine similarity clears ``merge_threshold``
 joins one group: the newest key becomes the group's representative, the value is the running
 mean of the group's values, and the group size m enters attention as the logit bias log m.
 For identical keys this is exact: softmax over groups of (q.k/sqrt(d) + log m) weighting the
@@ -17,62 +18,17 @@ has a count (0 = empty) and the frame of its newest member; discarded writes go 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..kernels.correspondence import top1_correspondence
 from ..kernels.gather_rows import gather_rows_auto
 from ..kernels.merge_rows import merge_rows_auto
 from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
 from ..kernels.scatter_rows import scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
+from .config import TempCacheConfig
 from .errors import FastARError
-
-MATCHING_MODES = ("key", "query")
-GROUPING_MODES = ("head", "shared")
-
-
-@dataclass(frozen=True)
-class TempCacheConfig:
-    """``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
-    TempCache is measured against. ``matching``: find each new token's counterpart by its key
-    (cosine) or by its query (attention argmax, as DiffTrack); either way the pair merges only
-    if the keys' cosine similarity clears the threshold. ``grouping``: per head, or one
-    correspondence shared by all heads (cosine over the concatenated heads).
-
-    Defaults from bench/results/tempcache_*.json (real-video keys, H200): key matching beats
-    query matching at every threshold; shared grouping matches per-head recall at a third of
-    the matching cost. On the sensitized testbed (concentrated attention, bench/testbed.py)
-    0.95 is the best threshold at the 21-frame budget: recall 0.937 (history alone 0.69,
-    against 0.46 for the same budget without merging); 0.9 merges too eagerly (0.82)."""
-    enabled: bool = True
-    merge_threshold: float = 0.95
-    max_cache_frames: int = 21
-    sink_frames: int = 3
-    matching: str = "key"
-    grouping: str = "shared"
-
-    def __post_init__(self):
-        if not isinstance(self.merge_threshold, (int, float)) or not 0.0 < self.merge_threshold <= 1.0:
-            raise FastARError(f"TempCacheConfig.merge_threshold must lie in (0, 1] (a cosine similarity), "
-                              f"got {self.merge_threshold!r}")
-        if not isinstance(self.sink_frames, int) or self.sink_frames < 0:
-            raise FastARError(f"TempCacheConfig.sink_frames must be an integer >= 0, got {self.sink_frames!r}")
-        if not isinstance(self.max_cache_frames, int) or self.max_cache_frames <= self.sink_frames:
-            raise FastARError(f"TempCacheConfig.max_cache_frames must be an integer > sink_frames "
-                              f"({self.sink_frames}), got {self.max_cache_frames!r}")
-        if self.matching not in MATCHING_MODES:
-            raise FastARError(f"TempCacheConfig.matching must be one of {', '.join(MATCHING_MODES)}, "
-                              f"got {self.matching!r}")
-        if self.grouping not in GROUPING_MODES:
-            raise FastARError(f"TempCacheConfig.grouping must be one of {', '.join(GROUPING_MODES)}, "
-                              f"got {self.grouping!r}")
-
-    @property
-    def history_frames(self) -> int:
-        return self.max_cache_frames - self.sink_frames
+from .kvcache import CacheStats, KVCache, Layout
 
 
 def _fp8_gemm(device: torch.device) -> bool:
@@ -102,64 +58,93 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
     return idx.clamp_max(m - 1)
 
 
-class TempCache:
-    """Per-slot merge state of a KVCache's history region, and the merge itself."""
+class TempCache(KVCache):
+    """Rows ``[sink | open chunk | history slots | dump]``: the open chunk sits right after the
+    sink, so the keys every query reads dense and unbiased are one span (``Layout.fixed``: one
+    cuDNN call). The history's key bias is log m (-inf on empty slots); per layer, batch and
+    head, every history slot has its group size ``count`` (0 = empty), the frame of its newest
+    member ``newest`` and that member's position in its write ``token``; ``canon[l, b, h, i]``
+    is head h's slot of token i (every head holds the same tokens, each in its own slot order
+    once AnnSA sorts them)."""
 
-    def __init__(self, config: TempCacheConfig, *, num_layers: int, batch: int, num_heads: int,
-                 history_tokens: int, new_tokens: int, device):
-        self.config = config
-        shape = (num_layers, batch, num_heads, history_tokens)
-        self.count = torch.zeros(shape, device=device)                  # group size m, 0 = empty
-        self.newest = torch.full(shape, -1, dtype=torch.long, device=device)  # frame of the representative
-        self.token = torch.zeros(shape, dtype=torch.int32, device=device)     # its position in its write
+    has_bias = True
+    writes_history = True
+    sortable = True
+
+    def __init__(self, config: TempCacheConfig, **geometry):
+        chunk_frames, tpf, device = geometry["chunk_frames"], geometry["tokens_per_frame"], geometry.get("device")
+        if config.history_frames < chunk_frames:
+            raise FastARError(f"TempCacheConfig.max_cache_frames={config.max_cache_frames} leaves "
+                              f"{config.history_frames} history frames besides {config.sink_frames} sink "
+                              f"frames; at least one chunk ({chunk_frames} frames) is needed")
+        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1, **geometry)
+        self.history = self._rows(config.sink_frames + chunk_frames, config.history_frames)
+        self.dump = self.k.shape[2] - 1
+        shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
+        device = self.device
+        self.count = torch.zeros(shape, device=device)
+        self.newest = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.token = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.canon = torch.arange(shape[-1], device=device).expand(shape).contiguous()
         # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
-        self.merged = torch.zeros(num_layers, dtype=torch.long, device=device)
-        self.evicted = torch.zeros(num_layers, dtype=torch.long, device=device)
+        self.merged = torch.zeros(self.num_layers, dtype=torch.long, device=device)
+        self.evicted = torch.zeros(self.num_layers, dtype=torch.long, device=device)
         # history slot each token of the last write went to (-1: dropped), per layer and head
-        self.last_slots = torch.full((num_layers, batch, num_heads, new_tokens), -1, dtype=torch.long, device=device)
-        # shared grouping: every head holds the same tokens, each in its own slot order once AnnSA
-        # sorts them; canon[l, b, h, i] is head h's slot of token i, the same token in every head
-        self.canon = None
-        if config.grouping == "shared":
-            self.canon = torch.arange(history_tokens, device=device).expand(shape).contiguous()
+        self.last_slots = torch.full((*shape[:3], chunk_frames * tpf), -1, dtype=torch.long, device=device)
+        # frame of each token the open chunk's clean pass merges (a fixed buffer: a chunk's
+        # forwards may be replayed from a CUDA graph, which reads it)
+        self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
+        self.log_count_bias[..., self._rows(0, config.sink_frames)] = float("-inf")  # empty
+        self.log_count_bias[..., self.history] = float("-inf")
 
-    def match(self, x: torch.Tensor, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor,
-              canon: torch.Tensor | None = None):
+    def _begin(self, frames: int) -> Layout:
+        sink, tpf = self.config.sink_frames, self.tokens_per_frame
+        self._open = (sink, frames)
+        chunk = self._rows(sink, frames)
+        # a short chunk leaves rows between it and the history: empty (-inf) like unfilled slots
+        scratch = self.log_count_bias[..., self._rows(sink, self.chunk_frames)]
+        scratch.zero_()
+        scratch[..., frames * tpf:] = float("-inf")
+        sink_in_chunk = max(0, min(frames, sink - self.frames_cached))  # the chunk's frames that join the sink
+        self._new = self._rows(sink + sink_in_chunk, frames - sink_in_chunk)
+        first_new = self.frames_cached + sink_in_chunk
+        n = self._new.stop - self._new.start
+        self._new_frames = self._new_frames_buf[:n]
+        self._new_frames.copy_(torch.arange(first_new, self.frames_cached + frames, device=self.device)
+                               .repeat_interleave(tpf, output_size=n))
+        fixed = slice(0, chunk.stop) if self.frames_held >= sink else None
+        return Layout(chunk=chunk, attended=self.history.stop, sink=sink * tpf, history=self.history, fixed=fixed,
+                      bias=(fixed.stop if fixed is not None else 0, self.history.stop), resort=self.history)
+
+    def _slot(self, frame: int) -> int | None:
+        return frame if frame < self.config.sink_frames else None  # later frames merged at write_history
+
+    def _held(self, frames_cached: int) -> int:
+        return min(frames_cached, self.config.sink_frames)
+
+    def write_history(self, layer: int, q: torch.Tensor) -> None:
+        """Merge the layer's new tokens (the chunk's frames past the sink) into the history."""
+        if self._new.stop > self._new.start:
+            self._merge(layer, self._new)
+
+    def _match(self, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor, canon: torch.Tensor):
         """Top-1 counterpart of each new token among the filled history slots, and the keys'
-        cosine similarity. x: matching features [N, H, D]; new_k [N, H, D]; hist_k [M, H, D];
-        filled [H, M] bool; canon [H, M] (shared grouping): head h's slot of each token, the same
-        token in every head. Returns (slot [H, N], cosine [H, N]).
-
-        Shared grouping compares whole tokens (all heads concatenated), each head's keys read
-        through canon, since AnnSA sorts each head's slots apart."""
+        cosine similarity: whole tokens (all heads concatenated) compared, each head's keys read
+        through canon. new_k [N, H, D]; hist_k [M, H, D]; filled, canon [H, M]. Returns (slot
+        [H, N], cosine [H, N]). On fp8 tensor cores, else a plain GEMM (cuBLAS) in query blocks
+        against the keys at unit norm (empty slots at zero); then the exact fp32 cosine."""
         n, h, d = new_k.shape
-        if self.config.grouping == "shared":
-            # one correspondence over the concatenated heads: on fp8 tensor cores, else a plain
-            # GEMM (cuBLAS) in query blocks against the keys at unit norm (empty slots at zero);
-            # then the exact fp32 cosine of the chosen pair
-            held = filled[0].gather(0, canon[0])
-            if self.config.matching == "key" and _fp8_gemm(x.device):
-                idx = _top1_fp8(x, hist_k, canon, held)
-            else:
-                keys = gather_rows_auto(hist_k[None], canon[None])[0].reshape(-1, h * d)
-                if self.config.matching == "query":
-                    scale = held.float()  # plain q.k argmax over filled slots
-                else:
-                    norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
-                    scale = torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0)
-                unit = keys * scale.to(keys.dtype)[:, None]
-                x = x.reshape(n, h * d)
-                idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
-            slot = canon[:, idx]
-            return slot, pair_cosine_auto(new_k, hist_k, slot).expand(h, n)
-        norm = torch.linalg.vector_norm(hist_k, dim=-1, dtype=torch.float32).transpose(0, 1)  # [H, M]
-        scale = torch.where(filled, 1.0 / norm.clamp_min(1e-12), 0.0)
-        if self.config.matching == "query":
-            scale = filled.float()  # plain q.k argmax over filled slots
-        idx, _ = top1_correspondence(x.transpose(0, 1), hist_k.transpose(0, 1), None, scale)
-        best = torch.gather(hist_k.transpose(0, 1), 1, idx.clamp_min(0)[..., None].expand(h, n, d)).float()
-        cos = torch.cosine_similarity(new_k.transpose(0, 1).float(), best, dim=-1)
-        return idx, cos
+        held = filled[0].gather(0, canon[0])
+        if _fp8_gemm(new_k.device):
+            idx = _top1_fp8(new_k, hist_k, canon, held)
+        else:
+            keys = gather_rows_auto(hist_k[None], canon[None])[0].reshape(-1, h * d)
+            norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+            unit = keys * torch.where(held, 1.0 / norm.clamp_min(1e-12), 0.0).to(keys.dtype)[:, None]
+            x = new_k.reshape(n, h * d)
+            idx = torch.cat([(x[i:i + 1024] @ unit.T).argmax(dim=-1) for i in range(0, n, 1024)])
+        slot = canon[:, idx]
+        return slot, pair_cosine_auto(new_k, hist_k, slot).expand(h, n)
 
     @staticmethod
     def _identity(newest: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
@@ -168,21 +153,19 @@ class TempCache:
         return newest * (1 << 32) + written
 
     @classmethod
-    def _eviction_order(cls, newest: torch.Tensor, written: torch.Tensor, canon: torch.Tensor | None) -> torch.Tensor:
-        """Each head's slots [H, M], least recently refreshed first. With ``canon`` the tokens are
-        sorted once and the order read out in each head's slots: a new token then takes the slots
+    def _eviction_order(cls, newest: torch.Tensor, written: torch.Tensor, canon: torch.Tensor) -> torch.Tensor:
+        """Each head's slots [H, M], least recently refreshed first: the tokens are sorted once and
+        the order read out in each head's slots through ``canon``, so a new token takes the slots
         of one token in every head (empty slots tie), which keeps canon valid."""
-        if canon is None:
-            return torch.argsort(cls._identity(newest, written), dim=1)
         tokens = torch.argsort(cls._identity(newest[0], written[0]).gather(0, canon[0]))
         return canon.gather(1, tokens.expand_as(canon))
 
     @torch.no_grad()
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, q: torch.Tensor | None,
-              hist: slice, new: slice, new_frames: torch.Tensor, dump: int) -> None:
-        """Merge the chunk's new tokens (rows ``new`` of k/v [B, T, H, D]) into the history
-        rows ``hist``; ``new_frames`` [N] is each new token's frame; ``bias`` [B, H, T] gets log m.
-        Token row ``dump`` receives every discarded write."""
+    def _merge(self, layer: int, new: slice) -> None:
+        """Merge rows ``new`` of the layer's K/V into its history slots; each new token's frame is
+        ``_new_frames``; the key bias gets log m; every discarded write goes to the dump row."""
+        k, v, bias = self.k[layer], self.v[layer], self.log_count_bias[layer]
+        hist, new_frames, dump = self.history, self._new_frames, self.dump
         cfg = self.config
         b_size, _, h, d = k.shape
         m_slots, n = hist.stop - hist.start, new.stop - new.start
@@ -191,17 +174,15 @@ class TempCache:
         merged_total = evicted_total = 0
         for b in range(b_size):
             count, newest, written = self.count[layer, b], self.newest[layer, b], self.token[layer, b]  # [H, M]
-            canon = None if self.canon is None else self.canon[layer, b]
+            canon = self.canon[layer, b]
             kb, vb = k[b], v[b]
             new_k, new_v = kb[new], vb[new]                              # [N, H, D]
             filled = count > 0
             if cfg.enabled:
-                x = new_k if cfg.matching == "key" else q[b, -n:]
-                idx, cos = self.match(x, new_k, kb[hist], filled, canon)
-                at = idx.clamp_min(0)                                    # [H, N] slot of each token's match
-                merge = (cos >= cfg.merge_threshold) & filled.gather(1, at) & (idx >= 0)
+                at, cos = self._match(new_k, kb[hist], filled, canon)    # [H, N] slot of each token's match
+                merge = (cos >= cfg.merge_threshold) & filled.gather(1, at)
             else:
-                idx = at = torch.zeros(h, n, dtype=torch.long, device=k.device)
+                at = torch.zeros(h, n, dtype=torch.long, device=k.device)
                 merge = torch.zeros(h, n, dtype=torch.bool, device=k.device)
             slot = (heads[:, None] * m_slots + at).flatten()             # flat slot (head-major)
             # group sizes, representatives (newest = largest token index: later frame) and values;
@@ -235,12 +216,41 @@ class TempCache:
                 padded.index_copy_(0, slot_new, value.to(state.dtype))
                 state.copy_(padded[:-1].view(h, m_slots))
             bias[b, :, hist] = torch.where(count > 0, count.clamp_min(1).log(), float("-inf"))
-            self.last_slots[layer, b, :, -n:] = torch.where(merge, idx, torch.where(place, dest, -1))
+            self.last_slots[layer, b, :, -n:] = torch.where(merge, at, torch.where(place, dest, -1))
             merged_total = merged_total + merge.sum()
             evicted_total = evicted_total + evicted.sum()
         self.merged[layer] = merged_total
         self.evicted[layer] = evicted_total
 
-    def held_tokens(self) -> torch.Tensor:
-        """Filled history slots per layer, averaged over batch and heads (device tensor)."""
-        return (self.count > 0).float().sum(-1).mean((1, 2))
+    @torch.no_grad()
+    def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
+        """Reorder history slots per head; the slot state follows (eviction breaks ties by write
+        position, never by slot index, so no decision changes)."""
+        super().permute_rows(layer, rows, perm)
+        for state in (self.count[layer], self.newest[layer], self.token[layer]):
+            state.copy_(state.gather(-1, perm))
+        new_slot = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device)
+                                                   .expand_as(perm))  # old slot -> new slot
+        last = self.last_slots[layer]
+        last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
+        self.canon[layer].copy_(new_slot.gather(-1, self.canon[layer]))
+
+    def filled_rows(self, layer: int) -> torch.Tensor:
+        return self.count[layer] > 0
+
+    def stats(self) -> CacheStats:
+        """Sizes after the last commit (reads a few device scalars)."""
+        base = super().stats()
+        per_head = self.num_layers * self.batch * self.num_heads
+        held = (self.count > 0).float().sum(-1).mean((1, 2))  # filled slots per layer
+        state = sum(t.nbytes for t in (self.count, self.newest, self.token, self.canon))
+        return CacheStats(
+            frames_cached=base.frames_cached,
+            tokens_held=base.tokens_held + round(held.mean().item()),
+            dense_tokens=base.dense_tokens,
+            capacity_tokens=base.capacity_tokens,
+            bytes=base.bytes + state,
+            bytes_per_token=base.bytes_per_token,
+            merged=round(self.merged.sum().item() / per_head),
+            evicted=round(self.evicted.sum().item() / per_head),
+        )

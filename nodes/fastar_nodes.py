@@ -11,7 +11,7 @@ import comfy.utils
 from comfy_api.latest import io, ui
 
 from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig
-from ..fastar.ann import AnnConfig
+from ..fastar.config import AnnConfig
 from . import bridge, video
 
 CATEGORY = "FAST-AR"

@@ -62,9 +62,9 @@ def test_cli_unknown_cache_mode_is_argparse_error(capsys):
 
 def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
     args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
-    assert main(args + ["--ann", "lsh", "--cache", "unbounded"]) == 0
-    assert "lsh sparse attention" in capsys.readouterr().out
-    assert main(args + ["--ann", "lsh", "--cache", "window"]) == 2
+    assert main(args + ["--ann", "quant", "--cache", "unbounded"]) == 0
+    assert "AnnSA sparse attention" in capsys.readouterr().out
+    assert main(args + ["--ann", "quant", "--cache", "window"]) == 2
     assert "window cache" in capsys.readouterr().err
 
 
@@ -91,11 +91,11 @@ def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys,
     args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     table = tmp_path / "t.json"
     assert main(args + ["--json", str(table)]) == 0
-    assert seen[-1] == AnnConfig(method="quant") and json.loads(table.read_text())["ann"] == "quant"
+    assert seen[-1] == AnnConfig() and json.loads(table.read_text())["ann"] == "quant"
     rows = json.loads(table.read_text())["chunks"]
     assert all(0 < r["annsa_density"] <= 1 for r in rows) and rows[-1]["annsa_density"] < 1  # sparse at the end
     out = capsys.readouterr().out
-    assert "quant sparse attention" in out and "AnnSA reads" in out
+    assert "AnnSA sparse attention" in out and "AnnSA reads" in out
     for cache in ("unbounded", "window"):
         assert main(args + ["--cache", cache]) == 0
         assert seen[-1] is None

@@ -188,14 +188,13 @@ def test_bridge_tempcache_equals_core(models, bridge):
 
 
 def test_bridge_ann_sparsity_equals_core(models, bridge):
-    ann = pytest.importorskip("comfyui_fastar.fastar.ann")
-    from comfyui_fastar.fastar import FlowMatchSchedule, rollout
+    from comfyui_fastar.fastar import AnnConfig, FlowMatchSchedule, rollout
     from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, PatchModel
 
     comfy_model, core = models
     pos = _prompt(8)
     config = AnnSparsity.execute(True, True, 0.9, 0.5, 0.25).result[0]
-    assert config == ann.AnnConfig(dense_steps_fraction=0.25, keep_fraction=0.5, keep_mass=0.9, annca=True)
+    assert config == AnnConfig(dense_steps_fraction=0.25, keep_fraction=0.5, keep_mass=0.9, annca=True)
     patched = PatchModel.execute(comfy_model, None, config).result[0]
     settings = bridge.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1, ann=config)
     out = bridge.sample(patched, [[pos, {}]], None, settings)["samples"]

@@ -1,14 +1,14 @@
-"""The cache protocol's bookkeeping: growth, scratch slots, ordering and telemetry."""
+"""The cache protocol's bookkeeping: the chunk's rows, ordering, the window's ring and telemetry."""
 import pytest
 import torch
 
-from comfyui_fastar.fastar import CacheConfig, FastARError, KVCache
+from comfyui_fastar.fastar import CacheConfig, FastARError, make_cache
 
 TPF = 4
 
 
 def make(mode="unbounded", max_frames=None, **kw):
-    return KVCache(CacheConfig(mode, **kw), num_layers=2, batch=1, num_heads=2, head_dim=8,
+    return make_cache(CacheConfig(mode, **kw), num_layers=2, batch=1, num_heads=2, head_dim=8,
                    tokens_per_frame=TPF, chunk_frames=2, max_frames=max_frames)
 
 
@@ -17,7 +17,7 @@ def chunk(kv, value):
     kv_in = torch.full((1, 2 * TPF, 2, 8), float(value))
     kv.begin_clean_pass()
     for layer in range(2):
-        keys, values, bias = kv.extend(layer, kv_in, kv_in + 1)
+        keys, values, bias = kv.attend(layer, kv_in, kv_in + 1)
     kv.commit()
     return keys, values, bias
 
@@ -27,20 +27,22 @@ def test_denoising_forwards_do_not_commit():
     chunk(kv, 1.0)
     kv.begin_chunk(2, 2)
     for step in range(3):  # three denoising forwards overwrite the same scratch slots
-        keys, _, bias = kv.extend(0, torch.full((1, 8, 2, 8), 10.0 + step), torch.zeros(1, 8, 2, 8))
+        keys, _, bias = kv.attend(0, torch.full((1, 8, 2, 8), 10.0 + step), torch.zeros(1, 8, 2, 8))
         assert keys.shape[1] == 4 * TPF and bias is None
         assert (keys[:, :2 * TPF] == 1.0).all() and (keys[:, 2 * TPF:] == 10.0 + step).all()
     assert kv.frames_cached == 2 and kv.stats().tokens_held == 2 * TPF
 
 
-def test_unbounded_grows_by_doubling_and_keeps_history():
-    kv = make()
-    assert kv.capacity_frames == 8
+def test_unbounded_holds_the_rollout_it_was_sized_for():
+    kv = make(max_frames=12)
+    assert kv.capacity_frames == 12
     for i in range(6):
         chunk(kv, i)
-    assert kv.capacity_frames == 16 and kv.reallocations == 1
-    assert kv.slot_frames[:12] == list(range(12))
     assert all((kv.k[:, :, 2 * i * TPF:2 * (i + 1) * TPF] == i).all() for i in range(6))
+    with pytest.raises(FastARError, match="holds 12 frames"):
+        kv.begin_chunk(12, 2)
+    with pytest.raises(FastARError, match="max_frames"):
+        make()
 
 
 def test_window_ring_slots():
@@ -48,8 +50,9 @@ def test_window_ring_slots():
     for i in range(5):
         chunk(kv, i)  # frames 0..9
     assert kv.capacity_frames == 1 + 3 + 2
-    assert kv.slot_frames[0] == 0 and sorted(kv.slot_frames[1:4]) == [7, 8, 9]
-    assert all((kv.k[:, :, slot * TPF:(slot + 1) * TPF] == kv.slot_frames[slot] // 2).all() for slot in range(4))
+    # the sink keeps frame 0 (chunk 0's value); the ring, slot 1 + (frame - 1) % 3, frames 7, 8, 9
+    for slot, value in enumerate((0, 3, 4, 4)):
+        assert (kv.k[:, :, slot * TPF:(slot + 1) * TPF] == value).all()
     st = kv.stats()
     assert st.tokens_held == 4 * TPF and st.dense_tokens == 10 * TPF and st.frames_cached == 10
 
@@ -57,12 +60,12 @@ def test_window_ring_slots():
 def test_protocol_misuse_is_an_error():
     kv = make(max_frames=8)
     with pytest.raises(FastARError, match="begin_chunk first"):
-        kv.extend(0, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8))
+        kv.attend(0, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8))
     with pytest.raises(FastARError, match="in order"):
         kv.begin_chunk(4, 2)
     kv.begin_chunk(0, 2)
     with pytest.raises(FastARError, match=r"chunk K/V must be \[1, 8, 2, 8\]"):
-        kv.extend(0, torch.zeros(1, 7, 2, 8), torch.zeros(1, 7, 2, 8))
+        kv.attend(0, torch.zeros(1, 7, 2, 8), torch.zeros(1, 7, 2, 8))
 
 
 def test_telemetry_bytes():
@@ -70,5 +73,5 @@ def test_telemetry_bytes():
     chunk(kv, 0.0)
     st = kv.stats()
     assert st.bytes_per_token == 2 * 2 * 1 * 2 * 8 * 4
-    assert st.bytes == 2 * (2 * 1 * 8 * TPF * 2 * 8 * 4) + 2 * 1 * 2 * 8 * TPF * 4
+    assert st.bytes == 2 * (2 * 1 * 8 * TPF * 2 * 8 * 4)  # K and V: a frame cache keeps no key bias
     assert st.held_gb == pytest.approx(2 * TPF * st.bytes_per_token / 1e9)

@@ -4,12 +4,32 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
-                                   TempCacheConfig, block_causal_mask, rollout)
+                                   TempCacheConfig, rollout)
 from comfyui_fastar.fastar.rollout import pad_context
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
 TPF = 24
+
+
+def frame_visibility(num_frames: int, chunk_frames: int, sink_frames: int | None = None,
+                     window_frames: int | None = None) -> torch.Tensor:
+    """Which key frame each query frame sees in a chunked causal rollout: bool [F, F]. A frame
+    sees every frame of its own chunk and of earlier chunks; with a window only the first
+    ``sink_frames`` frames and the last ``window_frames`` frames before its chunk."""
+    f = torch.arange(num_frames)
+    start = f // chunk_frames * chunk_frames  # first frame of each frame's chunk
+    visible = f[None, :] < start[:, None] + chunk_frames
+    if window_frames is not None:
+        visible &= (f[None, :] < (sink_frames or 0)) | (f[None, :] >= start[:, None] - window_frames)
+    return visible
+
+
+def block_causal_mask(num_frames: int, chunk_frames: int, tokens_per_frame: int,
+                      sink_frames: int | None = None, window_frames: int | None = None) -> torch.Tensor:
+    """Token-level mask [L, L] of a full-sequence forward that equals the cached rollout."""
+    vis = frame_visibility(num_frames, chunk_frames, sink_frames, window_frames)
+    return vis.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
 
 
 def rel(a, b):
@@ -71,12 +91,10 @@ def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=Non
         torch.testing.assert_close(call["x"], latents[:, :, c * chunk_frames:(c + 1) * chunk_frames])
         assert rel(call["out"], full[:, :, c * chunk_frames:(c + 1) * chunk_frames]) <= 1e-5
 
-    # Cached K/V: every slot holds exactly the K/V of the frame it says it holds.
+    # Cached K/V: every slot holds exactly the K/V of the last frame the policy put there.
     kv = rec.cache
     checked = 0
-    for slot, g in enumerate(kv.slot_frames):
-        if g < 0:
-            continue
+    for slot, g in {kv._slot(g): g for g in range(kv.frames_cached)}.items():
         tok, ref = slice(slot * TPF, (slot + 1) * TPF), slice(g * TPF, (g + 1) * TPF)
         for layer in range(model.num_layers):
             assert rel(kv.k[layer, :, tok], tap.kv[layer][0][:, ref]) <= 1e-5
@@ -100,7 +118,6 @@ def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=Non
 def test_unbounded_rollout_equals_block_causal_forward(model, chunk_frames, num_chunks):
     rec = check_against_full_sequence(model, chunk_frames, num_chunks, CacheConfig("unbounded"))
     assert rec.cache.frames_held == chunk_frames * num_chunks
-    assert rec.cache.reallocations == 0  # preallocated to the rollout's length
 
 
 @pytest.mark.parametrize("chunk_frames,num_chunks,sink,window", [(1, 7, 1, 2), (3, 5, 1, 4), (3, 5, 3, 3)])
@@ -110,7 +127,6 @@ def test_window_rollout_equals_sink_window_forward(model, chunk_frames, num_chun
     kv = rec.cache
     assert kv.capacity_frames == sink + window + chunk_frames
     assert kv.frames_held == sink + window
-    assert kv.reallocations == 0
 
 
 def test_window_memory_stops_growing(model):
@@ -161,12 +177,13 @@ def test_clean_pass_that_stops_at_the_last_kv_changes_nothing(model, cache):
         assert torch.equal(short.run(), full.run())
         a, b = short.cache, full.cache
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-        assert torch.equal(a.log_count_bias, b.log_count_bias)
+        if a.has_bias:
+            assert torch.equal(a.log_count_bias, b.log_count_bias)
         assert len(full.model.calls) == 3 * (len(short.sigmas) + 1)  # the clean pass ran to the end there
 
 
 class CopiedKV(FastARAttention):
-    """No cache rows offered: the model makes K/V in fresh tensors and ``extend`` copies them in."""
+    """No cache rows offered: the model makes K/V in fresh tensors and ``attend`` copies them in."""
 
     def kv_rows(self, layer):
         return None
@@ -180,7 +197,7 @@ class WhereKV(FastARAttention):
         self.in_place = []
 
     def self_attention(self, layer, q, k, v):
-        k_rows, v_rows = self.cache.scratch(layer)
+        k_rows, v_rows = self.cache.rows(layer)
         self.in_place.append((k.data_ptr() == k_rows.data_ptr(), v.data_ptr() == v_rows.data_ptr()))
         return super().self_attention(layer, q, k, v)
 
@@ -189,7 +206,7 @@ class WhereKV(FastARAttention):
                          ids=["unbounded", "tempcache"])
 def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(model, cache, twins):
     """The model computes k and v straight into the cache's rows of the open chunk (no copy per
-    forward): latents and every cached K/V equal those of K/V copied in by ``extend``. Guided
+    forward): latents and every cached K/V equal those of K/V copied in by ``attend``. Guided
     (two batches) the v rows are not one block, and v alone is copied."""
     ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
     ann = AnnConfig(dense_steps_fraction=0.0)
@@ -339,15 +356,10 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
     TempCache from its budget on (AnnSA's block means then updated in place), a window cache once
     full, an unbounded cache never."""
     keys, reps = _chunk_keys(model, 7, cache=TempCacheConfig(max_cache_frames=3, sink_frames=1),
-                             ann=AnnConfig(method="quant", keep_fraction=0.5, keep_mass=0.0, dense_steps_fraction=0.5))
+                             ann=AnnConfig(keep_fraction=0.5, keep_mass=0.0, dense_steps_fraction=0.5))
     assert keys[0] != keys[1]                # the sink frame's chunk writes no history
     assert len(set(keys[1:])) == 1
     assert all(r == reps[0] for r in reps)     # the same buffers, rewritten every chunk
-    # calibration reads each layer's recall on the host in its first sparse chunk: that chunk and
-    # the one before never share a key with what follows
-    keys, _ = _chunk_keys(model, 6, cache=TempCacheConfig(max_cache_frames=3, sink_frames=0),
-                          ann=AnnConfig(keep_fraction=0.5, dense_steps_fraction=0.5, calibration_recall=0.5))
-    assert keys[1] != keys[2] and len(set(keys[2:])) == 1 and keys[1] not in keys[2:]
     keys, _ = _chunk_keys(model, 6, cache=CacheConfig("window", 1, 2))
     assert len(set(keys)) == 4 and len(set(keys[3:])) == 1
     keys, _ = _chunk_keys(model, 5, cache=CacheConfig("unbounded"))

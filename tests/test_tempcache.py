@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from comfyui_fastar.fastar import (CacheConfig, FastARError, KVCache, Rollout, TempCacheConfig, attend,
+from comfyui_fastar.fastar import (CacheConfig, FastARError, Rollout, TempCacheConfig, attend, make_cache,
                                    rollout)
 from comfyui_fastar.fastar.models import build_model
 
@@ -14,61 +14,59 @@ def rel(a, b):
 
 
 def cache(cfg, chunk_frames=1):
-    return KVCache(cfg, num_layers=1, batch=1, num_heads=H, head_dim=D, tokens_per_frame=TPF,
+    return make_cache(cfg, num_layers=1, batch=1, num_heads=H, head_dim=D, tokens_per_frame=TPF,
                    chunk_frames=chunk_frames)
 
 
-def write_chunk(kv, k, v, q=None):
+def write_chunk(kv, k, v):
     kv.begin_chunk(kv.frames_cached, k.shape[1] // TPF)
     kv.begin_clean_pass()
-    keys, values, bias = kv.extend(0, k, v)
-    kv.after_attention(0, k if q is None else q)
+    kv.attend(0, k, v)
+    kv.write_history(0, k)
     kv.commit()
 
 
-@pytest.mark.parametrize("grouping", ["head", "shared"])
-def test_lemma_5_1_duplicated_keys_merge_exactly(grouping):
+def test_lemma_5_1_duplicated_keys_merge_exactly():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(1, TPF, H, D, generator=g)
     fresh = torch.randn(1, TPF, H, D, generator=g)
     # frames: base, base, [half base | half fresh], base  (values always new)
     frames_k = [base, base.clone(), torch.cat([base[:, :TPF // 2], fresh[:, TPF // 2:]], 1), base.clone()]
     frames_v = [torch.randn(1, TPF, H, D, generator=g) for _ in frames_k]
-    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=6, sink_frames=0, grouping=grouping))
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=6, sink_frames=0))
     for k, v in zip(frames_k, frames_v):
         write_chunk(kv, k, v)
     st = kv.stats()
     # 24 tokens written, 6 + 3 distinct keys survive: 15 merged
     assert st.tokens_held == TPF + TPF // 2
-    counts = kv.tempcache.count[0, 0]
+    counts = kv.count[0, 0]
     assert sorted(counts[counts > 0].flatten().tolist()) == sorted(([4.0] * (TPF // 2) + [3.0] * (TPF // 2)
                                                                     + [1.0] * (TPF // 2)) * H)
     # attention of a new chunk over the merged cache (+log m) == over every token unmerged
     q = torch.randn(1, 2 * TPF, H, D, generator=g)
     own_k, own_v = torch.randn(1, TPF, H, D, generator=g), torch.randn(1, TPF, H, D, generator=g)
     kv.begin_chunk(kv.frames_cached, 1)
-    keys, values, bias = kv.extend(0, own_k, own_v)
+    keys, values, bias = kv.attend(0, own_k, own_v)
     merged = attend(q, keys, values, key_bias=bias)
     full = attend(q, torch.cat(frames_k + [own_k], 1), torch.cat(frames_v + [own_v], 1))
     assert rel(merged, full) <= 1e-5
     assert torch.isfinite(merged).all()
 
 
-@pytest.mark.parametrize("grouping", ["head", "shared"])
-def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly(grouping):
+def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly():
     """Two frames of one chunk repeat the held frame: each slot then takes two tokens in one write,
     and holds the mean of all three values (and the representative's key) with count 3."""
     g = torch.Generator().manual_seed(11)
     base = torch.randn(1, TPF, H, D, generator=g)
     vals = [torch.randn(1, TPF, H, D, generator=g) for _ in range(3)]
-    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0, grouping=grouping),
+    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0),
                chunk_frames=2)
     write_chunk(kv, base, vals[0])
     write_chunk(kv, torch.cat([base, base], 1), torch.cat(vals[1:], 1))
-    count = kv.tempcache.count[0, 0]
+    count = kv.count[0, 0]
     assert sorted(count[count > 0].flatten().tolist()) == [3.0] * (TPF * H)
-    slots = kv.tempcache.last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
-    first = kv.sorted_rows(clean_pass=False).start  # history slot 0's row
+    slots = kv.last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
+    first = kv.history.start  # history slot 0's row
     for head in range(H):
         rows = first + slots[head]
         got_v = kv.v[0, 0, rows, head]
@@ -89,7 +87,7 @@ def test_unclearable_threshold_is_bit_identical_to_plain_cache():
     assert torch.equal(a, b)
     assert torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
     assert torch.equal(ca.log_count_bias, cb.log_count_bias)
-    assert torch.equal(ca.tempcache.count, cb.tempcache.count) and cb.tempcache.merged.sum() == 0
+    assert torch.equal(ca.count, cb.count) and cb.merged.sum() == 0
 
 
 def test_no_merge_budget_equals_sink_window_cache():
@@ -113,34 +111,22 @@ def test_budget_holds_over_long_rollout_without_reallocation():
     run = Rollout(model, ctx, frames=60, height=64, width=96, chunk_frames=1, cache=cfg, seed=1)
     tpf = 24
     buffers = (run.cache.k.data_ptr(), run.cache.v.data_ptr(), run.cache.log_count_bias.data_ptr(),
-               run.cache.tempcache.count.data_ptr())
+               run.cache.count.data_ptr())
     seen = []
 
     def check(report):
         kv = run.cache
         assert (kv.k.data_ptr(), kv.v.data_ptr(), kv.log_count_bias.data_ptr(),
-                kv.tempcache.count.data_ptr()) == buffers
+                kv.count.data_ptr()) == buffers
         assert report.cache.tokens_held <= cfg.max_cache_frames * tpf
         seen.append(report.cache)
 
     out = run.run(check)
     assert torch.isfinite(out).all() and len(seen) == 60
-    assert run.cache.reallocations == 0
     assert len({s.bytes for s in seen}) == 1
     assert seen[-1].tokens_held == cfg.max_cache_frames * tpf  # full budget
     assert sum(s.merged for s in seen) > 0 and sum(s.evicted for s in seen) > 0
     assert seen[-1].dense_tokens == 60 * tpf
-
-
-def test_query_matching_runs_and_respects_threshold():
-    g = torch.Generator().manual_seed(2)
-    base = torch.randn(1, TPF, H, D, generator=g)
-    kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0, matching="query"))
-    write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
-    write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g), q=base * 3)  # q = k: argmax is k
-    assert kv.stats().tokens_held == TPF and kv.stats().merged == TPF
-    write_chunk(kv, torch.randn(1, TPF, H, D, generator=g), torch.randn(1, TPF, H, D, generator=g))
-    assert kv.stats().tokens_held == 2 * TPF and kv.stats().merged == 0
 
 
 def test_sink_frames_are_never_merged():
@@ -151,7 +137,7 @@ def test_sink_frames_are_never_merged():
         write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
     assert torch.equal(kv.k[0, :, :TPF], base)  # the sink frame is kept as written
     assert (kv.log_count_bias[0, :, :, :TPF] == 0).all()
-    assert kv.tempcache.count[0, 0].max() == 3  # frames 2..4 merged into the history copy of frame 1
+    assert kv.count[0, 0].max() == 3  # frames 2..4 merged into the history copy of frame 1
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -159,8 +145,6 @@ def test_sink_frames_are_never_merged():
     (dict(merge_threshold=1.5), "merge_threshold"),
     (dict(max_cache_frames=3, sink_frames=3), "max_cache_frames"),
     (dict(sink_frames=-1), "sink_frames"),
-    (dict(matching="value"), "matching"),
-    (dict(grouping="layer"), "grouping"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(FastARError, match=f"TempCacheConfig.{field}"):
@@ -177,17 +161,16 @@ def test_last_slots_telemetry_tracks_groups():
     base = torch.randn(1, TPF, H, D, generator=g)
     kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=3, sink_frames=0))
     write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
-    first = kv.tempcache.last_slots[0, 0].clone()
+    first = kv.last_slots[0, 0].clone()
     assert (first >= 0).all() and all(len(set(row.tolist())) == TPF for row in first)
     write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
-    assert torch.equal(kv.tempcache.last_slots[0, 0], first)  # every duplicate joined its original's slot
+    assert torch.equal(kv.last_slots[0, 0], first)  # every duplicate joined its original's slot
 
 
-@pytest.mark.parametrize("grouping", ["head", "shared"])
-def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
+def test_write_path_never_syncs_with_the_host(monkeypatch):
     """The per-layer merge runs on the device: no .item(), .tolist(), .cpu() or bool() of a tensor."""
     g = torch.Generator().manual_seed(8)
-    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1, grouping=grouping))
+    kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1))
     base = torch.randn(1, TPF, H, D, generator=g)
     frames = [base + 0.2 * torch.randn(1, TPF, H, D, generator=g) for _ in range(5)]
 
@@ -198,8 +181,8 @@ def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
     for k in frames:
         kv.begin_chunk(kv.frames_cached, 1)
         kv.begin_clean_pass()
-        kv.extend(0, k, k)
-        kv.after_attention(0, k)
+        kv.attend(0, k, k)
+        kv.write_history(0, k)
         kv.commit()
     monkeypatch.undo()
     assert kv.stats().merged > 0
@@ -208,9 +191,9 @@ def test_write_path_never_syncs_with_the_host(monkeypatch, grouping):
 @pytest.mark.parametrize("sink_frames,chunk_frames", [(1, 1), (3, 2), (0, 2)])
 def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
     """What AnnSA's kernel relies on when it skips the bias: at every forward of every chunk,
-    the keys outside ``bias_window()`` (a committed sink, the open chunk) have bias exactly 0,
+    the keys outside ``Layout.bias`` (a committed sink, the open chunk) have bias exactly 0,
     and a sink still empty lies inside the window (its slots are -inf); once it is committed,
-    the sink and the open chunk are the one span ``fixed_rows()`` before the window."""
+    the sink and the open chunk are the one span ``Layout.fixed`` before the window."""
     kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=sink_frames + 4, sink_frames=sink_frames),
                chunk_frames=chunk_frames)
     gen = torch.Generator().manual_seed(7)
@@ -222,19 +205,19 @@ def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
             if clean:
                 kv.begin_clean_pass()
             k = base + 0.2 * torch.randn(base.shape, generator=gen)
-            _, _, bias = kv.extend(0, k, torch.randn_like(k))
-            lo, hi = kv.bias_window()
+            _, _, bias = kv.attend(0, k, torch.randn_like(k))
+            lo, hi = kv.layout.bias
             assert bool((bias[..., :lo] == 0).all()) and bool((bias[..., hi:] == 0).all())
-            assert hi == bias.shape[-1] == kv.sorted_rows(clean_pass=False).stop
-            fixed = kv.fixed_rows()
+            assert hi == bias.shape[-1] == kv.history.stop
+            fixed = kv.layout.fixed
             if kv.frames_cached < sink_frames:
                 assert lo == 0 and bool(torch.isneginf(bias[..., kv.frames_cached * TPF:sink_frames * TPF]).all())
                 assert fixed is None
             else:
-                assert fixed == slice(0, lo) and lo == kv.chunk_rows().stop
+                assert fixed == slice(0, lo) and lo == kv.layout.chunk.stop
             if clean:
-                kv.after_attention(0, k)
-                merged += int(kv.tempcache.merged.sum())
+                kv.write_history(0, k)
+                merged += int(kv.merged.sum())
         kv.commit()
     assert merged > 0  # the window held log m > 0 too
 
@@ -242,18 +225,18 @@ def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
 def test_a_short_chunk_attends_no_stale_scratch_rows():
     """A chunk shorter than chunk_frames leaves scratch rows between it and the history, holding an
     earlier chunk's K/V: they are empty (-inf) and inside the bias window, so attention over
-    ``extend``'s keys equals attention without them; the next full chunk's rows are unbiased again."""
+    ``attend``'s keys equals attention without them; the next full chunk's rows are unbiased again."""
     g = torch.Generator().manual_seed(3)
     kv = cache(TempCacheConfig(merge_threshold=0.5, max_cache_frames=7, sink_frames=1), chunk_frames=3)
     for n in (3, 3, 1, 3):
         kv.begin_chunk(kv.frames_cached, n)
         k, v, q = (torch.randn(1, n * TPF, H, D, generator=g) for _ in range(3))
-        keys, values, bias = kv.extend(0, k, v)
-        chunk, hist = kv.chunk_rows(), kv.sorted_rows(clean_pass=False)
+        keys, values, bias = kv.attend(0, k, v)
+        chunk, hist = kv.layout.chunk, kv.history
         gap = slice(chunk.stop, hist.start)
-        lo, hi = kv.bias_window()
+        lo, hi = kv.layout.bias
         committed = kv.frames_cached >= 1  # the sink
-        assert kv.fixed_rows() == (slice(0, chunk.stop) if committed else None) and hi == keys.shape[1]
+        assert kv.layout.fixed == (slice(0, chunk.stop) if committed else None) and hi == keys.shape[1]
         assert lo == (chunk.stop if committed else 0)
         assert gap.stop - gap.start == (3 - n) * TPF and bool(torch.isneginf(bias[..., gap]).all())
         assert bool((bias[..., :lo] == 0).all())
@@ -262,6 +245,6 @@ def test_a_short_chunk_attends_no_stale_scratch_rows():
         want = attend(q, keys[:, kept], values[:, kept], key_bias=bias[..., kept])
         assert rel(got, want) <= 1e-6
         kv.begin_clean_pass()
-        kv.extend(0, k, v)
-        kv.after_attention(0, k)
+        kv.attend(0, k, v)
+        kv.write_history(0, k)
         kv.commit()

@@ -1,0 +1,253 @@
+"""AnnSA: approximate-nearest-neighbour sparse self-attention (FAST-AR §5.3, §6.1).
+
+Cached history never changes after the clean pass writes it, so each layer's history is hashed
+(``fastar.lsh``) and *physically* bucket-sorted once per chunk, right after the clean pass wrote
+it (``AnnSA.index_history``): K, V, TempCache's key bias and its slot state are permuted per head
+in place (``KVCache.permute_rows``). Why physical order, not index lists: the block-sparse kernel
+streams contiguous key *ranges*; sorted, keys alike sit in the same blocks, a picked block is one
+range and touching picks fuse. Attention is a sum over a key *set*, so slot order never changes
+a dense result. A window cache's ring writes whole frames into frame slots, which a sort would
+scatter: AnnSA refuses it.
+
+At write time each block of ``KEY_BLOCK`` sorted history keys gets its mean key, int8-quantized,
+and its log key multiplicity (TempCache's log m: a merged key stands for m frames). Per step each
+query's logits against those means, and against the sink's and the open chunk's block means,
+estimate its share of attention mass in every block; averaged over a query block (``block_q``
+neighbouring tokens) they rank its history blocks, and it reads the best ``keep_fraction`` of
+them and more until, with the sink and its own chunk, they hold ``keep_mass`` of its estimated
+mass (top-p) (``kernels/quant_scores.py``, ``kernels/quant_select.py``). Why top-p, not a fixed
+share: a query block whose own neighbourhood holds its attention needs few history blocks, a
+diffuse one many. Why a floor: a mean key underestimates a block that mixes unlike keys (Jensen),
+so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
+kernels, nothing syncs with the host: every shape comes from Python integers the schedule knows.
+Where the kernel runs, cuDNN attends the keys every plan reads (``Layout.fixed``: the sink and the
+open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..kernels import triton_runs_on
+from ..kernels.block_means import block_means_auto
+from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
+from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
+from ..kernels.quant_select import quant_select_auto, range_reads, runs_to_ranges
+from .config import AnnConfig
+from .errors import FastARError
+from .lsh import LSH
+from .sdpa import attend_lse, side_stream
+
+# History keys per scored block. 128 rather than the kernel's 64-key tile: a pick is then two
+# tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
+# less recall (bench/results/ann_bench_random_kb128.json, bench/NOTES.md).
+KEY_BLOCK = 128
+
+
+def _int8(x: torch.Tensor):
+    """Symmetric int8 quantization per (b, h) of x [B, H, N, D]: (int8 values, fp32 scale)."""
+    scale = x.abs().amax((-2, -1), keepdim=True).clamp_min(1e-12) / 127
+    return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _refresh(old, new):
+    """``new``, written into ``old``'s tensors when their shapes match: a replayed CUDA graph reads them."""
+    if old is not None and all(a.shape == b.shape for a, b in zip(old, new)):
+        for a, b in zip(old, new):
+            a.copy_(b)
+        return old
+    return new
+
+
+class AnnSA:
+    """Bucket-sorted history of a KV cache and the per-step block plans over it."""
+
+    def __init__(self, config: AnnConfig, cache, lsh: LSH):
+        if not cache.sortable:
+            raise FastARError("AnnConfig.annsa needs the unbounded cache or TempCache: a window cache's ring "
+                              "of frame slots cannot be bucket-sorted (set annsa=False, or change the cache mode)")
+        self.config, self.cache, self.lsh = config, cache, lsh
+        # telemetry, written by every plan (``density``): keys each query block of the layer's last plan reads
+        # [B, H, nqb], and the keys that plan's call attends
+        self.reads: list = [None] * cache.num_layers
+        self.attended: list = [0] * cache.num_layers
+        self.reps: list = [None] * cache.num_layers   # each layer's ``_block_means``
+        self.fixed: list = [None] * cache.num_layers  # top-p: ``_fixed_blocks``
+
+    @torch.no_grad()
+    def index_history(self, layer: int) -> None:
+        """After the clean pass wrote the layer: hash its history, sort it by bucket in place and
+        make the key blocks' means. Empty TempCache slots sort last."""
+        cache, nb, layout = self.cache, self.config.buckets, self.cache.layout
+        rows = layout.resort
+        code = self.lsh.hash(self.lsh.planes[layer], cache.k[layer, :, rows])       # [B, H, M]
+        filled = cache.filled_rows(layer)
+        if filled is not None:
+            code = torch.where(filled, code, nb)
+        perm = torch.argsort(code.to(torch.int16), dim=-1, stable=True)  # ids < 2**13: a 16-bit radix sort
+        cache.permute_rows(layer, rows, perm)
+        bias = cache.log_count_bias[layer, :, :, rows] if cache.has_bias else None
+        reps = self._block_means(cache.k[layer, :, rows], code.gather(-1, perm) < nb, bias)
+        self.reps[layer] = _refresh(self.reps[layer], reps)
+        sink = layout.sink
+        if self.config.keep_mass > 0 and sink:
+            # the sink as committed so far: a chunk's own sink frames are committed after this write,
+            # so the plans read them one chunk later (until then they count as empty)
+            filled = cache.log_count_bias[layer, :, :, :sink] > float("-inf")
+            means, counts, ns = self._fixed_blocks(layer, sink, layout.chunk)
+            block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK, out=(means[:, :, :ns], counts[:, :, :ns]))
+
+    @staticmethod
+    def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
+        """Per block of KEY_BLOCK history keys k [B, M, H, D] (filled [B, H, M]; ``bias`` the
+        keys' TempCache log m [B, H, M] or None), everything a plan reads, made once per write:
+        the int8 mean of its filled keys [B, H, nkb, D], the logit of one int8 level [B, H]
+        (their fp32 scale over sqrt(D)), the log of its key multiplicity (logsumexp of log m over
+        its filled keys, log(count) without TempCache, -inf when empty) [B, H, nkb], and
+        whether it holds a key [B, H, nkb]."""
+        b, m, h, d = k.shape
+        nkb = -(-m // KEY_BLOCK)
+        pad = nkb * KEY_BLOCK - m
+        mean, _ = block_means_auto(k, filled, KEY_BLOCK)
+        log_m = bias.float() if bias is not None else torch.zeros_like(filled, dtype=torch.float32)
+        log_m = torch.nn.functional.pad(log_m.masked_fill(~filled, float("-inf")), (0, pad), value=float("-inf"))
+        k8, scale = _int8(mean)
+        log_mass = log_m.view(b, h, nkb, KEY_BLOCK).logsumexp(-1)
+        return k8, scale.view(b, h) / math.sqrt(d), log_mass, log_mass > float("-inf")
+
+    def plan(self, layer: int, q: torch.Tensor):
+        """Ranges of each query block of q [B, n, H, D] (the open chunk's queries) over the keys
+        ``attend`` returned: (ranges [B, H, nqb, R, 2], range_counts [B, H, nqb])."""
+        layout = self.cache.layout
+        chunk = layout.chunk
+        plan = self._quant_plan(q, self.reps[layer], layer, self.cache.k[layer, :, chunk], rows=layout.history,
+                                sink=layout.sink, chunk_start=chunk.start, chunk_stop=chunk.stop,
+                                reads=self._reads(layer, q))
+        self.attended[layer] = layout.attended
+        return plan
+
+    def _reads(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The layer's keys-read buffer for plans over q [B, n, H, D], made anew when the query
+        blocks change (a first chunk, a shorter one: op by op, never inside a graph capture), so a
+        replayed chunk's plans write into the buffer ``density`` reads."""
+        shape = (q.shape[0], q.shape[2], -(-q.shape[1] // self.config.block_q))
+        if self.reads[layer] is None or tuple(self.reads[layer].shape) != shape:
+            self.reads[layer] = torch.zeros(shape, dtype=torch.int32, device=q.device)
+        return self.reads[layer]
+
+    @property
+    def density(self) -> torch.Tensor:
+        """Keys read / keys attended by each layer's last plan (1 before its first), [num_layers]:
+        telemetry from the plans' own output, no kernel in the hot path (the selection kernel
+        writes each query block's keys read)."""
+        out = torch.ones(len(self.reads), device=self.cache.device)
+        for layer, (reads, keys) in enumerate(zip(self.reads, self.attended)):
+            if reads is not None:
+                out[layer] = reads.float().mean() / max(keys, 1)
+        return out
+
+    def _quant_plan(self, q, reps, layer: int, chunk_keys, *, rows: slice, sink: int, chunk_start: int,
+                    chunk_stop: int, reads: torch.Tensor):
+        """The 'quant' plan: each block of ``block_q`` consecutive queries reads its best
+        ``keep_fraction`` key blocks and, beyond them, top-p (``keep_mass``); a key block scores
+        the best int8 dot product of its mean key with any of the block's queries (a block mixing
+        two clusters of queries keeps both clusters' keys), as a logit, plus the log of its key
+        multiplicity (TempCache's merged keys weigh m times) (``kernels/quant_scores.py``); for
+        top-p, each query's estimated share of its mass per key block, the sink's and the open
+        chunk's blocks counted in, averaged over the block. Picked blocks that touch in the
+        sorted history fuse into one range (``kernels/quant_select.py``).
+        ``reps``: the layer's ``_block_means`` (None before its first write: the plan is the sink
+        and the chunk); ``chunk_keys`` [B, n, H, D]: the open chunk's keys; ``reads`` [B, H, nqb] receives
+        each query block's keys read."""
+        cfg, bq = self.config, self.config.block_q
+        b, n, h, d = q.shape
+        if reps is None:
+            none = torch.zeros(b, h, -(-n // bq), 0, dtype=torch.int32, device=q.device)
+            plan = runs_to_ranges(none.bool(), none, none, 2, sink=sink, chunk_start=chunk_start, chunk_stop=chunk_stop)
+            reads.copy_(range_reads(*plan))
+            return plan
+        k8, logit_scale, log_mass, held = reps
+        top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])
+        qt, spans = q.transpose(1, 2), dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=sink,
+                                            chunk_start=chunk_start, chunk_stop=chunk_stop, reads=reads)
+        if not cfg.keep_mass:
+            score = quant_block_scores_auto(qt, k8, logit_scale, log_mass, bq)
+            return quant_select_auto(score, held, top, **spans)
+        means, counts, ns = self._fixed_blocks(layer, sink, slice(chunk_start, chunk_stop))
+        block_means_auto(chunk_keys, None, KEY_BLOCK, out=(means[:, :, ns:], counts[:, :, ns:]))
+        share, fixed_share = quant_block_shares_auto(qt, k8, logit_scale, log_mass, means, counts, bq)
+        return quant_select_auto(share, held, top, mass=cfg.keep_mass, fixed=fixed_share, **spans)
+
+    def _fixed_blocks(self, layer: int, sink: int, chunk: slice):
+        """The layer's blocks of the keys every plan reads, for top-p: (float means [B, H, ns + nc, D],
+        key counts [B, H, ns + nc], ns), the sink's ns blocks (written at index time; empty until then)
+        before the open chunk's nc (written per plan). One buffer, so the share kernel reads both
+        with no copy; made anew, the sink's part kept, when the chunk's length changes."""
+        cache = self.cache
+        ns, nc = -(-sink // KEY_BLOCK), -(-(chunk.stop - chunk.start) // KEY_BLOCK)
+        old = self.fixed[layer]
+        if old is None or old[0].shape[2] != ns + nc:
+            shape = (cache.batch, cache.num_heads, ns + nc)
+            means = torch.zeros(*shape, cache.head_dim, device=cache.device)
+            counts = torch.zeros(shape, device=cache.device)
+            if old is not None:
+                means[:, :, :ns], counts[:, :, :ns] = old[0][:, :, :ns], old[1][:, :, :ns]
+            self.fixed[layer] = (means, counts)
+        return (*self.fixed[layer], ns)
+
+    @torch.no_grad()
+    def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:
+        """Dense attention mass inside ``plan`` (``self.plan``'s result), averaged over the
+        queries of ``sample_blocks`` query blocks spread over the chunk (device scalar).
+        ``history_only``: the share of the mass on cached keys (all but the open chunk's own,
+        which every plan reads) that the plan keeps: the part of recall the selection earns."""
+        ranges, counts = plan
+        b, n, h, d = q.shape
+        nqb, bq, lk = ranges.shape[2], self.config.block_q, keys.shape[1]
+        n_pick = min(sample_blocks, nqb)
+        picks = sorted({round(i * (nqb - 1) / max(n_pick - 1, 1)) for i in range(n_pick)})
+        used = torch.arange(ranges.shape[3], device=q.device) < counts[..., None]        # [B, H, nqb, R]
+        key = torch.arange(lk, device=q.device)
+        chunk = self.cache.layout.chunk
+        cached = ((key < chunk.start) | (key >= chunk.stop)) if history_only else torch.ones_like(key, dtype=torch.bool)
+        mass = []
+        for blk in picks:
+            r = ranges[:, :, blk]
+            inside = ((key >= r[..., 0, None]) & (key < r[..., 1, None]) & used[:, :, blk, :, None]).any(-2)
+            for i in range(h):  # one head at a time: [B, r, Lk] logits stay small
+                qs = q[:, blk * bq:(blk + 1) * bq, i].float()
+                logits = qs @ keys[:, :, i].float().transpose(1, 2) / math.sqrt(d)
+                if bias is not None:
+                    logits = logits + bias[:, i, None]
+                p = logits.softmax(-1) * cached
+                mass.append(((p * inside[:, i, None]).sum(-1) / p.sum(-1).clamp_min(1e-30)).flatten())
+        return torch.cat(mass).mean()
+
+    def attention(self, layer: int, q, keys, values, bias, plan=None):
+        """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
+        layout = self.cache.layout
+        prior, side = None, None
+        if layout.fixed is not None and triton_runs_on(q) and kernel_supports(q, self.config.block_q):
+            if q.is_cuda:
+                # the side stream waits for this layer's K/V, and waits again before its next call,
+                # which orders its reuse of the memory it allocates after the kernel that reads it
+                side = side_stream(q.device, "prior")
+                side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                prior = attend_lse(q, keys[:, layout.fixed], values[:, layout.fixed])
+        ranges, counts = plan if plan is not None else self.plan(layer, q)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        if prior is not None:
+            ranges, counts = ranges[:, :, :, 2:], counts - 2
+        out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                          ranges, counts, key_bias=bias, block_q=self.config.block_q, prior=prior,
+                                          bias_window=layout.bias)
+        return out.transpose(1, 2)
+
+
+def plan_density(ranges: torch.Tensor, counts: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Mean fraction of the ``num_keys`` keys a query block reads (device scalar; telemetry)."""
+    return range_reads(ranges, counts).float().mean() / max(num_keys, 1)

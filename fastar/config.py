@@ -1,0 +1,143 @@
+"""The settings of a rollout's KV cache and sparse attention: plain frozen dataclasses, checked on
+construction, importable by the nodes and the CLI without the hot path (no kernels, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import FastARError
+
+CACHE_MODES = ("unbounded", "window")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_fraction(x, lo_open: bool) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return (0.0 < x if lo_open else 0.0 <= x) and x <= 1.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``unbounded`` keeps every frame; ``window`` keeps the first ``sink_frames`` frames and
+    the last ``window_frames`` frames before the current chunk (LongLive: sink 3, window 12)."""
+    mode: str = "unbounded"
+    sink_frames: int = 3
+    window_frames: int = 12
+
+    def __post_init__(self):
+        if self.mode not in CACHE_MODES:
+            raise FastARError(f"unknown cache mode {self.mode!r}; expected one of {', '.join(CACHE_MODES)}")
+        if not _is_int(self.sink_frames) or self.sink_frames < 0:
+            raise FastARError(f"sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+        if not _is_int(self.window_frames) or self.window_frames < 1:
+            raise FastARError(f"window_frames must be an integer >= 1, got {self.window_frames!r}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.mode == "window"
+
+
+@dataclass(frozen=True)
+class TempCacheConfig:
+    """TempCache: ``sink_frames`` kept whole, then a history of ``max_cache_frames - sink_frames``
+    frames of token slots where a new token whose key's cosine with its best match among the
+    whole tokens (all heads concatenated) clears ``merge_threshold`` merges into that group.
+    ``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
+    TempCache is measured against.
+
+    Why 0.95: on the sensitized testbed (bench/testbed.py) it is the best threshold at the
+    21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
+    enabled: bool = True
+    merge_threshold: float = 0.95
+    max_cache_frames: int = 21
+    sink_frames: int = 3
+
+    def __post_init__(self):
+        if not _is_fraction(self.merge_threshold, lo_open=True):
+            raise FastARError(f"TempCacheConfig.merge_threshold must lie in (0, 1] (a cosine similarity), "
+                              f"got {self.merge_threshold!r}")
+        if not _is_int(self.sink_frames) or self.sink_frames < 0:
+            raise FastARError(f"TempCacheConfig.sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+        if not _is_int(self.max_cache_frames) or self.max_cache_frames <= self.sink_frames:
+            raise FastARError(f"TempCacheConfig.max_cache_frames must be an integer > sink_frames "
+                              f"({self.sink_frames}), got {self.max_cache_frames!r}")
+
+    @property
+    def history_frames(self) -> int:
+        return self.max_cache_frames - self.sink_frames
+
+
+MAX_BITS = 12
+
+
+@dataclass(frozen=True)
+class AnnConfig:
+    """AnnSA / AnnCA settings.
+
+    AnnSA: each block of ``block_q`` consecutive queries reads the sink, its own chunk and its
+    best ``keep_fraction`` of the bucket-sorted history's key blocks, and more while they hold
+    less than ``keep_mass`` of its estimated attention mass (``keep_mass=0``: the fixed share
+    alone). ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
+    AnnCA (off by default: over Wan's 512 prompt tokens dense cross-attention costs less than
+    selecting tokens does, bench/results/ann_bench.json) keeps per frame the prompt tokens that
+    share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
+    flipped, at least ``min_tokens``. Both run dense for the first ``dense_steps_fraction`` of
+    the denoising steps (the clean pass counts as the step after the last) and in ``dense_layers``.
+    """
+    bits: int = 8
+    probes: int = 2
+    block_q: int = 64
+    dense_steps_fraction: float = 0.3
+    dense_layers: tuple[int, ...] = ()
+    annsa: bool = True
+    annca: bool = False
+    min_tokens: int = 64
+    seed: int = 0
+    keep_fraction: float = 0.2
+    keep_mass: float = 0.95
+
+    def __post_init__(self):
+        if not _is_int(self.bits) or not 1 <= self.bits <= MAX_BITS:
+            raise FastARError(f"AnnConfig.bits must be an integer in [1, {MAX_BITS}], got {self.bits!r}")
+        if not _is_int(self.probes) or not 0 <= self.probes <= self.bits:
+            raise FastARError(f"AnnConfig.probes must be an integer in [0, bits={self.bits}], got {self.probes!r}")
+        if self.block_q not in (64, 128) or isinstance(self.block_q, bool):
+            raise FastARError(f"AnnConfig.block_q must be 64 or 128, got {self.block_q!r}")
+        if not _is_fraction(self.dense_steps_fraction, lo_open=False):
+            raise FastARError(f"AnnConfig.dense_steps_fraction must lie in [0, 1], got {self.dense_steps_fraction!r}")
+        try:
+            layers = tuple(self.dense_layers)
+        except TypeError:
+            raise FastARError(f"AnnConfig.dense_layers must be a sequence of layer indices, "
+                              f"got {self.dense_layers!r}") from None
+        if not all(_is_int(i) and i >= 0 for i in layers):
+            raise FastARError(f"AnnConfig.dense_layers must hold integers >= 0, got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", layers)
+        for name in ("annsa", "annca"):
+            if not isinstance(getattr(self, name), bool):
+                raise FastARError(f"AnnConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise FastARError(f"AnnConfig.min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not _is_int(self.seed):
+            raise FastARError(f"AnnConfig.seed must be an integer, got {self.seed!r}")
+        if not _is_fraction(self.keep_fraction, lo_open=True):
+            raise FastARError(f"AnnConfig.keep_fraction must lie in (0, 1], got {self.keep_fraction!r}")
+        if not _is_fraction(self.keep_mass, lo_open=False):
+            raise FastARError(f"AnnConfig.keep_mass must lie in [0, 1] (0: keep_fraction of the blocks only), "
+                              f"got {self.keep_mass!r}")
+
+    @property
+    def buckets(self) -> int:
+        return 1 << self.bits
+
+    def sparse_at(self, layer: int, step: int | None, num_steps: int | None) -> bool:
+        """Whether a forward at denoising ``step`` of ``num_steps`` runs sparse in ``layer``
+        (unknown step: sparse). The clean pass is step ``num_steps``: sparse unless the fraction is 1."""
+        if layer in self.dense_layers:
+            return False
+        if step is None or num_steps is None:
+            return True
+        return self.dense_steps_fraction < 1 and step >= round(self.dense_steps_fraction * num_steps)
