@@ -1,4 +1,5 @@
-"""The benchmarks' testbed (bench/testbed.py) and the end-to-end runner's CPU smoke mode."""
+"""The benchmarks' shared parts (bench/common.py, bench/testbed.py) and the scripts' CPU smoke runs (marked slow:
+each runs a script end to end on the tiny model)."""
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ def test_psnr_and_ssim():
     assert testbed.ssim(ref + noise, ref) > testbed.ssim(ref + 10 * noise, ref) > testbed.ssim(torch.rand_like(ref), ref)
 
 
+@pytest.mark.slow
 def test_e2e_runner_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "e2e_bench.py"), "--smoke", "--out", str(tmp_path)],
                           env=TWINS, capture_output=True, text=True, timeout=300)
@@ -88,6 +90,7 @@ def test_e2e_runner_smoke(tmp_path):
     assert (tmp_path / "e2e_bench_smoke.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ann_bench_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "ann_bench.py"), "--smoke", "--out", str(tmp_path),
                            "--quant-keep", "0.35,1.0", "--annca-bits", "8"],
@@ -134,6 +137,7 @@ def test_dense_curve_interpolates_between_points_and_clamps_outside():
     assert [at(f) for f in (5, 10, 15, 20, 25, 30, 40)] == [100.0, 100.0, 125.0, 150.0, 225.0, 300.0, 300.0]
 
 
+@pytest.mark.slow
 def test_ann_bound_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "ann_bound.py"), "--smoke", "--out", str(tmp_path)],
                           env=TWINS, capture_output=True, text=True, timeout=300)
@@ -149,6 +153,7 @@ def test_ann_bound_smoke(tmp_path):
             assert r["within_bound_eager"] == (r["plan_ms"] + r["sparse_ms"] <= r["bound_eager_ms"])
 
 
+@pytest.mark.slow
 def test_frontier_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "frontier.py"), "--smoke", "--out", str(tmp_path)],
                           env=TWINS, capture_output=True, text=True, timeout=300)
@@ -165,6 +170,7 @@ def test_frontier_smoke(tmp_path):
     assert fid["budget12"]["kv_held"] < fid["fastar"]["kv_held"]  # the smaller budget holds fewer keys
 
 
+@pytest.mark.slow
 def test_ab_smoke(tmp_path):
     """A and B the same tree: two packages, one model's weights, so the latents must agree exactly."""
     root = os.path.dirname(BENCH)
@@ -198,3 +204,47 @@ def test_ab_exports_a_revision_without_the_bench(tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(folder, "bench")) and not os.path.exists(os.path.join(folder, "tests"))
     assert ab.resolve(folder) == (folder, head)  # the exported folder names its commit
     assert ab.export("HEAD") == (folder, commit)  # exported once
+
+
+@pytest.mark.slow
+def test_chunk_profile_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "chunk_profile.py"), "--smoke", "--out", str(tmp_path),
+                           "--settings", "fastar,sink+window"], env=TWINS, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "chunk_profile_smoke.json").read_text())
+    assert set(result) == {"device", "chunk", "fastar", "sink+window"}
+    assert all(result[name]["wall_ms"] > 0 for name in ("fastar", "sink+window"))
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "chunk_profile.py"), "--smoke", "--settings", "lsh"],
+                         env=TWINS, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown settings lsh" in bad.stderr
+
+
+def test_reproduce_makes_every_figure_in_results_and_the_readme():
+    import re
+
+    import reproduce
+
+    names = {f.name for f in reproduce.FIGURES}
+    results = os.path.join(BENCH, "results")
+    assert names == {f[:-4] for f in os.listdir(results) if f.endswith(".png")}
+    with open(os.path.join(os.path.dirname(BENCH), "README.md")) as f:
+        shown = re.findall(r"!\[[^\]]*\]\(bench/results/([^)/]+)\.png\)", f.read())
+    assert set(shown) <= names
+    for fig in reproduce.FIGURES:  # the script named writes that figure: by its own name, or as the --tag given
+        with open(os.path.join(BENCH, fig.args[0])) as f:
+            assert fig.name in f.read() or fig.args[fig.args.index("--tag") + 1] == fig.name
+
+
+def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys):
+    import reproduce
+
+    assert reproduce.main(["--list", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.split()[0] for x in lines[:-1:2]] == [f"{n}.png" for n in ("core_bench", "tempcache_bench", "ann_bench",
+                                                                           "ann_bench_random", "e2e_bench",
+                                                                           "comfy_bench", "stream_memory")]
+    assert f"ann_bench.py --prompt random --tag ann_bench_random --out {tmp_path}" in lines[7]
+    assert lines[-1] == f"in all ~{sum(f.minutes for f in reproduce.FIGURES):g} minutes"
+    assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
+    assert "stream_memory: skipped, needs --comfyui" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
