@@ -1,24 +1,16 @@
 """Block-sparse flash attention (AnnSA's kernel), as a Triton forward kernel.
 
-One kernel per file, beside its torch twin with the same signature: the twin is the
-oracle the kernel is tested against and the fallback wherever Triton cannot run (CPU).
+The kernel, its torch twin (the oracle the kernel is tested against and the fallback wherever
+Triton cannot run) and the dispatcher between them. The plan format is ``kernels/plan.py``'s,
+the launch model (tile sizes, key splits) ``kernels/launch.py``'s.
 
 Semantics (the twin defines them)
 ---------------------------------
-Queries are cut into *query blocks* of ``block_q`` consecutive queries. Query block ``i``
-of head ``(b, h)`` attends to the union of its key ranges::
+Queries are cut into *query blocks* of ``block_q`` consecutive queries; query block ``i`` of
+head ``(b, h)`` attends to the keys its plan names (``kernels/plan.py``), with logits ``scale * q
+. k + key_bias[b, h, key]`` (``key_bias`` is TempCache's ``log m``) and a softmax over exactly
+those keys.
 
-    keys(b, h, i) = U_{r < range_counts[b, h, i]} [ranges[b, h, i, r, 0], ranges[b, h, i, r, 1])
-
-with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias`` is TempCache's
-``log m``) and a softmax over exactly those keys.
-
-- Ranges are half-open ``(start, end)`` pairs of key indices with ``0 <= start <= end
-  <= Lk``; they may be empty, unsorted and unaligned to any block size. Ranges are
-  assumed **not to overlap**: a key covered twice is counted twice (in both
-  implementations alike), which is not attention over a set.
-- Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest are
-  ignored and may hold anything.
 - Without a prior, a query block with no keys, and a query whose every key has bias
   ``-inf`` (empty TempCache slots), output zeros, never NaN.
 - ``bias_window=(lo, hi)``: the bias applies to keys ``[lo, hi)`` only, every other key's
@@ -29,15 +21,14 @@ with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias`` is TempCache's
   reads. The result is the softmax over both key sets: the kernel starts each block's online
   softmax from it, so it reads only the plan's keys and needs no combine pass.
 
-Validation of tensor *values* (range bounds, counts <= R, bias free of NaN/+inf) needs a
-host sync, which the kernel path must not do (DESIGN.md §3). :func:`validate_plan` does it;
-the twin always calls it and raises ``ValueError``; the kernel only checks shapes, dtypes
-and devices and, for memory safety, clamps counts to ``[0, R]`` and ranges to ``[0, Lk]``
-(a reversed range reads nothing) instead of raising.
+The twin checks the plan's values (``validate_plan``, a host sync) and raises ``ValueError``;
+the kernel only checks shapes, dtypes and devices and, for memory safety, clamps counts to
+``[0, R]`` and ranges to ``[0, Lk]`` (a reversed range reads nothing) instead of raising.
 
 Kernel layout
 -------------
-One program holds one query block in registers and streams the keys of its ranges in tiles of ``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
+One program holds one query block in registers and streams the keys of its ranges in tiles of
+``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
 into the scale, and into the bias once per call by the wrapper). Each range is
 ``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
 bias, scaling and the max shift fuse into one FMA per score), then at most one masked
@@ -47,15 +38,9 @@ int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
 ``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
 
 The grid is one program per (query block, head) item, in that order, unless some items are
-*split*: such an item's keys are cut into even shares by count (along its ranges, on whole tiles),
-one program each; a split program writes an fp32 partial output and its log-sum-exp, and one
-combine pass joins each split item's shares. ``num_splits`` > 1 splits every item (the first
-step's dense biased attention, whose programs read long ranges). By default only the last,
-partial wave is split: a grid of equal programs runs in waves of the programs the GPU holds at
-once (132 SMs x 2 on an H200 for the default launch), and a last wave a third full costs about
-as long as a full one; its items split in S shares (S x tail <= wave) shorten it. On AnnSA's
-plans this gained little (0.9% of a call, ~3 ms a chunk: bench/NOTES.md, "The last wave"), and
-splitting every item there costs more than it gains (partials and a combine for all of them).
+*split* (``kernels/launch.py`` says which): such an item's keys are cut into even shares by count
+(along its ranges, on whole tiles), one program each; a split program writes an fp32 partial
+output and its log-sum-exp, and one combine pass joins each split item's shares.
 """
 
 from __future__ import annotations
@@ -68,121 +53,19 @@ import torch
 from torch import Tensor
 
 from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from .launch import TUNABLES, block_m, device_wave, launch_config, split_items, tile_offsets_fit
+from .plan import check_block_q, check_plan, validate_plan
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = [
-    "HAS_TRITON",
-    "block_sparse_attention",
-    "block_sparse_attention_auto",
-    "block_sparse_attention_torch",
-    "block_sparse_attention_triton",
-    "HOPPER_LAUNCH_GRID",
-    "default_launch",
-    "dense_ranges",
-    "kernel_supports",
-    "n_query_blocks",
-    "validate_plan",
-]
+__all__ = ["block_sparse_attention", "block_sparse_attention_auto", "block_sparse_attention_torch",
+           "kernel_supports"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TWIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LOG2E = 1.4426950408889634
-
-
-def n_query_blocks(Lq: int, block_q: int) -> int:
-    """Number of query blocks, ``ceil(Lq / block_q)``."""
-    return -(-Lq // block_q)
-
-
-def dense_ranges(
-    B: int, H: int, Lq: int, Lk: int, block_q: int, *, device=None
-) -> tuple[Tensor, Tensor]:
-    """The plan "every query block reads all keys": ranges ``[B, H, nqb, 1, 2]`` = (0, Lk).
-
-    Returns ``(ranges, range_counts)`` (int32). Block-sparse attention with this plan is
-    dense attention (``scaled_dot_product_attention`` with ``key_bias`` as the mask).
-    """
-    for name, val in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):
-        if operator.index(val) < 0:
-            raise ValueError(f"{name} must be >= 0, got {val}")
-    block_q = _check_block_q(block_q)
-    nqb = n_query_blocks(Lq, block_q)
-    ranges = torch.zeros(B, H, nqb, 1, 2, dtype=torch.int32, device=device)
-    ranges[..., 1] = Lk
-    counts = torch.ones(B, H, nqb, dtype=torch.int32, device=device)
-    return ranges, counts
-
-
-#: Hopper's shared memory per block (227 KiB), less room for the bias tiles (4 * block_n * stages B).
-_SMEM_BUDGET = 232448 - 2048
-
-#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on
-#: Hopper at D = 128 (``bench/block_sparse_bench.py`` sweeps them; every one compiles
-#: for sm_90 within shared memory, see the test). ``block_q`` is part of a plan's
-#: meaning, so a planner picks it; the other three are pure tunables.
-HOPPER_LAUNCH_GRID = (
-    (64, 64, 4, 3),  # best measured before the full-tile split (352 TFLOP/s)
-    (64, 64, 4, 4),
-    (64, 32, 4, 3),
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (128, 32, 8, 4),
-    (128, 128, 8, 2),
-    (128, 128, 8, 3),
-)
-
-
-def _smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
-    """Shared memory of a launch: the query block plus a K and a V tile per stage."""
-    return itemsize * D * (block_m + 2 * num_stages * block_n)
-
-
-def default_launch(D: int, block_q: int, itemsize: int = 2) -> dict:
-    """Launch defaults for Hopper (H200), used where the caller passes None.
-
-    ``block_n`` 64: a K and a V tile of 64 x 128 bf16 are 32 KiB per stage, so three
-    stages plus the query block fit shared memory with room to spare, and a range's
-    masked tail tile wastes at most 63 keys. ``num_warps`` 4 per 64 query rows (one
-    warpgroup per wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for
-    D > 128, whose tiles are twice as large). Where that would not fit shared memory
-    (``itemsize`` 4, i.e. fp32 inputs, with large tiles) stages, then ``block_n``, are
-    cut until it does. Override any of them per call; ``HOPPER_LAUNCH_GRID`` lists the
-    candidates the benchmark compares.
-    """
-    block_m = _block_m(block_q)
-    launch = {
-        "block_n": 64,
-        "num_warps": 8 if block_m >= 128 else 4,
-        "num_stages": 3 if D <= 128 else 2,
-    }
-
-    def fits():
-        size = _smem_bytes(D, block_m, launch["block_n"], launch["num_stages"], itemsize)
-        return size <= _SMEM_BUDGET
-
-    while not fits() and launch["num_stages"] > 2:
-        launch["num_stages"] -= 1
-    while not fits() and launch["block_n"] > 16:
-        launch["block_n"] //= 2
-    return launch
-
-
-def _block_m(block_q: int) -> int:
-    """Kernel tile rows: block_q rounded up to a power of two, at least 16 (tl.dot minimum)."""
-    return max(16, 1 << (block_q - 1).bit_length())
-
-
-def _check_block_q(block_q) -> int:
-    try:
-        block_q = operator.index(block_q)
-    except TypeError:
-        raise ValueError(f"block_q must be an int, got {type(block_q).__name__}") from None
-    if block_q < 1:
-        raise ValueError(f"block_q must be >= 1, got {block_q}")
-    return block_q
 
 
 def _check_bias_window(bias_window, Lk: int) -> tuple[int, int]:
@@ -218,8 +101,9 @@ def _check_prior(prior, q: Tensor) -> tuple[Tensor, Tensor] | None:
     return o, lse
 
 
-def _check_inputs(q, k, v, ranges, range_counts, key_bias, block_q, scale):
-    """Shape / dtype / device checks (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q, scale)."""
+def _check_call(q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior):
+    """The checks kernel and twin share (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q,
+    scale, (lo, hi), prior): the resolved scale, bias window and prior."""
     for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch tensor, got {type(t).__name__}")
@@ -240,24 +124,8 @@ def _check_inputs(q, k, v, ranges, range_counts, key_bias, block_q, scale):
         raise ValueError(f"q dtype {q.dtype} unsupported (bf16/fp16/fp32)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype} (must be equal)")
-    dev = q.device
-    block_q = _check_block_q(block_q)
-    nqb = n_query_blocks(Lq, block_q)
-    if ranges.dtype != torch.int32:
-        raise ValueError(f"ranges must be int32, got {ranges.dtype}")
-    if ranges.ndim != 5 or ranges.shape[:3] != (B, H, nqb) or ranges.shape[4] != 2:
-        raise ValueError(
-            f"ranges must have shape [B, H, n_qblocks, R, 2] = [{B}, {H}, {nqb}, R, 2] "
-            f"(n_qblocks = ceil(Lq={Lq} / block_q={block_q})), got {tuple(ranges.shape)}"
-        )
-    R = ranges.shape[3]
-    if range_counts.dtype != torch.int32:
-        raise ValueError(f"range_counts must be int32, got {range_counts.dtype}")
-    if tuple(range_counts.shape) != (B, H, nqb):
-        raise ValueError(
-            f"range_counts must have shape [B, H, n_qblocks] = [{B}, {H}, {nqb}], "
-            f"got {tuple(range_counts.shape)}"
-        )
+    block_q = check_block_q(block_q)
+    nqb, R = check_plan(ranges, range_counts, B, H, Lq, block_q)
     named = {"k": k, "v": v, "ranges": ranges, "range_counts": range_counts}
     if key_bias is not None:
         if not isinstance(key_bias, Tensor):
@@ -270,8 +138,8 @@ def _check_inputs(q, k, v, ranges, range_counts, key_bias, block_q, scale):
             )
         named["key_bias"] = key_bias
     for name, t in named.items():
-        if t.device != dev:
-            raise ValueError(f"device mismatch: q on {dev}, {name} on {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"device mismatch: q on {q.device}, {name} on {t.device}")
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -279,37 +147,8 @@ def _check_inputs(q, k, v, ranges, range_counts, key_bias, block_q, scale):
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return B, H, Lq, Lk, D, nqb, R, block_q, scale
-
-
-def validate_plan(
-    ranges: Tensor,
-    range_counts: Tensor,
-    Lk: int,
-    key_bias: Tensor | None = None,
-) -> None:
-    """Check the *values* of a plan; raises ValueError. Syncs with the host: not for hot paths.
-
-    Counts in ``[0, R]``; every used range ``0 <= start <= end <= Lk``; ``key_bias`` without
-    NaN or ``+inf``.
-    """
-    R = ranges.shape[-2]
-    if range_counts.numel():
-        lo, hi = int(range_counts.min()), int(range_counts.max())
-        if lo < 0 or hi > R:
-            raise ValueError(f"range_counts must lie in [0, R={R}], got values in [{lo}, {hi}]")
-        used = torch.arange(R, device=ranges.device) < range_counts.unsqueeze(-1).long()
-        starts, ends = ranges[..., 0][used], ranges[..., 1][used]
-        if starts.numel():
-            if int(starts.min()) < 0:
-                raise ValueError(f"ranges: start must be >= 0, got {int(starts.min())}")
-            if int(ends.max()) > Lk:
-                raise ValueError(f"ranges: end must be <= Lk={Lk}, got {int(ends.max())}")
-            if bool((starts > ends).any()):
-                raise ValueError("ranges: start must be <= end (a reversed range is a planning bug)")
-    if key_bias is not None and key_bias.numel():
-        if bool(torch.isnan(key_bias).any()) or bool((key_bias == float("inf")).any()):
-            raise ValueError("key_bias must be finite or -inf (found NaN or +inf)")
+    prior = _check_prior(prior, q)
+    return B, H, Lq, Lk, D, nqb, R, block_q, scale, _check_bias_window(bias_window, Lk), prior
 
 
 def block_sparse_attention_torch(
@@ -323,28 +162,25 @@ def block_sparse_attention_torch(
     block_q: int = 64,
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    num_splits: int | None = None,
-    wave: int | None = None,
     prior: tuple[Tensor, Tensor] | None = None,
+    **tunables,
 ) -> Tensor:
     """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
 
-    Same signature as the kernel; ``block_n`` / ``num_warps`` / ``num_stages`` /
-    ``num_splits`` / ``wave`` are accepted and ignored. Also accepts fp32 (and fp64) inputs. Returns a tensor of q's
-    shape, dtype and (where q is dense) memory layout. Validates the plan's values with
-    :func:`validate_plan` (host sync; the twin is the oracle and the CPU fallback).
-    ``prior`` = (out, lse): attention over keys outside the plan (lse in natural log, -inf: none),
-    joined in, so the result is the softmax over both key sets.
+    The kernel's signature: its launch parameters (``launch.TUNABLES``) are accepted and ignored.
+    Also accepts fp32 (and fp64) inputs. Returns a tensor of q's shape, dtype and (where q is
+    dense) memory layout. Validates the plan's values with ``validate_plan`` (host sync; the
+    twin is the oracle and the CPU fallback). ``prior`` = (out, lse): attention over keys
+    outside the plan (lse in natural log, -inf: none), joined in, so the result is the softmax
+    over both key sets.
     """
-    B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
-        q, k, v, ranges, range_counts, key_bias, block_q, scale
+    unknown = sorted(set(tunables) - set(TUNABLES))
+    if unknown:
+        raise TypeError(f"block_sparse_attention_torch() got unexpected keyword arguments {unknown}")
+    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior = _check_call(
+        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior
     )
-    prior = _check_prior(prior, q)
     validate_plan(ranges, range_counts, Lk, key_bias)
-    lo, hi = _check_bias_window(bias_window, Lk)
     if key_bias is not None and (lo, hi) != (0, Lk):
         windowed = torch.zeros_like(key_bias)
         windowed[..., lo:hi] = key_bias[..., lo:hi]
@@ -728,62 +564,6 @@ if HAS_TRITON:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def _tile_offsets_fit(t: Tensor, block_n: int) -> bool:
-    """Whether ``block_n`` rows x D of ``t`` ([B, H, L, D]) are addressable with int32 offsets."""
-    span = (block_n - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
-    return span < 2**31 - 1
-
-
-def _check_splits(num_splits) -> int:
-    """Key splits of every item: an int in [1, 16]; None is 1 (only the last wave may split)."""
-    if num_splits is None:
-        return 1
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 16:
-        raise ValueError(f"num_splits must be an int in [1, 16] or None, got {num_splits!r}")
-    return num_splits
-
-
-#: Most shares a last-wave item is cut into: each adds a partial to write and join, and past
-#: four the last wave is short already.
-MAX_TAIL_SPLIT = 4
-
-
-def tail_split(n_items: int, wave: int) -> tuple[int, int]:
-    """``(n_whole, n_split)``: the first ``n_whole`` items run whole; the last wave's
-    ``n_items - n_whole`` items run in ``n_split`` programs each, as many shares as fit in the
-    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or more than half
-    full (two shares of each item would not fit), or ``wave`` is 0 (unknown)."""
-    tail = n_items % wave if wave > 0 else 0
-    n_split = min(MAX_TAIL_SPLIT, wave // tail) if tail else 1
-    return (n_items - tail, n_split) if n_split > 1 else (n_items, 1)
-
-
-_WAVES: dict = {}
-
-
-def _device_wave(variant: tuple, warmup) -> int:
-    """Programs of a kernel variant (``variant[0]`` its device; ``warmup()`` compiles it, a
-    split-capable one) the GPU holds at once: SMs x the fewest per SM that its registers, shared
-    memory and threads allow, read from the compiled kernel (loaded, not launched) once per
-    variant. 0 off CUDA or where they cannot be read."""
-    device = variant[0]
-    if device.type != "cuda":
-        return 0
-    if variant not in _WAVES:
-        kernel = warmup()
-        props = torch.cuda.get_device_properties(device)
-        try:
-            kernel._init_handles()  # loads the binary: n_regs is known from then on
-            warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
-            by_regs = props.regs_per_multiprocessor // (-(-regs * 32 // 256) * 256 * warps)
-            by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)  # 1 KiB reserved per block
-            by_threads = props.max_threads_per_multi_processor // (32 * warps)
-            _WAVES[variant] = props.multi_processor_count * max(0, min(by_regs, by_smem, by_threads))
-        except (AttributeError, TypeError):  # a Triton or torch without these fields: no split
-            _WAVES[variant] = 0
-    return _WAVES[variant]
-
-
 def kernel_supports(q: Tensor, block_q) -> bool:
     """dtype, head dim and block size the kernel handles (D a power of two in [16, 256])."""
     D = q.shape[-1] if q.ndim == 4 else 0
@@ -802,12 +582,12 @@ def block_sparse_attention(
     block_q: int = 64,
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
     wave: int | None = None,
-    prior: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Triton kernel with the twin's contract; one program per query block and head.
 
@@ -815,22 +595,21 @@ def block_sparse_attention(
     IEEE dot to match the twin, but slowly), any strides (views are read in place). D a
     power of two in [16, 256] (64 and 128 are the tested ones). ``block_q`` is part of
     the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
-    int in [1, 256]; the kernel tile is it rounded up to a power of two. ``block_n``,
-    ``num_warps``, ``num_stages`` default to :func:`default_launch` (Hopper guesses);
-    ``num_splits`` (1-16) splits every block's keys across programs; None (the default) splits
-    only the last wave's blocks, a wave being ``wave`` programs (None: what the GPU holds at once
-    for this launch; 0: no split); 1 never splits (module docstring).
+    int in [1, 256]; the kernel tile is it rounded up to a power of two.
     ``prior`` = (out [B, H, Lq, D], lse [B, H, Lq] fp32, natural log) of attention over keys the plan
     does not hold (e.g. cuDNN's over the keys every block reads) starts each block's online softmax.
+    Launch parameters (``kernels/launch.py``): ``block_n``, ``num_warps``, ``num_stages`` default to
+    ``default_launch`` (Hopper guesses); ``num_splits`` (1-16) splits every block's keys across
+    programs; None (the default) splits only the last wave's blocks, a wave being ``wave`` programs
+    (None: what the GPU holds at once for this launch; 0: no split); 1 never splits.
     No host sync: plan values are clamped, not checked (see the module docstring).
     The result has q's shape, dtype and (where q is dense) memory layout.
     """
     if not HAS_TRITON:
         raise RuntimeError("block_sparse_attention needs triton, which is not importable")
-    B, H, Lq, Lk, D, nqb, R, block_q, scale = _check_inputs(
-        q, k, v, ranges, range_counts, key_bias, block_q, scale
+    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior = _check_call(
+        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior
     )
-    prior = _check_prior(prior, q)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"dtype {q.dtype} unsupported by the kernel (bf16/fp16/fp32)")
     if D < 16 or D > 256 or D & (D - 1):
@@ -838,16 +617,8 @@ def block_sparse_attention(
     if block_q > 256:
         raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
     check_triton_runs_on(q)
-    launch_cfg = default_launch(D, block_q, q.element_size())
-    if block_n is not None:
-        launch_cfg["block_n"] = block_n
-    if num_warps is not None:
-        launch_cfg["num_warps"] = num_warps
-    if num_stages is not None:
-        launch_cfg["num_stages"] = num_stages
-    bn = launch_cfg["block_n"]
-    if not isinstance(bn, int) or bn < 16 or bn & (bn - 1):
-        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot minimum), got {bn}")
+    launch = launch_config(D, block_q, q.element_size(), block_n, num_warps, num_stages, num_splits, wave)
+    bn = launch["block_n"]
 
     out = torch.empty_like(q)
     if out.numel() == 0:
@@ -867,7 +638,6 @@ def block_sparse_attention(
     # stays -inf; the fp32 product is the same one the kernel used to form per tile.
     # Outside ``bias_window`` the bias is 0 (zeroed here too, so a range that straddles the
     # window's edge reads the twin's values); ranges wholly outside skip it.
-    lo, hi = _check_bias_window(bias_window, Lk)
     bias = q  # dummy pointer, never read
     if key_bias is not None:
         bias = (key_bias * _LOG2E).contiguous()
@@ -877,21 +647,18 @@ def block_sparse_attention(
     prior_strides = (*prior_o.stride(), *prior_lse.stride()) if prior is not None else (0,) * 7
     # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
     # elements. Always true for caches; a pathological view is copied instead.
-    if not _tile_offsets_fit(k, bn):
+    if not tile_offsets_fit(k, bn):
         k = k.contiguous()
-    if not _tile_offsets_fit(v, bn):
+    if not tile_offsets_fit(v, bn):
         v = v.contiguous()
-    block_m = _block_m(block_q)
+    bm = block_m(block_q)
     n_items = nqb * B * H
-    split_all = _check_splits(num_splits)
-    if wave is not None and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 0):
-        raise ValueError(f"wave must be an int >= 0 or None, got {wave!r}")
     # Without a split, fp32 stand-ins: never read, but typed as the split's buffers, so that the
     # wave's warm-up compiles the very kernel a split launch runs.
     part = lse = q.new_empty(0, dtype=torch.float32)
     r_block = max(2, 1 << (R - 1).bit_length())  # a split program's ranges as one vector: compiles as R doubles
 
-    def launch(n_whole: int, n_split: int, warmup: bool = False):
+    def run(n_whole: int, n_split: int, warmup: bool = False):
         splits = n_whole < n_items
         kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
             (n_whole + (n_items - n_whole) * n_split,)]
@@ -900,78 +667,33 @@ def block_sparse_attention(
             H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
             *prior_strides,
-            D=D, BLOCK_M=block_m, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PRIOR=prior is not None,
+            D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PRIOR=prior is not None,
             SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
             R_BLOCK=r_block if splits else 1,
-            num_warps=launch_cfg["num_warps"], num_stages=launch_cfg["num_stages"],
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             **({"grid": (1,)} if warmup else {}),
         )
 
-    if split_all > 1:
-        n_whole, n_split = 0, split_all
-    elif num_splits is None:  # the last wave's items split
-        if wave is None:
-            variant = (q.device, q.dtype, D, block_m, bn, launch_cfg["num_warps"], launch_cfg["num_stages"],
-                       key_bias is not None, prior is not None, r_block)
-            wave = _device_wave(variant, lambda: launch(0, 2, warmup=True))
-        n_whole, n_split = tail_split(n_items, wave)
-    else:
-        n_whole, n_split = n_items, 1
+    variant = (q.device, q.dtype, D, bm, bn, launch["num_warps"], launch["num_stages"],
+               key_bias is not None, prior is not None, r_block)
+    n_whole, n_split = split_items(n_items, num_splits, wave,
+                                   lambda: device_wave(variant, lambda: run(0, 2, warmup=True)))
     if n_whole < n_items:
         shares = (n_items - n_whole) * n_split
-        part = torch.empty(shares, block_m, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(shares, block_m, dtype=torch.float32, device=q.device)
-    launch(n_whole, n_split)
+        part = torch.empty(shares, bm, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(shares, bm, dtype=torch.float32, device=q.device)
+    run(n_whole, n_split)
     if n_whole < n_items:
         _combine_splits_kernel[(n_items - n_whole,)](
             part, lse, out, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(),
-            D=D, BLOCK_M=block_m, num_warps=4,
+            D=D, BLOCK_M=bm, num_warps=4,
         )
     return out
 
 
-block_sparse_attention_triton = block_sparse_attention  # the name other kernel files use
-
-
-def block_sparse_attention_auto(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    ranges: Tensor,
-    range_counts: Tensor,
-    *,
-    key_bias: Tensor | None = None,
-    block_q: int = 64,
-    scale: float | None = None,
-    bias_window: tuple[int, int] | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    num_splits: int | None = None,
-    wave: int | None = None,
-    prior: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """Dispatch: the kernel where Triton can run (CUDA, or CPU under TRITON_INTERPRET=1)
-    and the dtype / head dim suit it, else the torch twin (same results)."""
-    fn = (
-        block_sparse_attention
-        if isinstance(q, Tensor) and triton_runs_on(q) and kernel_supports(q, block_q)
-        else block_sparse_attention_torch
-    )
-    return fn(
-        q,
-        k,
-        v,
-        ranges,
-        range_counts,
-        key_bias=key_bias,
-        block_q=block_q,
-        scale=scale,
-        bias_window=bias_window,
-        block_n=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        num_splits=num_splits,
-        wave=wave,
-        prior=prior,
-    )
+def block_sparse_attention_auto(q: Tensor, *args, block_q: int = 64, **kwargs) -> Tensor:
+    """The kernel's signature; the kernel where Triton can run (CUDA, or CPU under
+    TRITON_INTERPRET=1) and the dtype / head dim / block size suit it, else the twin (same results)."""
+    use = isinstance(q, Tensor) and triton_runs_on(q) and kernel_supports(q, block_q)
+    fn = block_sparse_attention if use else block_sparse_attention_torch
+    return fn(q, *args, block_q=block_q, **kwargs)

@@ -26,9 +26,9 @@ held block (no rounding decides it), a row that needs nothing only its ``top``. 
 block whose sink and own chunk hold most of its mass reads few history blocks, a diffuse one
 many, so every query block keeps about the same recall (bench/NOTES.md).
 
-Output: ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and ``counts [B, H, nqb]`` (int32), the plan
-format of ``kernels/block_sparse_attention.py``; with ``reads`` (int32 [B, H, nqb]) also each query block's keys
-read, its ranges' lengths summed (``range_reads``): AnnSA's density telemetry, at no extra launch.
+Output: ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and ``counts [B, H, nqb]`` (int32), a plan
+(``kernels/plan.py``); with ``reads`` (int32 [B, H, nqb]) also each query block's keys read, its ranges'
+lengths summed (``plan.range_reads``): AnnSA's density telemetry, at no extra launch.
 """
 from __future__ import annotations
 
@@ -36,37 +36,13 @@ import torch
 from torch import Tensor
 
 from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from .plan import range_reads, runs_to_ranges
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "range_reads", "runs_to_ranges", "slots"]
-
-
-def runs_to_ranges(sel: Tensor, starts: Tensor, ends: Tensor, slots: int, *, sink: int, chunk_start: int,
-                   chunk_stop: int) -> tuple[Tensor, Tensor]:
-    """The plan format from selected segments: ``sel`` [B, H, nqb, n] marks each query block's
-    segments (``starts`` / ``ends``, same shape, their key bounds, in key order); consecutive
-    selected segments form one run, read as ``[starts[first], ends[last])``. Slot 0 is the sink
-    ``[0, sink)``, slot 1 the open chunk, then one slot per run; returns (ranges [B, H, nqb,
-    slots, 2], counts [B, H, nqb]), int32, slots past a block's count zero."""
-    b, h, nqb, _ = sel.shape
-    first = sel & ~torch.nn.functional.pad(sel, (1, 0))[..., :-1]
-    last = sel & ~torch.nn.functional.pad(sel, (0, 1))[..., 1:]
-    ranges = torch.zeros(b, h, nqb, slots + 1, 2, dtype=torch.int32, device=sel.device)  # last slot: dump
-    for col, flags, edge in ((0, first, starts), (1, last, ends)):
-        slot = torch.where(flags, 1 + torch.cumsum(flags, -1), slots)
-        ranges[..., col].scatter_(-1, slot, edge.to(torch.int32))
-    ranges[..., 0, 1] = sink
-    ranges[..., 1, 0], ranges[..., 1, 1] = chunk_start, chunk_stop
-    return ranges[..., :slots, :], (2 + first.sum(-1)).to(torch.int32)
-
-
-def range_reads(ranges: Tensor, counts: Tensor) -> Tensor:
-    """Keys each query block of a plan reads: its first ``counts`` ranges' lengths summed (int32 [B, H, nqb])."""
-    used = torch.arange(ranges.shape[-2], device=ranges.device) < counts[..., None]
-    return ((ranges[..., 1] - ranges[..., 0]).clamp_min(0) * used).sum(-1, dtype=torch.int32)
+__all__ = ["quant_select", "quant_select_auto", "quant_select_torch", "slots"]
 
 
 def _check_reads(reads, shape):

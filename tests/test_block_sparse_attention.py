@@ -13,15 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_fastar.kernels import block_sparse_attention as bsa
+from comfyui_fastar.kernels import launch
 from comfyui_fastar.kernels.block_sparse_attention import (
     block_sparse_attention,
     block_sparse_attention_auto,
     block_sparse_attention_torch,
-    default_launch,
-    dense_ranges,
-    n_query_blocks,
-    validate_plan,
 )
+from comfyui_fastar.kernels.launch import default_launch
+from comfyui_fastar.kernels.plan import dense_ranges, n_query_blocks, validate_plan
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 NEG_INF = float("-inf")
@@ -378,19 +377,19 @@ def test_key_splits_equal_unsplit_at_the_chunk_shape(splits, heads, device):
     split = block_sparse_attention(q, k, v, ranges, counts, num_splits=splits, **kw).float()
     assert ((split - one).norm() / one.norm()).item() < 4e-3
     if splits is None:  # the wave was read from the compiled kernel: a whole number of programs per SM
-        waves = [w for key, w in bsa._WAVES.items() if key[0] == q.device]
+        waves = [w for key, w in launch._WAVES.items() if key[0] == q.device]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         assert waves and all(w > 0 and w % sms == 0 for w in waves)
 
 
 def test_tail_split_fills_the_last_wave():
     """Only a last wave under half full splits, into as many shares as fit (at most four)."""
-    assert bsa.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs
-    assert bsa.tail_split(792, 264) == (792, 1)  # whole waves
-    assert bsa.tail_split(950, 264) == (950, 1)  # last wave 60% full: two shares each would not fit
-    assert bsa.tail_split(30, 7) == (28, 3)
-    assert bsa.tail_split(10, 264) == (0, bsa.MAX_TAIL_SPLIT)  # less than one wave: all split
-    assert bsa.tail_split(30, 0) == (30, 1)  # wave unknown
+    assert launch.tail_split(888, 264) == (792, 2)  # Wan 1.3B chunk on an H200: 96 items, 192 programs
+    assert launch.tail_split(792, 264) == (792, 1)  # whole waves
+    assert launch.tail_split(950, 264) == (950, 1)  # last wave 60% full: two shares each would not fit
+    assert launch.tail_split(30, 7) == (28, 3)
+    assert launch.tail_split(10, 264) == (0, launch.MAX_TAIL_SPLIT)  # less than one wave: all split
+    assert launch.tail_split(30, 0) == (30, 1)  # wave unknown
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
@@ -687,6 +686,14 @@ def test_bad_scale_raises(scale):
         _call(block_sparse_attention_torch, d, scale=scale)
 
 
+def test_twin_takes_the_kernels_launch_parameters_and_nothing_else():
+    d = _base()
+    tuned = _call(block_sparse_attention_torch, d, **{name: 16 for name in launch.TUNABLES})
+    assert torch.equal(tuned, _call(block_sparse_attention_torch, d))
+    with pytest.raises(TypeError, match="block_m"):
+        _call(block_sparse_attention_torch, d, block_m=16)
+
+
 def test_kernel_rejects_what_it_cannot_run(device):
     d = _base(device)
     args = (d["ranges"], d["range_counts"])
@@ -761,17 +768,17 @@ def test_default_launch_fits_shared_memory_and_int32_offsets_guard():
     for D in (64, 128, 256):
         for block_q in (16, 64, 128, 256):
             for itemsize in (2, 4):
-                launch = default_launch(D, block_q, itemsize)
-                size = bsa._smem_bytes(D, bsa._block_m(block_q), launch["block_n"], launch["num_stages"], itemsize)
-                if itemsize * D * bsa._block_m(block_q) + 2 * 2 * 16 * D * itemsize <= bsa._SMEM_BUDGET:
-                    assert size <= bsa._SMEM_BUDGET, (D, block_q, itemsize, launch)
+                cfg = default_launch(D, block_q, itemsize)
+                size = launch.smem_bytes(D, launch.block_m(block_q), cfg["block_n"], cfg["num_stages"], itemsize)
+                if itemsize * D * launch.block_m(block_q) + 2 * 2 * 16 * D * itemsize <= launch.SMEM_BUDGET:
+                    assert size <= launch.SMEM_BUDGET, (D, block_q, itemsize, cfg)
     assert default_launch(128, 128, 4)["num_stages"] == 2  # fp32: 3 stages would not fit
-    for cfg in bsa.HOPPER_LAUNCH_GRID:
-        assert bsa._smem_bytes(128, bsa._block_m(cfg[0]), cfg[1], cfg[3], 2) <= bsa._SMEM_BUDGET
+    for cfg in launch.HOPPER_LAUNCH_GRID:
+        assert launch.smem_bytes(128, launch.block_m(cfg[0]), cfg[1], cfg[3], 2) <= launch.SMEM_BUDGET
     small = torch.empty(1, 1, 8, 64, device="meta")
     huge = torch.empty_strided((1, 1, 8, 64), (0, 0, 2**26, 1), device="meta")
-    assert bsa._tile_offsets_fit(small, 64) and bsa._tile_offsets_fit(huge, 16)
-    assert not bsa._tile_offsets_fit(huge, 64)
+    assert launch.tile_offsets_fit(small, 64) and launch.tile_offsets_fit(huge, 16)
+    assert not launch.tile_offsets_fit(huge, 64)
 
 
 # --------------------------------------------------------------------------- native compile
@@ -789,20 +796,20 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from comfyui_fastar.kernels import block_sparse_attention as bsa
+from comfyui_fastar.kernels import block_sparse_attention as bsa, launch as lc
 
 jf = bsa._block_sparse_attention_kernel
 names = jf.arg_names
 results = []
 for elem, D, block_q, bias, launch in json.loads(sys.argv[1]):
     if launch is None:
-        launch = bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2)
+        launch = lc.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
                 bias_ptr="fp32", part_ptr="fp32", lse_ptr="fp32", prior_o_ptr=elem,
                 prior_lse_ptr="fp32")
     split = launch.pop("split", 1)
     prior = launch.pop("prior", False)
-    const = dict(D=D, BLOCK_M=bsa._block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
+    const = dict(D=D, BLOCK_M=lc.block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
                  HAS_PRIOR=prior, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
                  SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
     const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
@@ -824,7 +831,7 @@ for elem, D, block_q, bias, launch in json.loads(sys.argv[1]):
     opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     g = k.asm["ttgir"]
-    est = bsa._smem_bytes(D, bsa._block_m(block_q), launch["block_n"], launch["num_stages"],
+    est = lc.smem_bytes(D, lc.block_m(block_q), launch["block_n"], launch["num_stages"],
                           4 if elem == "fp32" else 2)
     results.append({"shared": k.metadata.shared, "estimate": est, "wgmma": "warp_group_dot" in g,
                     "async_copies": g.count("async_copy_global_to_local"), "launch": launch})
@@ -867,8 +874,8 @@ def _check_native(info):
      ("bf16", 128, 64, True, 2, False), ("bf16", 128, 64, True, 2, True)],
 )
 def test_native_kernel_compiles_for_hopper(elem, D, block_q, bias, split, prior):
-    launch = dict(bsa.default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split, prior=prior)
-    (info,) = _aot_compile([[elem, D, block_q, bias, launch]])
+    cfg = dict(default_launch(D, block_q, 4 if elem == "fp32" else 2), split=split, prior=prior)
+    (info,) = _aot_compile([[elem, D, block_q, bias, cfg]])
     _check_native(info)
 
 
@@ -877,7 +884,7 @@ def test_native_benchmark_grid_compiles_for_hopper():
     the bias, whose pipelined tile is the only extra buffer)."""
     cases = [
         ["bf16", 128, bq, True, {"block_n": bn, "num_warps": w, "num_stages": st}]
-        for bq, bn, w, st in bsa.HOPPER_LAUNCH_GRID
+        for bq, bn, w, st in launch.HOPPER_LAUNCH_GRID
     ]
     for info in _aot_compile(cases):
         _check_native(info)

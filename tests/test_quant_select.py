@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, range_reads, slots
+from comfyui_fastar.kernels.plan import range_reads
+from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch, slots
 
 NEG_INF = float("-inf")
 

@@ -1,0 +1,153 @@
+"""How block-sparse attention is launched: tile sizes that fit Hopper's shared memory, and which
+programs split their keys so that the last wave is short. Host-side arithmetic, and one read of
+a compiled kernel's resources; the kernel itself is in ``kernels/block_sparse_attention.py``.
+
+Waves: a grid of equal programs runs in waves of the programs the GPU holds at once (132 SMs x 2
+on an H200 for the default launch), and a last wave a third full costs about as long as a full
+one; its items split in S shares (S x tail <= wave) shorten it. On AnnSA's plans this gained
+little (0.9% of a call, ~3 ms a chunk: bench/NOTES.md, "The last wave"), and splitting every
+item there costs more than it gains (partials and a combine for all of them); ``num_splits``
+splits every item where programs read long ranges (the first step's dense biased attention).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["HOPPER_LAUNCH_GRID", "MAX_TAIL_SPLIT", "SMEM_BUDGET", "TUNABLES", "block_m", "default_launch",
+           "device_wave", "launch_config", "smem_bytes", "split_items", "tail_split", "tile_offsets_fit"]
+
+#: The kernel's launch parameters, which change its speed, never its result.
+TUNABLES = ("block_n", "num_warps", "num_stages", "num_splits", "wave")
+
+#: Hopper's shared memory per block (227 KiB), less room for the bias tiles (4 * block_n * stages B).
+SMEM_BUDGET = 232448 - 2048
+
+#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on
+#: Hopper at D = 128 (``bench/block_sparse_bench.py`` sweeps them; every one compiles
+#: for sm_90 within shared memory, see the test). ``block_q`` is part of a plan's
+#: meaning, so a planner picks it; the other three are pure tunables.
+HOPPER_LAUNCH_GRID = (
+    (64, 64, 4, 3),  # best measured before the full-tile split (352 TFLOP/s)
+    (64, 64, 4, 4),
+    (64, 32, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 32, 8, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+)
+
+#: Most shares a last-wave item is cut into: each adds a partial to write and join, and past
+#: four the last wave is short already.
+MAX_TAIL_SPLIT = 4
+
+
+def block_m(block_q: int) -> int:
+    """Kernel tile rows: block_q rounded up to a power of two, at least 16 (tl.dot minimum)."""
+    return max(16, 1 << (block_q - 1).bit_length())
+
+
+def smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
+    """Shared memory of a launch: the query block plus a K and a V tile per stage."""
+    return itemsize * D * (block_m + 2 * num_stages * block_n)
+
+
+def default_launch(D: int, block_q: int, itemsize: int = 2) -> dict:
+    """Launch defaults for Hopper (H200), used where the caller passes None.
+
+    ``block_n`` 64: a K and a V tile of 64 x 128 bf16 are 32 KiB per stage, so three
+    stages plus the query block fit shared memory with room to spare, and a range's
+    masked tail tile wastes at most 63 keys. ``num_warps`` 4 per 64 query rows (one
+    warpgroup per wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for
+    D > 128, whose tiles are twice as large). Where that would not fit shared memory
+    (``itemsize`` 4, i.e. fp32 inputs, with large tiles) stages, then ``block_n``, are
+    cut until it does. Override any of them per call; ``HOPPER_LAUNCH_GRID`` lists the
+    candidates the benchmark compares.
+    """
+    rows = block_m(block_q)
+    launch = {
+        "block_n": 64,
+        "num_warps": 8 if rows >= 128 else 4,
+        "num_stages": 3 if D <= 128 else 2,
+    }
+
+    def fits():
+        return smem_bytes(D, rows, launch["block_n"], launch["num_stages"], itemsize) <= SMEM_BUDGET
+
+    while not fits() and launch["num_stages"] > 2:
+        launch["num_stages"] -= 1
+    while not fits() and launch["block_n"] > 16:
+        launch["block_n"] //= 2
+    return launch
+
+
+def launch_config(D: int, block_q: int, itemsize: int, block_n: int | None, num_warps: int | None,
+                  num_stages: int | None, num_splits: int | None, wave: int | None) -> dict:
+    """:func:`default_launch` with the caller's overrides (None: the default), checked: ``block_n``
+    a power of two >= 16 (tl.dot's minimum), ``num_splits`` an int in [1, 16] or None (only the last
+    wave may split), ``wave`` an int >= 0 or None (read from the compiled kernel)."""
+    launch = default_launch(D, block_q, itemsize)
+    for name, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            launch[name] = value
+    bn = launch["block_n"]
+    if not isinstance(bn, int) or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot minimum), got {bn}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 16):
+        raise ValueError(f"num_splits must be an int in [1, 16] or None, got {num_splits!r}")
+    if wave is not None and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 0):
+        raise ValueError(f"wave must be an int >= 0 or None, got {wave!r}")
+    return launch
+
+
+def tile_offsets_fit(t: Tensor, block_n: int) -> bool:
+    """Whether ``block_n`` rows x D of ``t`` ([B, H, L, D]) are addressable with int32 offsets."""
+    span = (block_n - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    return span < 2**31 - 1
+
+
+def tail_split(n_items: int, wave: int) -> tuple[int, int]:
+    """``(n_whole, n_split)``: the first ``n_whole`` items run whole; the last wave's
+    ``n_items - n_whole`` items run in ``n_split`` programs each, as many shares as fit in the
+    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or more than half
+    full (two shares of each item would not fit), or ``wave`` is 0 (unknown)."""
+    tail = n_items % wave if wave > 0 else 0
+    n_split = min(MAX_TAIL_SPLIT, wave // tail) if tail else 1
+    return (n_items - tail, n_split) if n_split > 1 else (n_items, 1)
+
+
+def split_items(n_items: int, num_splits: int | None, wave: int | None, measure) -> tuple[int, int]:
+    """``(n_whole, n_split)`` of a launch of ``n_items`` items: ``num_splits`` > 1 splits every
+    item that many ways and 1 none; None the last wave's (:func:`tail_split`), a wave being
+    ``wave`` programs (None: ``measure()``, the GPU's wave for the kernel variant)."""
+    if num_splits is not None:
+        return (0, num_splits) if num_splits > 1 else (n_items, 1)
+    return tail_split(n_items, measure() if wave is None else wave)
+
+
+_WAVES: dict = {}
+
+
+def device_wave(variant: tuple, warmup) -> int:
+    """Programs of a kernel variant (``variant[0]`` its device; ``warmup()`` compiles it, a
+    split-capable one) the GPU holds at once: SMs x the fewest per SM that its registers, shared
+    memory and threads allow, read from the compiled kernel (loaded, not launched) once per
+    variant. 0 off CUDA or where they cannot be read."""
+    device = variant[0]
+    if device.type != "cuda":
+        return 0
+    if variant not in _WAVES:
+        kernel = warmup()
+        props = torch.cuda.get_device_properties(device)
+        try:
+            kernel._init_handles()  # loads the binary: n_regs is known from then on
+            warps, regs, shared = kernel.metadata.num_warps, kernel.n_regs, kernel.metadata.shared
+            by_regs = props.regs_per_multiprocessor // (-(-regs * 32 // 256) * 256 * warps)
+            by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)  # 1 KiB reserved per block
+            by_threads = props.max_threads_per_multi_processor // (32 * warps)
+            _WAVES[variant] = props.multi_processor_count * max(0, min(by_regs, by_smem, by_threads))
+        except (AttributeError, TypeError):  # a Triton or torch without these fields: no split
+            _WAVES[variant] = 0
+    return _WAVES[variant]
