@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
-from comfyui_fastar.kernels import block_sparse_attention as bsa  # noqa: E402
+from comfyui_fastar.kernels import block_sparse_attention as bsa, launch, plan  # noqa: E402
 
 TPF, Q, H, D = 1560, 3 * 1560, 12, 128
 FRAMES = (24, 84, 243)
@@ -91,7 +91,7 @@ def check_small_cases(g):
         bias = (torch.randn(1, 2, lk, generator=g) if case % 3 else torch.zeros(1, 2, lk)).cuda()
         if case % 4 == 3:
             bias[..., ::5] = float("-inf")
-        ranges, counts = bsa.dense_ranges(1, 2, lq, lk, 64, device="cuda")
+        ranges, counts = plan.dense_ranges(1, 2, lq, lk, 64, device="cuda")
         if case % 2:  # sparse: two random disjoint ranges per block, unaligned
             nqb = ranges.shape[2]
             cut = torch.sort(torch.randint(0, lk + 1, (1, 2, nqb, 4), generator=g), dim=-1).values
@@ -112,10 +112,10 @@ def check_grid(q, g):
     bias = torch.randn(1, H, lk, generator=g).cuda()
     bias[..., 7::11] = float("-inf")
     errs, refs = {}, {}
-    for cfg in bsa.HOPPER_LAUNCH_GRID:
+    for cfg in launch.HOPPER_LAUNCH_GRID:
         bq = cfg[0]
         if bq not in refs:
-            ranges, counts, _ = segment_ranges(lk, TPF, bsa.n_query_blocks(Q, bq), 0.3, 4, g)
+            ranges, counts, _ = segment_ranges(lk, TPF, plan.n_query_blocks(Q, bq), 0.3, 4, g)
             ref = bsa.block_sparse_attention_torch(q.float(), k.float(), v.float(), ranges, counts, key_bias=bias,
                                                    block_q=bq)
             refs[bq] = (ranges, counts, ref)
@@ -134,7 +134,7 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     g = torch.Generator().manual_seed(0)
-    grid = [tuple(c) for c in bsa.HOPPER_LAUNCH_GRID]
+    grid = [tuple(c) for c in launch.HOPPER_LAUNCH_GRID]
     result = {**header("cuda"), "triton": __import__("triton").__version__,
               "grid": [list(c) for c in grid], "grid_fields": ["block_q", "block_n", "num_warps", "num_stages"]}
 
@@ -168,7 +168,7 @@ def main():
             kb = bias if with_bias else None
             t_ref = t_cudnn_b if with_bias else t_cudnn
             for cfg in grid:
-                ranges, counts = bsa.dense_ranges(1, H, Q, lk, cfg[0], device="cuda")
+                ranges, counts = plan.dense_ranges(1, H, Q, lk, cfg[0], device="cuda")
                 t, out = try_time(f"{frames} frames {list(cfg)} bias={with_bias}", lambda: bsa.block_sparse_attention(
                     q, k, v, ranges, counts, key_bias=kb, **launch_kw(cfg)))
                 if t is None:
@@ -192,7 +192,7 @@ def main():
                 for cfg in grid:
                     bq = cfg[0]
                     if (bq, density) not in plans:
-                        plans[bq, density] = segment_ranges(lk, 3 * TPF, bsa.n_query_blocks(Q, bq), density, 8, g)
+                        plans[bq, density] = segment_ranges(lk, 3 * TPF, plan.n_query_blocks(Q, bq), density, 8, g)
                     ranges, counts, real_d = plans[bq, density]
                     t, _ = try_time(f"sparse d={density} {list(cfg)}", lambda: bsa.block_sparse_attention(
                         q, k, v, ranges, counts, **launch_kw(cfg)))

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import HAS_TRITON
-from ..kernels.block_sparse_attention import block_sparse_attention, dense_ranges, kernel_supports
+from ..kernels.block_sparse_attention import block_sparse_attention, kernel_supports
+from ..kernels.plan import dense_ranges
 
 # On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
 # the others stay as fallbacks for shapes or masks it does not take.
