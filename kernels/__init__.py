@@ -19,6 +19,15 @@ def triton_runs_on(t) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def use_kernel(t, fits: bool = True, *, interpreted: bool = True) -> bool:
+    """Every dispatcher's choice: the kernel where the call ``fits`` it (the dtypes and shapes it
+    takes, which the dispatcher tests) and Triton runs on ``t``'s device, else the twin.
+    ``interpreted=False`` keeps a kernel off Triton's CPU interpreter, for kernels every model
+    forward calls (adaLN, q/k norm + RoPE): whole forwards would crawl interpreted, so the twin
+    runs there and the tests call the kernel itself."""
+    return bool(fits) and triton_runs_on(t) and (interpreted or t.is_cuda)
+
+
 def check_triton_runs_on(t) -> None:
     """A kernel wrapper's device requirement, as an error that names it."""
     if not triton_runs_on(t):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -133,7 +133,6 @@ def adaln(x: Tensor, scale: Tensor, shift: Tensor, *, y: Tensor | None = None, g
 
 def adaln_auto(x: Tensor, scale: Tensor, shift: Tensor, *, y: Tensor | None = None, gate: Tensor | None = None,
                one_plus: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """The kernel on CUDA, else the twin (not under the CPU interpreter: whole-model forwards
-    there would crawl; the tests call the kernel)."""
-    fn = adaln if HAS_TRITON and x.is_cuda and x.dtype in _DTYPES else adaln_torch
+    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted: ``use_kernel``)."""
+    fn = adaln if use_kernel(x, x.dtype in _DTYPES, interpreted=False) else adaln_torch
     return fn(x, scale, shift, y=y, gate=gate, one_plus=one_plus, eps=eps)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -125,5 +125,5 @@ def block_means_auto(k: Tensor, filled: Tensor | None, block: int, out=None) -> 
     """The kernel where Triton runs and block and D are powers of two, else the twin."""
     d = k.shape[-1] if k.ndim == 4 else 0
     fits = isinstance(block, int) and power_of_two(block) and power_of_two(d)
-    fn = block_means if triton_runs_on(k) and fits else block_means_torch
+    fn = block_means if use_kernel(k, fits) else block_means_torch
     return fn(k, filled, block, out)

@@ -52,7 +52,7 @@ import operator
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, use_kernel
 from .launch import TUNABLES, block_m, device_wave, launch_config, split_items, tile_offsets_fit
 from .plan import check_block_q, check_plan, validate_plan
 
@@ -694,6 +694,6 @@ def block_sparse_attention(
 def block_sparse_attention_auto(q: Tensor, *args, block_q: int = 64, **kwargs) -> Tensor:
     """The kernel's signature; the kernel where Triton can run (CUDA, or CPU under
     TRITON_INTERPRET=1) and the dtype / head dim / block size suit it, else the twin (same results)."""
-    use = isinstance(q, Tensor) and triton_runs_on(q) and kernel_supports(q, block_q)
-    fn = block_sparse_attention if use else block_sparse_attention_torch
+    fits = isinstance(q, Tensor) and kernel_supports(q, block_q)
+    fn = block_sparse_attention if use_kernel(q, fits) else block_sparse_attention_torch
     return fn(q, *args, block_q=block_q, **kwargs)

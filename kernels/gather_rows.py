@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -91,5 +91,5 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
 def gather_rows_auto(src: Tensor, index: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = src.shape[-1] if src.ndim == 4 else 0
-    fn = gather_rows if triton_runs_on(src) and power_of_two(d) else gather_rows_torch
+    fn = gather_rows if use_kernel(src, power_of_two(d)) else gather_rows_torch
     return fn(src, index)

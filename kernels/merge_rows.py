@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -140,5 +140,5 @@ def merge_rows_auto(k: Tensor, v: Tensor, new_k: Tensor, new_v: Tensor, slot: Te
     interpreter has no bf16 atomics), else the twin."""
     d = k.shape[-1] if k.ndim == 3 else 0
     dtypes = (torch.float32, torch.float16, torch.bfloat16) if k.is_cuda else (torch.float32, torch.float16)
-    use = triton_runs_on(k) and power_of_two(d) and k.dtype in dtypes
-    (merge_rows if use else merge_rows_torch)(k, v, new_k, new_v, slot, merge, count, added, rep)
+    fn = merge_rows if use_kernel(k, power_of_two(d) and k.dtype in dtypes) else merge_rows_torch
+    fn(k, v, new_k, new_v, slot, merge, count, added, rep)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -93,5 +93,5 @@ def pair_cosine(x: Tensor, src: Tensor, rows: Tensor) -> Tensor:
 def pair_cosine_auto(x: Tensor, src: Tensor, rows: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = x.shape[-1] if x.ndim == 3 else 0
-    fn = pair_cosine if triton_runs_on(x) and power_of_two(d) else pair_cosine_torch
+    fn = pair_cosine if use_kernel(x, power_of_two(d)) else pair_cosine_torch
     return fn(x, src, rows)

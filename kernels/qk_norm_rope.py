@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -128,7 +128,6 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int
 
 def qk_norm_rope_auto(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
                       out: Tensor | None = None) -> Tensor:
-    """The kernel on CUDA, else the twin. Not under the CPU interpreter: whole-model forwards
-    there would crawl (the tests call the kernel)."""
-    fn = qk_norm_rope if HAS_TRITON and x.is_cuda and x.dtype in _DTYPES else qk_norm_rope_torch
+    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted: ``use_kernel``)."""
+    fn = qk_norm_rope if use_kernel(x, x.dtype in _DTYPES, interpreted=False) else qk_norm_rope_torch
     return fn(x, weight, freqs, num_heads, eps, out=out)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, use_kernel
 from .plan import range_reads, runs_to_ranges
 
 if HAS_TRITON:
@@ -260,4 +260,4 @@ def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_
 
 def quant_select_auto(score: Tensor, held: Tensor, top: int, **kw) -> tuple[Tensor, Tensor]:
     """The kernel where Triton runs, else the twin."""
-    return (quant_select if triton_runs_on(score) else quant_select_torch)(score, held, top, **kw)
+    return (quant_select if use_kernel(score) else quant_select_torch)(score, held, top, **kw)

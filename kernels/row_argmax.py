@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_triton_runs_on, triton_runs_on
+from . import HAS_TRITON, check_triton_runs_on, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -73,4 +73,4 @@ def row_argmax(scores: Tensor) -> Tensor:
 
 def row_argmax_auto(scores: Tensor) -> Tensor:
     """The kernel where Triton runs, else the twin."""
-    return (row_argmax if triton_runs_on(scores) else row_argmax_torch)(scores)
+    return (row_argmax if use_kernel(scores) else row_argmax_torch)(scores)

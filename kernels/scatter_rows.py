@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -88,5 +88,5 @@ def scatter_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
 def scatter_rows_auto(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = dst.shape[-1] if dst.ndim == 4 else 0
-    fn = scatter_rows if triton_runs_on(dst) and power_of_two(d) else scatter_rows_torch
+    fn = scatter_rows if use_kernel(dst, power_of_two(d)) else scatter_rows_torch
     return fn(dst, index, src)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, check_row_kernel, power_of_two, triton_runs_on
+from . import HAS_TRITON, check_row_kernel, power_of_two, use_kernel
 
 if HAS_TRITON:
     import triton
@@ -130,5 +130,5 @@ def unit_fp8_auto(src: Tensor, index: Tensor | None = None, held: Tensor | None 
                   m_out: int | None = None) -> Tensor:
     """The kernel where Triton runs and D is a power of two, else the twin."""
     d = src.shape[-1] if src.ndim == 3 else 0
-    fn = unit_fp8 if triton_runs_on(src) and power_of_two(d) else unit_fp8_torch
+    fn = unit_fp8 if use_kernel(src, power_of_two(d)) else unit_fp8_torch
     return fn(src, index, held, m_out)

@@ -1,15 +1,11 @@
-"""AnnSA 'quant' planning scores: twin vs brute force, Triton kernel vs twin."""
+"""AnnSA 'quant' planning scores and top-p shares (kernels/quant_block_scores.py,
+kernels/quant_block_shares.py): twins vs brute force, Triton kernels vs twins."""
 
 import pytest
 import torch
 
-from comfyui_fastar.kernels.quant_scores import (
-    quant_block_scores,
-    quant_block_scores_torch,
-    quant_block_shares,
-    quant_block_shares_torch,
-    quantize_blocks,
-)
+from comfyui_fastar.kernels.quant_block_scores import quant_block_scores, quant_block_scores_torch, quantize_blocks
+from comfyui_fastar.kernels.quant_block_shares import quant_block_shares, quant_block_shares_torch
 
 
 def _case(gen, b, h, lq, d, nkb, dtype=torch.float32, device="cpu"):
