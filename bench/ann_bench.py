@@ -31,7 +31,7 @@ from common import fastar, header, op_ms, parser, shapes, side_by_side_ms, write
 from testbed import CHUNK, capture, testbed  # noqa: E402
 
 from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
-from comfyui_fastar.kernels.quant_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
+from comfyui_fastar.kernels.quant_block_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch  # noqa: E402
 
 AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend

@@ -33,7 +33,8 @@ import torch
 from ..kernels import triton_runs_on
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
-from ..kernels.quant_scores import quant_block_scores_auto, quant_block_shares_auto
+from ..kernels.quant_block_scores import quant_block_scores_auto
+from ..kernels.quant_block_shares import quant_block_shares_auto
 from ..kernels.plan import range_reads, runs_to_ranges
 from ..kernels.quant_select import quant_select_auto
 from .config import AnnConfig

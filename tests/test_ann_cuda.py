@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 
 def test_quant_plan_kernels_equal_their_twins_on_the_gpu():
     """fp16 tensor-core dots of int8 levels, round-to-nearest divisions, no FMA: equal, not close."""
-    from comfyui_fastar.kernels.quant_scores import quant_block_scores, quant_block_scores_torch
+    from comfyui_fastar.kernels.quant_block_scores import quant_block_scores, quant_block_scores_torch
     from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -40,7 +40,7 @@ def test_quant_plan_kernels_equal_their_twins_on_the_gpu():
 def test_quant_top_p_kernels_match_their_twins_on_the_gpu():
     """The share scores (exponentials round differently: close) and the top-p pick on the kernel's
     own shares (equal) at the chunk's shape."""
-    from comfyui_fastar.kernels.quant_scores import quant_block_shares, quant_block_shares_torch
+    from comfyui_fastar.kernels.quant_block_shares import quant_block_shares, quant_block_shares_torch
     from comfyui_fastar.kernels.quant_select import quant_select, quant_select_torch
 
     gen = torch.Generator(device="cuda").manual_seed(2)
