@@ -78,7 +78,11 @@ def resolve(spec: str | None) -> tuple[str, str]:
             return os.path.abspath(spec), "folder " + spec
         with open(stamp) as f:
             return os.path.abspath(spec), f.read().strip()
-    return export(spec)
+    try:
+        return export(spec)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"ab.py: {spec!r} is neither a folder nor a git revision here ({exc}); where git is, run "
+                         f"bench/ab.py {spec} --export-only and carry .scratch/ab") from exc
 
 
 def held_frames(cache) -> int:

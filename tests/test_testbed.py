@@ -204,6 +204,8 @@ def test_ab_exports_a_revision_without_the_bench(tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(folder, "bench")) and not os.path.exists(os.path.join(folder, "tests"))
     assert ab.resolve(folder) == (folder, head)  # the exported folder names its commit
     assert ab.export("HEAD") == (folder, commit)  # exported once
+    with pytest.raises(SystemExit, match="neither a folder nor a git revision"):
+        ab.resolve("no-such-revision")
 
 
 @pytest.mark.slow
