@@ -1,5 +1,20 @@
 """Triton kernels, each beside a torch reference twin with the same signature.
 
+One naming scheme: ``kernels/NAME.py`` holds ``NAME`` (the Triton wrapper: checks, then launches;
+it raises where Triton cannot run), ``NAME_torch`` (the twin, which defines the semantics; the
+kernel's tests hold it to them) and ``NAME_auto`` (the dispatcher callers use). ``rows.py`` holds
+one kernel's two directions, ``gather_rows`` and ``scatter_rows``, each with that trio. Every
+dispatcher decides by :func:`use_kernel`.
+
+By paper component:
+
+- TempCache: ``unit_fp8`` and ``row_argmax`` (the fp8 match), ``pair_cosine`` (the merge test),
+  ``merge_rows`` (the group means), ``rows`` (history writes; the heads' alignment).
+- AnnSA: ``block_means``, ``quant_block_scores`` / ``quant_block_shares`` and ``quant_select``
+  (the plan), ``block_sparse_attention`` (the attention), with the plan format in ``plan.py``
+  and the launch model in ``launch.py``; ``rows`` re-sorts the history.
+- The Wan forward: ``adaln``, ``qk_norm_rope``.
+
 Triton is optional (absent on macOS, Windows and CPU-only installs): the twins run there.
 """
 import os

@@ -87,11 +87,10 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
     the rounding of the bf16 atomic adds of tokens merging into one slot), as do the slot states."""
     from comfyui_fastar.fastar import KVCache, TempCacheConfig
     from comfyui_fastar.fastar import tempcache as tc
-    from comfyui_fastar.kernels.gather_rows import gather_rows_torch
     from comfyui_fastar.kernels.merge_rows import merge_rows_torch
     from comfyui_fastar.kernels.pair_cosine import pair_cosine_torch
     from comfyui_fastar.kernels.row_argmax import row_argmax_torch
-    from comfyui_fastar.kernels.scatter_rows import scatter_rows_torch
+    from comfyui_fastar.kernels.rows import gather_rows_torch, scatter_rows_torch
 
     tpf, h, d = 320, 12, 128
     g = torch.Generator(device="cuda").manual_seed(7)
