@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.gather_rows import gather_rows_auto
+from ..kernels.rows import gather_rows_auto
 from .config import CacheConfig
 from .errors import FastARError
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.gather_rows import gather_rows_auto
 from ..kernels.merge_rows import merge_rows_auto
 from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
-from ..kernels.scatter_rows import scatter_rows_auto
+from ..kernels.rows import gather_rows_auto, scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
 from .config import TempCacheConfig
 from .errors import FastARError
