@@ -30,11 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, op_ms, parser, shapes, side_by_side_ms, write_json  # noqa: E402
 from testbed import CHUNK, capture, testbed  # noqa: E402
 
-from comfyui_fastar.fastar.ann import KEY_BLOCK, build_ann, plan_density  # noqa: E402
+from comfyui_fastar.fastar.annsa import KEY_BLOCK, plan_density  # noqa: E402
+from comfyui_fastar.fastar.attention import build_ann  # noqa: E402
 from comfyui_fastar.kernels.quant_block_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
 from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch  # noqa: E402
 
-AnnConfig, CacheConfig, KVCache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.KVCache, fastar.attend
+AnnConfig, CacheConfig, make_cache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.make_cache, fastar.attend
 
 
 def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
@@ -42,40 +43,39 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
     ``cfg`` (a fixed-share quant plan) and attended: recall, density, error, times."""
     heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
     tpf = kv_dense.tokens_per_frame
-    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
-                 chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device=device, dtype=kv_dense.dtype)
+    kv = make_cache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
+                    chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device=device, dtype=kv_dense.dtype)
     annsa, _ = build_ann(dataclasses.replace(cfg, annca=False), kv)
     for c in range(history_frames // CHUNK):
         span = slice(c * CHUNK * tpf, (c + 1) * CHUNK * tpf)
         kv.begin_chunk(c * CHUNK, CHUNK)
         kv.begin_clean_pass()
-        kv.extend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
-        kv.after_attention(0, clean_q[layer][c])
+        kv.attend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
         annsa.index_history(0)
         kv.commit()
     own = slice(history_frames * tpf, (history_frames + CHUNK) * tpf)
     kv.begin_chunk(history_frames, CHUNK)
-    keys, values, bias = kv.extend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
+    keys, values, bias = kv.attend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
     q = query_q[layer]
     plan = annsa.plan(0, q)
     every = 10**6  # sample every query block
     recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
     history_recall = annsa.recall(q, keys, bias, plan, sample_blocks=every, history_only=True).item()
-    density = plan_density(plan[1], plan[2], keys.shape[1]).item()
+    density = plan_density(*plan, keys.shape[1]).item()
     out = annsa.attention(0, q, keys, values, bias, plan)
     dense = attend(q, keys, values)
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
     row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
-           "ranges_per_block": plan[2].float().mean().item()}
+           "ranges_per_block": plan[1].float().mean().item()}
     # the planning kernels against their twins, on this device's data
     k8, logit_scale, log_mass, held = annsa.reps[0]
     args = (q.transpose(1, 2), k8, logit_scale, log_mass, cfg.block_q)
     got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
     row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
-    rows = kv.sorted_rows(clean_pass=False)
+    rows = kv.layout.history
     top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])  # as the plan picks
-    chunk = kv.chunk_rows()
-    sel = dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.sink_rows,
+    chunk = kv.layout.chunk
+    sel = dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.layout.sink,
                chunk_start=chunk.start, chunk_stop=chunk.stop)
     picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
     row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
@@ -95,8 +95,9 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
 def measure_annca(cfg, cross, layer, tokens_per_frame, device):
     """AnnCA on one layer's recorded cross-attention (q [1, n, H, D] over the prompt's k / v)."""
     q, k, v = cross[layer]
-    kv = KVCache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=q.shape[2], head_dim=q.shape[3],
-                 tokens_per_frame=tokens_per_frame, chunk_frames=CHUNK, max_frames=CHUNK, device=device, dtype=q.dtype)
+    kv = make_cache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=q.shape[2], head_dim=q.shape[3],
+                    tokens_per_frame=tokens_per_frame, chunk_frames=CHUNK, max_frames=CHUNK, device=device,
+                    dtype=q.dtype)
     _, annca = build_ann(dataclasses.replace(cfg, annsa=False, annca=True), kv)
     keep = annca.keep(0, q, k)                                                     # [B, H, F, Lc]
     logits = torch.einsum("bnhd,bchd->bhnc", q.float(), k.float()) / q.shape[-1] ** 0.5

@@ -35,7 +35,7 @@ def sdpa_seconds(q_len, k_len, heads, dim, backend=None, reps=20):
     k = torch.randn(1, k_len, heads, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    backends = [backend] if backend else fastar.attention.SDPA_PRIORITY
+    backends = [backend] if backend else fastar.sdpa.SDPA_PRIORITY
 
     def call():
         with sdpa_kernel(backends, set_priority=backend is None):

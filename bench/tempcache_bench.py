@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402
 from testbed import CHUNK, HEIGHT, SINK, TPF, WIDTH, capture, testbed  # noqa: E402
 
-CacheConfig, TempCacheConfig, KVCache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.KVCache
+CacheConfig, TempCacheConfig, make_cache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.make_cache
 Rollout, attend = fastar.Rollout, fastar.attend
 
 
@@ -43,8 +43,8 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
     n_chunks = history_frames // CHUNK
     heads, d = kv_dense.num_heads, kv_dense.head_dim
     tc_cfg = isinstance(cfg, TempCacheConfig)
-    kv = KVCache(cfg, num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=TPF,
-                 chunk_frames=CHUNK, device="cuda", dtype=kv_dense.dtype)
+    kv = make_cache(cfg, num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=TPF,
+                    chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device="cuda", dtype=kv_dense.dtype)
     n_all = (history_frames + CHUNK) * TPF
     owner = torch.full((heads, n_all), -1, dtype=torch.long, device="cuda")  # slot of each token (-1 evicted)
     written = merged = 0
@@ -52,12 +52,12 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
         span = slice(c * CHUNK * TPF, (c + 1) * CHUNK * TPF)
         kv.begin_chunk(c * CHUNK, CHUNK)
         kv.begin_clean_pass()
-        kv.extend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
-        kv.after_attention(0, clean_q[layer][c])
+        kv.attend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
+        kv.write_history(0, clean_q[layer][c])
         kv.commit()
         if not tc_cfg:
             continue
-        tc = kv.tempcache
+        tc = kv
         n_sink = max(0, min(CHUNK, SINK - c * CHUNK)) * TPF
         new = slice(span.start + n_sink, span.stop)
         if new.stop > new.start:
@@ -75,7 +75,8 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
     q = query_q[layer]
     own = slice(history_frames * TPF, n_all)
     kv.begin_chunk(history_frames, CHUNK)
-    keys, values, bias = kv.extend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
+    keys, values, bias = kv.attend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
+    sink_tok, chunk, hist = kv.layout.sink, kv.layout.chunk, kv.layout.history
     out = attend(q, keys, values, key_bias=bias)
     dense = attend(q, kv_dense.k[layer, :, :n_all], kv_dense.v[layer, :, :n_all])
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
@@ -94,33 +95,24 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
         p_c = torch.softmax(logits, dim=-1)
         p_tok = torch.zeros_like(p_dense)
         if tc_cfg:  # group level: a group keeps min(its compressed mass, its members' dense mass)
-            sink_tok, own_pos = SINK * TPF, keys.shape[1] - CHUNK * TPF
-            o = owner[h, sink_tok:own.start]
-            m_slots = own_pos - sink_tok
+            o = owner[h, sink_tok:own.start]  # each original history token's slot (-1: evicted)
+            m_slots = hist.stop - hist.start
             dense_groups = torch.zeros(p_dense.shape[0], m_slots + 1, device="cuda")
             dense_groups.scatter_add_(1, torch.where(o >= 0, o, m_slots).expand(p_dense.shape[0], -1),
                                       p_dense[:, sink_tok:own.start])
-            hist_kept = torch.minimum(dense_groups[:, :-1], p_c[:, sink_tok:own_pos]).sum(-1)
+            hist_kept = torch.minimum(dense_groups[:, :-1], p_c[:, hist]).sum(-1)
             group_recall = (torch.minimum(p_dense[:, :sink_tok], p_c[:, :sink_tok]).sum(-1) + hist_kept
-                            + torch.minimum(p_dense[:, own], p_c[:, own_pos:]).sum(-1))
+                            + torch.minimum(p_dense[:, own], p_c[:, chunk]).sum(-1))
             group_recalls.append(group_recall.mean().item())
             hist_recalls.append((hist_kept.sum() / p_dense[:, sink_tok:own.start].sum()).item())
-            sink_tok = SINK * TPF
-            hist0 = sink_tok
             p_tok[:, :sink_tok] = p_c[:, :sink_tok]
-            own_pos = keys.shape[1] - CHUNK * TPF
-            p_tok[:, own] = p_c[:, own_pos:]
-            o = owner[h, sink_tok:own.start]
-            cnt = kv.tempcache.count[0, 0, h]
-            valid = o >= 0
-            contrib = p_c[:, hist0 + o.clamp_min(0)] / cnt[o.clamp_min(0)].clamp_min(1)
-            p_tok[:, sink_tok:own.start] = torch.where(valid[None], contrib, 0.0)
-        else:  # sink + window cache: a frame slot holds one original frame
-            for slot, frame in enumerate(kv.slot_frames):
-                if frame >= 0:
-                    p_tok[:, frame * TPF:(frame + 1) * TPF] = p_c[:, slot * TPF:(slot + 1) * TPF]
-            own_pos = keys.shape[1] - CHUNK * TPF
-            p_tok[:, own] = p_c[:, own_pos:]
+            cnt = kv.count[0, 0, h]
+            contrib = p_c[:, hist.start + o.clamp_min(0)] / cnt[o.clamp_min(0)].clamp_min(1)
+            p_tok[:, sink_tok:own.start] = torch.where((o >= 0)[None], contrib, 0.0)
+        else:  # sink + window cache: a frame slot holds the last frame the ring put there
+            for slot, frame in {kv._slot(f): f for f in range(kv.frames_cached)}.items():
+                p_tok[:, frame * TPF:(frame + 1) * TPF] = p_c[:, slot * TPF:(slot + 1) * TPF]
+        p_tok[:, own] = p_c[:, chunk]
         recalls.append(torch.minimum(p_dense, p_tok).sum(-1).mean().item())
     token_recall = statistics.mean(recalls)
     return {"merge_ratio": merged / written if written else 0.0,
@@ -175,36 +167,36 @@ def main():
     cfg = TempCacheConfig()
     heads, d = model.num_heads, model.head_dim
     g = torch.Generator(device="cuda").manual_seed(1)
-    kv = KVCache(cfg, num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=TPF, chunk_frames=CHUNK,
-                 device="cuda", dtype=torch.bfloat16)
+    kv = make_cache(cfg, num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=TPF,
+                    chunk_frames=CHUNK, device="cuda", dtype=torch.bfloat16)
     base = torch.randn(1, CHUNK * TPF, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
 
     def write(noise=0.3):
         k = base + noise * torch.randn(base.shape, device="cuda", dtype=base.dtype, generator=g)
         kv.begin_chunk(kv.frames_cached, CHUNK)
         kv.begin_clean_pass()
-        kv.extend(0, k, k)
-        kv.after_attention(0, k)
+        kv.attend(0, k, k)
+        kv.write_history(0, k)
         kv.commit()
     for _ in range(cfg.max_cache_frames // CHUNK + 1):
         write()  # fill the budget
     kv.begin_chunk(kv.frames_cached, CHUNK)
     kv.begin_clean_pass()
-    kv.extend(0, base, base)
-    t_write = cuda_ms(lambda: kv.after_attention(0, base))
+    kv.attend(0, base, base)
+    t_write = cuda_ms(lambda: kv.write_history(0, base))
     # the same write replayed from a CUDA graph: its GPU time without host launch gaps, which is
     # what it adds inside a forward, where the host runs ahead of the device
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            kv.after_attention(0, base)
+            kv.write_history(0, base)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kv.after_attention(0, base)
+        kv.write_history(0, base)
     t_write_graph = cuda_ms(graph.replay)
-    keys, values, bias = kv.extend(0, base, base)
+    keys, values, bias = kv.attend(0, base, base)
     q = torch.randn(1, CHUNK * TPF, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
     t_tc_attn = cuda_ms(lambda: attend(q, keys, values, key_bias=bias))
     t_tc_nobias = cuda_ms(lambda: attend(q, keys, values))

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, random_prompt, testbed_model  # noqa: E402
 from realvideo import DATA, _orthogonal, real_latents  # noqa: E402
 
-CacheConfig, KVCache, FastARAttention = fastar.CacheConfig, fastar.KVCache, fastar.FastARAttention
+CacheConfig, FastARAttention = fastar.CacheConfig, fastar.FastARAttention
 
 HEIGHT, WIDTH, CHUNK, TPF, SINK = 480, 832, 3, 1560, 3
 
@@ -92,9 +92,10 @@ def capture(model, context, history_frames, layers, sigma=0.625, seed=0, height=
     denoising step."""
     frames, device = history_frames + CHUNK, context.device
     latents = real_latents(frames, height, width).to(device)
-    kv = KVCache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1, num_heads=model.num_heads,
-                 head_dim=model.head_dim, tokens_per_frame=(height // 16) * (width // 16), chunk_frames=CHUNK,
-                 max_frames=frames, device=device, dtype=model.dtype)
+    kv = fastar.make_cache(CacheConfig("unbounded"), num_layers=model.num_layers, batch=1,
+                           num_heads=model.num_heads, head_dim=model.head_dim,
+                           tokens_per_frame=(height // 16) * (width // 16), chunk_frames=CHUNK, max_frames=frames,
+                           device=device, dtype=model.dtype)
     rec = Recorder(kv, set(layers))
     clean_q = {layer: [] for layer in layers}
     zero = torch.zeros(1, device=device)
@@ -135,7 +136,7 @@ def prefill(run, frames: int) -> None:
         kv.begin_chunk(c * CHUNK, CHUNK)
         kv.begin_clean_pass()
         for layer in range(kv.num_layers):
-            kv.extend(layer, k, v)
+            kv.attend(layer, k, v)
         kv.commit()
 
 
@@ -143,9 +144,9 @@ class OwnChunkOnly(FastARAttention):
     """The control that drops the cached history: each chunk attends only its own keys."""
 
     def self_attention(self, layer, q, k, v):
-        keys, values, _ = self.cache.extend(layer, k, v)
-        n = k.shape[1]
-        return fastar.attend(q, keys[:, -n:], values[:, -n:])
+        keys, values, _ = self.cache.attend(layer, k, v)
+        own = self.cache.layout.chunk
+        return fastar.attend(q, keys[:, own], values[:, own])
 
 
 class AnnProbe(FastARAttention):
@@ -163,10 +164,10 @@ class AnnProbe(FastARAttention):
 
     def self_attention(self, layer, q, k, v):
         if self.armed and layer in self.layers and self._sparse(layer):
-            keys, _, bias = self.cache.extend(layer, k, v)
+            keys, _, bias = self.cache.attend(layer, k, v)
             plan = self.annsa.plan(layer, q)
             self.recalls.append(self.annsa.recall(q, keys, bias, plan).item())
-            self.densities.append(fastar.ann.plan_density(plan[1], plan[2], keys.shape[1]).item())
+            self.densities.append(fastar.annsa.plan_density(*plan, keys.shape[1]).item())
         return super().self_attention(layer, q, k, v)
 
 

@@ -44,7 +44,7 @@ from .sdpa import attend_lse, side_stream
 
 # History keys per scored block. 128 rather than the kernel's 64-key tile: a pick is then two
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
-# less recall (bench/results/ann_bench_random_kb128.json, bench/NOTES.md).
+# less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
 KEY_BLOCK = 128
 
 
