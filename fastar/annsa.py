@@ -15,7 +15,7 @@ query's logits against those means, and against the sink's and the open chunk's 
 estimate its share of attention mass in every block; averaged over a query block (``block_q``
 neighbouring tokens) they rank its history blocks, and it reads the best ``keep_fraction`` of
 them and more until, with the sink and its own chunk, they hold ``keep_mass`` of its estimated
-mass (top-p) (``kernels/quant_scores.py``, ``kernels/quant_select.py``). Why top-p, not a fixed
+mass (top-p) (``kernels/quant_block_shares.py``, ``kernels/quant_select.py``). Why top-p, not a fixed
 share: a query block whose own neighbourhood holds its attention needs few history blocks, a
 diffuse one many. Why a floor: a mean key underestimates a block that mixes unlike keys (Jensen),
 so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
@@ -156,7 +156,7 @@ class AnnSA:
         ``keep_fraction`` key blocks and, beyond them, top-p (``keep_mass``); a key block scores
         the best int8 dot product of its mean key with any of the block's queries (a block mixing
         two clusters of queries keeps both clusters' keys), as a logit, plus the log of its key
-        multiplicity (TempCache's merged keys weigh m times) (``kernels/quant_scores.py``); for
+        multiplicity (TempCache's merged keys weigh m times) (``kernels/quant_block_scores.py``, ``_shares.py``); for
         top-p, each query's estimated share of its mass per key block, the sink's and the open
         chunk's blocks counted in, averaged over the block. Picked blocks that touch in the
         sorted history fuse into one range (``kernels/quant_select.py``).

@@ -1,10 +1,11 @@
 """TempCache: KV-cache compression by temporal correspondence (FAST-AR §5.2, Lemma 5.1).
 
 When the clean pass writes a chunk, each new token finds its top-1 nearest cached history token
-(the cosine of whole tokens, all heads concatenated: per-head matching found no better groups
-at three times the cost, bench/results/tempcache_bench.json). A pair whose key cosine similarity clears ``merge_threshold``
-joins one group: the newest key becomes the group's representative, the value is the running
-mean of the group's values, and the group size m enters attention as the logit bias log m.
+(the cosine of whole tokens, all heads concatenated: per-head matching kept the same share of
+the attention at three times the cost, bench/results/tempcache_bench.json). A pair whose keys'
+cosine similarity clears ``merge_threshold`` joins one group: the newest key becomes the group's
+representative, the value is the running mean of the group's values, and the group size m
+enters attention as the logit bias log m.
 For identical keys this is exact: softmax over groups of (q.k/sqrt(d) + log m) weighting the
 group means equals attention over every member. Unmatched tokens take the least recently
 refreshed history slots (among equally old ones, the earliest written token positions), so

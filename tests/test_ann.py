@@ -58,9 +58,9 @@ def test_lsh_deterministic_for_a_seed():
     assert ((flips & (flips - 1)) == 0).all() and (flips > 0).all()
 
 
-def make_cache(config, layers=1, dtype=torch.float32, tpf=TPF):
+def make_cache(config, layers=1, dtype=torch.float32, tpf=TPF, device="cpu"):
     return new_cache(config, num_layers=layers, batch=B, num_heads=H, head_dim=D, tokens_per_frame=tpf,
-                   chunk_frames=CF, max_frames=12, dtype=dtype)
+                     chunk_frames=CF, max_frames=12, dtype=dtype, device=device)
 
 
 def clustered(n, centers, noise=0.05, gen=None):
@@ -86,7 +86,7 @@ def fill(attn, chunks, gen, centers=None):
         n = CF * cache.tokens_per_frame
         make = (lambda: clustered(n, centers, gen=gen)) if centers is not None else (
             lambda: torch.randn(B, n, H, D, generator=gen))
-        q, k, v = (t.to(cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
+        q, k, v = (t.to(cache.device, cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
         attn.step = 3
         attn.self_attention(0, q, k, v)
         cache.begin_clean_pass()
@@ -94,7 +94,7 @@ def fill(attn, chunks, gen, centers=None):
         attn.self_attention(0, q, k, v)
         cache.commit()
     cache.begin_chunk(chunks * CF, CF)
-    return (t.to(cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
+    return (t.to(cache.device, cache.dtype) for t in (make(), make(), torch.randn(B, n, H, D, generator=gen)))
 
 
 QUANT_ALL = AnnConfig(keep_fraction=1.0, keep_mass=0.0, dense_steps_fraction=0.0)
@@ -328,12 +328,12 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_equals_twin_on_annsa_plans(dtype):
+def test_kernel_equals_twin_on_annsa_plans(dtype, device):
     """The plans AnnSA builds (runs of sorted key blocks, TempCache bias) mean the same to the
-    Triton kernel (interpreted) as to its torch twin."""
+    Triton kernel as to its torch twin."""
     from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_torch
     gen = torch.Generator().manual_seed(5)
-    attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2), dtype=dtype),
+    attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2), dtype=dtype, device=device),
                            ann=AnnConfig(bits=5, probes=2, keep_fraction=0.5, dense_steps_fraction=0.0))
     q, k, v = fill(attn, 3, gen)
     keys, values, bias = attn.cache.attend(0, k, v)

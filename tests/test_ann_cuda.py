@@ -1,9 +1,5 @@
-"""On a GPU: the quant plan's kernels equal their twins; an unbounded cache's growing plans compile kernels only for larger tiles;
-the sink and the open chunk on cuDNN give what the kernel alone gives.
-
-CUDA-only, and meaningful only in a process where Triton compiles for the GPU: the CPU suite's
-kernel tests switch Triton to its interpreter at import, so run this file on its own
-(``pytest tests/test_ann_cuda.py tests/test_gpu_memory.py``); it skips otherwise.
+"""On a GPU: the quant plan's kernels equal their twins; an unbounded cache's growing plans compile
+kernels only for larger tiles; the sink and the open chunk on cuDNN give what the kernel alone gives.
 """
 
 import pytest

@@ -1,7 +1,4 @@
-"""On a GPU: chunks replayed from a CUDA graph compute what eager chunks compute.
-
-CUDA-only; run on its own like tests/test_ann_cuda.py (the CPU suite puts Triton in interpreter mode).
-"""
+"""On a GPU: chunks replayed from a CUDA graph compute what eager chunks compute."""
 
 import pytest
 import torch
