@@ -125,7 +125,8 @@ class FastARAttention:
         index = self.annsa is not None and layer not in self.ann.dense_layers
 
         def write():
-            self.cache.write_history(layer, q)
+            if self.cache.writes_history:
+                self.cache.write_history(layer, q)
             if index:
                 self.annsa.index_history(layer)
 

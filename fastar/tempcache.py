@@ -72,7 +72,7 @@ class TempCache(KVCache):
     sortable = True
 
     def __init__(self, config: TempCacheConfig, **geometry):
-        chunk_frames, tpf, device = geometry["chunk_frames"], geometry["tokens_per_frame"], geometry.get("device")
+        chunk_frames, tpf = geometry["chunk_frames"], geometry["tokens_per_frame"]
         if config.history_frames < chunk_frames:
             raise FastARError(f"TempCacheConfig.max_cache_frames={config.max_cache_frames} leaves "
                               f"{config.history_frames} history frames besides {config.sink_frames} sink "
