@@ -1,10 +1,10 @@
 """Triton kernels, each beside a torch reference twin with the same signature.
 
-One naming scheme: ``kernels/NAME.py`` holds ``NAME`` (the Triton wrapper: checks, then launches;
-it raises where Triton cannot run), ``NAME_torch`` (the twin, which defines the semantics; the
-kernel's tests hold it to them) and ``NAME_auto`` (the dispatcher callers use). ``rows.py`` holds
-one kernel's two directions, ``gather_rows`` and ``scatter_rows``, each with that trio. Every
-dispatcher decides by :func:`use_kernel`.
+``kernels/NAME.py`` holds ``NAME`` (the Triton wrapper: checks, then launches; raises where Triton
+cannot run), ``NAME_torch`` (the twin: it defines the semantics, documented once in the module or
+twin docstring, and the kernel's tests hold the kernel to it) and ``NAME_auto`` (the dispatcher
+callers use, deciding by :func:`use_kernel`). ``rows.py`` holds one kernel's two directions,
+``gather_rows`` and ``scatter_rows``, each with that trio.
 
 By paper component:
 
@@ -35,11 +35,10 @@ def triton_runs_on(t) -> bool:
 
 
 def use_kernel(t, fits: bool = True, *, interpreted: bool = True) -> bool:
-    """Every dispatcher's choice: the kernel where the call ``fits`` it (the dtypes and shapes it
-    takes, which the dispatcher tests) and Triton runs on ``t``'s device, else the twin.
-    ``interpreted=False`` keeps a kernel off Triton's CPU interpreter, for kernels every model
-    forward calls (adaLN, q/k norm + RoPE): whole forwards would crawl interpreted, so the twin
-    runs there and the tests call the kernel itself."""
+    """Every dispatcher's choice: the kernel where the call ``fits`` it (dtypes and shapes, which
+    the dispatcher tests) and Triton runs on ``t``'s device, else the twin. ``interpreted=False``
+    keeps off Triton's CPU interpreter the kernels every model forward calls (adaLN, q/k norm +
+    RoPE): whole forwards would crawl there, so the twin runs and the tests call the kernel."""
     return bool(fits) and triton_runs_on(t) and (interpreted or t.is_cuda)
 
 

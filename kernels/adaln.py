@@ -1,20 +1,17 @@
 """Residual update + LayerNorm + modulation (the Wan block's adaLN), as one Triton kernel.
 
-Why: in eager PyTorch each of a Wan block's norms is a gated residual (addcmul or add), a
-LayerNorm and a modulation (``1 + scale``, addcmul): nine kernels and passes over the chunk's
-[L, C] rows per block (~270 a forward) where three carry the same work.
+Why: eager PyTorch runs a gated residual, a LayerNorm and a modulation as separate kernels, each a
+pass over the chunk's rows; one pass does the same work.
 
-Semantics (the twin defines them): x ``[B, F, S, C]`` (tokens grouped by frame); the
-residual ``r = x + y * gate`` (``x + y`` without gate, ``x`` itself without y) is computed
-in fp32 and rounded to x's dtype, as the residual stream is kept; then, in fp32 from that
-rounded r, ``h = LayerNorm(r) * (1 + scale) + shift`` (``one_plus``; Wan's modulation) or
-``h = LayerNorm(r) * scale + shift`` (an affine LayerNorm's weight and bias), rounded once.
-gate / scale / shift are per frame ``[B, T, C]`` (T in {1, F}) or per channel ``[C]``.
-Returns ``(r, h)``.
+Semantics (the twin defines them): x ``[B, F, S, C]`` (tokens grouped by frame); the residual
+``r = x + y * gate`` (``x + y`` without gate, ``x`` without y) in fp32, rounded to x's dtype as the
+residual stream is kept; then, in fp32 from that rounded r, ``h = LayerNorm(r) * (1 + scale) +
+shift`` (``one_plus``: Wan's modulation) or ``LayerNorm(r) * scale + shift`` (an affine
+LayerNorm), rounded once. gate / scale / shift are per frame ``[B, T, C]`` (T in {1, F}) or per
+channel ``[C]``. Returns ``(r, h)``.
 
-Kernel layout: grid ``(ceil(B*F*S / ROWS),)``, ROWS token rows per program as one
-``[ROWS, C]`` fp32 tile (C padded to a power of two); each row's frame picks its gate /
-scale / shift row.
+Kernel layout: ROWS token rows per program as one ``[ROWS, C]`` fp32 tile (C padded to a power of
+two); each row's frame picks its gate / scale / shift row.
 """
 from __future__ import annotations
 
@@ -133,6 +130,6 @@ def adaln(x: Tensor, scale: Tensor, shift: Tensor, *, y: Tensor | None = None, g
 
 def adaln_auto(x: Tensor, scale: Tensor, shift: Tensor, *, y: Tensor | None = None, gate: Tensor | None = None,
                one_plus: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted: ``use_kernel``)."""
+    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted)."""
     fn = adaln if use_kernel(x, x.dtype in _DTYPES, interpreted=False) else adaln_torch
     return fn(x, scale, shift, y=y, gate=gate, one_plus=one_plus, eps=eps)

@@ -1,18 +1,15 @@
 """Mean of the filled keys of each block of history keys, as one Triton kernel.
 
-Why: AnnSA's 'quant' planner represents every block of ``block`` sorted history keys by the
-mean of its filled keys, once per clean-pass write of a layer. In eager PyTorch that is a
-zero-filled copy of the layer's history, a masked fill and a block sum: four passes over
-~86 MB a layer at the Wan 1.3B TempCache budget. Here each program reads one block of one
-head once and writes its mean and count.
+Why: AnnSA's 'quant' planner represents each block of sorted history keys by its filled keys'
+mean, at every clean-pass write of a layer; eager PyTorch needs a zero-filled copy of the whole
+history, a masked fill and a block sum, where one read of each block suffices.
 
 Semantics (the twin defines them): keys ``k [B, M, H, D]`` (the cache's layout, any strides),
-``filled [B, H, M]`` bool, or None when every row is filled (no mask to build). Key block ``j``
-of head ``(b, h)`` is rows ``[j * block, (j + 1) * block)`` (the last may be shorter); its count is
-the number of filled rows and its mean the fp32 sum of their keys over that count (zeros for a
-block with no filled key). Returns ``(mean [B, H, nkb, D] fp32, count [B, H, nkb] fp32)`` with
-``nkb = ceil(M / block)``, written into ``out`` (two fp32 tensors of those shapes, any strides:
-e.g. a slice of a larger buffer) when given.
+``filled [B, H, M]`` bool, or None when every row is filled. Key block ``j`` of head ``(b, h)`` is
+rows ``[j * block, (j + 1) * block)`` (the last may be shorter); its count is its filled rows, its
+mean their keys' fp32 sum over that count (zeros for a block with none). Returns ``(mean [B, H,
+nkb, D], count [B, H, nkb])``, fp32, ``nkb = ceil(M / block)``, written into ``out`` (two fp32
+tensors of those shapes, any strides, e.g. slices of a larger buffer) when given.
 """
 from __future__ import annotations
 
@@ -75,8 +72,8 @@ def block_means_torch(k: Tensor, filled: Tensor | None, block: int, out=None) ->
 
 if HAS_TRITON:
 
-    # The counts' strides follow the block count, which grows with an unbounded history: not
-    # specialised on, or each new divisibility by 16 would compile the kernel again mid-rollout.
+    # Not specialised on: the counts' strides follow the block count, which grows with an unbounded
+    # history, and each new divisibility by 16 would recompile mid-rollout.
     @triton.jit(do_not_specialize=["H", "M", "stride_cb", "stride_ch"])
     def _block_means_kernel(k_ptr, filled_ptr, mean_ptr, count_ptr, H, M,
                             stride_kb, stride_km, stride_kh, stride_kd, stride_mb, stride_mh, stride_mj, stride_md,
@@ -114,7 +111,7 @@ def block_means(k: Tensor, filled: Tensor | None, block: int, out=None) -> tuple
                                                 torch.empty(b, h, nkb, dtype=torch.float32, device=k.device))
     if mean.numel() == 0:
         return mean, count.zero_()
-    # without a mask the kernel never reads filled_ptr: any tensor stands in
+    # unread without a mask: any tensor stands in
     mask = filled.contiguous().view(torch.uint8) if filled is not None else count
     _block_means_kernel[(nkb, b * h)](k, mask, mean, count, h, m, *k.stride(), *mean.stride(), *count.stride(),
                                       BLOCK=block, D=d, ALL_FILLED=filled is None, num_warps=4)

@@ -1,46 +1,33 @@
-"""Block-sparse flash attention (AnnSA's kernel), as a Triton forward kernel.
+"""Block-sparse flash attention (AnnSA's attention): Triton kernel, torch twin, dispatcher.
 
-The kernel, its torch twin (the oracle the kernel is tested against and the fallback wherever
-Triton cannot run) and the dispatcher between them. The plan format is ``kernels/plan.py``'s,
-the launch model (tile sizes, key splits) ``kernels/launch.py``'s.
+The plan format is ``kernels/plan.py``'s, the launch model (tile sizes, key splits)
+``kernels/launch.py``'s.
 
-Semantics (the twin defines them)
----------------------------------
-Queries are cut into *query blocks* of ``block_q`` consecutive queries; query block ``i`` of
-head ``(b, h)`` attends to the keys its plan names (``kernels/plan.py``), with logits ``scale * q
-. k + key_bias[b, h, key]`` (``key_bias`` is TempCache's ``log m``) and a softmax over exactly
-those keys.
+Semantics (the twin defines them): q ``[B, H, Lq, D]``, k / v ``[B, H, Lk, D]`` (any strides).
+Query block ``i`` of head ``(b, h)`` (``block_q`` consecutive queries) attends to the keys its plan
+names, with logits ``scale * q . k + key_bias[b, h, key]`` (``key_bias``: TempCache's ``log m``)
+and a softmax over exactly those keys.
 
-- Without a prior, a query block with no keys, and a query whose every key has bias
-  ``-inf`` (empty TempCache slots), output zeros, never NaN.
-- ``bias_window=(lo, hi)``: the bias applies to keys ``[lo, hi)`` only, every other key's
-  is 0 (TempCache's history window; the sink and the open chunk hold unmerged keys). A
-  range wholly outside the window then runs without the bias's extra work per score.
-- ``prior=(out, lse)``: a softmax already taken over keys outside the plan (its output and
-  natural log-sum-exp per query; lse -inf: none), e.g. cuDNN's over the keys every block
-  reads. The result is the softmax over both key sets: the kernel starts each block's online
-  softmax from it, so it reads only the plan's keys and needs no combine pass.
+- Without a prior, a query block with no keys, and a query whose every key has bias ``-inf``
+  (empty TempCache slots), output zeros, never NaN.
+- ``bias_window=(lo, hi)``: the bias applies to keys ``[lo, hi)`` only, 0 elsewhere (TempCache's
+  history window; the sink and the open chunk hold unmerged keys). A range wholly outside the
+  window skips the bias's per-score work.
+- ``prior=(out, lse)``: a softmax already taken over keys outside the plan (natural-log lse per
+  query; -inf: none), e.g. cuDNN's over the keys every block reads. The result is the softmax over
+  both key sets; the kernel starts each block's online softmax from it, so it needs no combine.
 
-The twin checks the plan's values (``validate_plan``, a host sync) and raises ``ValueError``;
-the kernel only checks shapes, dtypes and devices and, for memory safety, clamps counts to
-``[0, R]`` and ranges to ``[0, Lk]`` (a reversed range reads nothing) instead of raising.
+The twin checks the plan's values (``validate_plan``, a host sync) and raises ``ValueError``; the
+kernel, which must not sync, checks only shapes, dtypes and devices and, for memory safety, clamps
+counts to ``[0, R]`` and ranges to ``[0, Lk]`` (a reversed range reads nothing).
 
-Kernel layout
--------------
-One program holds one query block in registers and streams the keys of its ranges in tiles of
-``block_n`` with an online softmax (running max and sum in fp32, ``exp2`` with ``log2 e`` folded
-into the scale, and into the bias once per call by the wrapper). Each range is
-``floor(len / block_n)`` full tiles, read and scored with no mask at all (without a
-bias, scaling and the max shift fuse into one FMA per score), then at most one masked
-tail tile, so no length or bound needs to be a multiple of anything. K / V tiles are
-addressed as a scalar int64 pointer advanced by ``block_n`` rows plus loop-invariant
-int32 in-tile offsets. All strides are passed explicitly: the KV cache stores
-``[B, L, H, D]`` and hands over ``.transpose(1, 2)`` views, which are read in place.
-
-The grid is one program per (query block, head) item, in that order, unless some items are
-*split* (``kernels/launch.py`` says which): such an item's keys are cut into even shares by count
-(along its ranges, on whole tiles), one program each; a split program writes an fp32 partial
-output and its log-sum-exp, and one combine pass joins each split item's shares.
+Kernel layout: one program per (query block, head) holds the query block in registers and streams
+its ranges' keys in ``block_n`` tiles with an fp32 online softmax in base 2. Each range is its full
+tiles, unmasked, then at most one masked tail tile, so no length or bound need be aligned. Strides
+are explicit, so the KV cache's ``[B, L, H, D]`` storage is read in place through
+``.transpose(1, 2)`` views. Items ``launch.split_items`` splits are cut into even shares of their
+keys (on whole tiles), one program each writing an fp32 partial and its lse, joined by a combine
+pass.
 """
 
 from __future__ import annotations
@@ -165,14 +152,10 @@ def block_sparse_attention_torch(
     prior: tuple[Tensor, Tensor] | None = None,
     **tunables,
 ) -> Tensor:
-    """Reference twin: loops over (b, h, query block), gathers the block's keys, fp32 softmax.
+    """Reference twin (module docstring): per (b, h, query block), its keys gathered, fp32 softmax.
 
-    The kernel's signature: its launch parameters (``launch.TUNABLES``) are accepted and ignored.
-    Also accepts fp32 (and fp64) inputs. Returns a tensor of q's shape, dtype and (where q is
-    dense) memory layout. Validates the plan's values with ``validate_plan`` (host sync; the
-    twin is the oracle and the CPU fallback). ``prior`` = (out, lse): attention over keys
-    outside the plan (lse in natural log, -inf: none), joined in, so the result is the softmax
-    over both key sets.
+    Takes the kernel's launch parameters (``launch.TUNABLES``) and ignores them; also takes fp64.
+    The result has q's shape, dtype and (where q is dense) memory layout.
     """
     unknown = sorted(set(tunables) - set(TUNABLES))
     if unknown:
@@ -245,13 +228,10 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        """One key tile of the online softmax; returns the updated (acc, l_i, m_i).
+        """One key tile of the online softmax (base-2 logits); returns the updated (acc, l_i, m_i).
 
-        ``k_tile`` / ``v_tile`` / ``b_tile`` point at the tile's first key. A full tile
-        (``MASKED`` False) reads BLOCK_N keys with no mask at all; a tail tile reads the
-        first ``n_valid`` (``0 < n_valid < BLOCK_N``) and gives the rest logit -inf.
-        Logits are in base 2: ``qk_scale`` = scale * log2(e) and the bias behind
-        ``b_tile`` is pre-multiplied by log2(e) by the wrapper.
+        ``k_tile`` / ``v_tile`` / ``b_tile`` point at the tile's first key. A full tile reads BLOCK_N
+        keys unmasked; a ``MASKED`` tail tile the first ``n_valid`` (< BLOCK_N), the rest at -inf.
         """
         if MASKED:
             col_ok = offs_n < n_valid
@@ -263,8 +243,7 @@ if HAS_TRITON:
                 kb = tl.load(b_tile + offs_n)
         if MASKED:
             kt = tl.load(k_tile + k_offs, mask=col_ok[:, None], other=0.0)
-            # The tail tile is not software-pipelined: issue V with K so that the two
-            # loads' latencies overlap instead of adding up.
+            # The tail tile is not software-pipelined: V issued with K overlaps their latencies.
             vt = tl.load(v_tile + v_offs, mask=col_ok[:, None], other=0.0)
         else:
             kt = tl.load(k_tile + k_offs)
@@ -275,8 +254,7 @@ if HAS_TRITON:
             # Masked columns: 0 * scale + -inf = -inf. A key with bias -inf likewise.
             t = s * qk_scale + kb[None, :]
             m_new = tl.maximum(m_i, tl.max(t, 1))
-            # A row with no finite logit yet keeps m = -inf; shift by 0 there so that
-            # exp2(-inf - -inf) never makes a NaN (p and alpha become 0).
+            # A row with no finite logit yet keeps m = -inf: shift by 0 there, so no NaN.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(t - m_use[:, None])
         elif MASKED:
@@ -285,8 +263,8 @@ if HAS_TRITON:
             m_use = m_new
             p = tl.math.exp2(t - m_use[:, None])
         else:
-            # Every logit finite: the row max of scale * s is scale * max(s) (min(s) for a
-            # negative scale), so scaling and shifting fuse into one FMA per score.
+            # Every logit finite: the row max is scale * max(s) (min(s) for a negative scale),
+            # so scaling and shifting fuse into one FMA per score.
             if SCALE_NEG:
                 m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
             else:
@@ -336,10 +314,9 @@ if HAS_TRITON:
         snapped = tl.sum(tl.where(inside, r_cum + (c - r_cum) // BLOCK_N * BLOCK_N, 0), 0)
         return tl.where(c >= total, total, snapped)
 
-    # Sizes, and the plan's strides that follow R, are not specialised on (Triton would otherwise
-    # compile again whenever their divisibility by 16 changes, i.e. as an unbounded cache's plans
-    # grow: a stall of seconds mid-rollout); none of them sets an alignment the kernel could use:
-    # tiles start at unaligned range starts anyway, and a range's bounds are scalar loads.
+    # Sizes and the plan's R-dependent strides are not specialised on: their divisibility by 16
+    # changes as an unbounded cache grows, and each change would recompile mid-rollout; no
+    # alignment they carry is usable (tiles start at unaligned range starts).
     @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_qblocks", "n_whole",
                                    "n_split", "stride_rb", "stride_rh", "stride_rq"])
     def _block_sparse_attention_kernel(
@@ -407,8 +384,8 @@ if HAS_TRITON:
         SPLITS: tl.constexpr,
         R_BLOCK: tl.constexpr,
     ):
-        """One program: one query block of one (b, h) against the keys of its ranges (a split
-        program, with ``SPLITS``, against one share of them: a partial result)."""
+        """One program: one query block of one (b, h) against its ranges' keys (a split program:
+        against one share of them, a partial result)."""
         pid = tl.program_id(0)
         if SPLITS:
             is_split = pid >= n_whole
@@ -439,8 +416,8 @@ if HAS_TRITON:
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
         bias_base = bias_ptr + pid_bh.to(tl.int64) * Lk
-        # In-tile offsets: loop invariant int32 (the wrapper guarantees BLOCK_N rows of
-        # any stride fit); the tile's int64 base is a scalar pointer advanced per tile.
+        # In-tile offsets: loop-invariant int32 (the wrapper ensures they fit); the tile's int64
+        # base is a scalar pointer advanced per tile.
         k_offs = offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd
         v_offs = offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd
         k_step = stride_kl.to(tl.int64) * BLOCK_N
@@ -450,10 +427,8 @@ if HAS_TRITON:
         count = tl.minimum(tl.maximum(count, 0), R)
 
         if SPLITS:
-            # This program's share: keys [cut_lo, cut_hi) of the block's keys counted along its
-            # ranges, split evenly by count (a whole item is one share); a cut inside a range
-            # falls on a whole number of tiles from the range's start, so splitting adds no
-            # masked tile.
+            # This program's share: keys [cut_lo, cut_hi) counted along the ranges (a whole item is
+            # one share); cuts fall on tile boundaries within a range, so splits add no masked tile.
             offs_r = tl.arange(0, R_BLOCK)
             r_ok = offs_r < count
             r_start = tl.maximum(tl.load(r_base + offs_r * stride_rr, mask=r_ok, other=0), 0)
@@ -464,8 +439,7 @@ if HAS_TRITON:
             shares = tl.where(is_split, n_split, 1)
             cut_lo = _split_cut(total * pid_s // shares, total, r_cum, r_len, BLOCK_N)
             cut_hi = _split_cut(total * (pid_s + 1) // shares, total, r_cum, r_len, BLOCK_N)
-            # Only the ranges the share overlaps are visited: a range's bounds are two dependent
-            # loads, too slow to spend on ranges another split reads.
+            # Only the ranges the share overlaps are visited: a range's bounds cost two dependent loads.
             before = r_ok & (r_cum + r_len <= cut_lo)
             r_first = tl.sum(before.to(tl.int32), 0)
             r_last = tl.sum((r_ok & (r_cum < cut_hi)).to(tl.int32), 0)
@@ -478,8 +452,8 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         if HAS_PRIOR:
-            # The prior softmax as the online softmax's starting state: max = its log-sum-exp
-            # (base 2), sum = 1, accumulator = its output. A split item's first share takes it.
+            # The prior as the starting state: max = its lse (base 2), sum = 1, acc = its output.
+            # A split item's first share takes it.
             take = row_ok
             if SPLITS:
                 take = take & (offs_i * 0 + pid_s == 0)
@@ -503,8 +477,8 @@ if HAS_TRITON:
             k_tile = k_base + start.to(tl.int64) * stride_kl
             v_tile = v_base + start.to(tl.int64) * stride_vl
             b_tile = bias_base + start
-            biased = False  # a compile-time False without a bias: one softmax path compiled
-            if HAS_BIAS:  # a range wholly outside the bias window (the sink, the open chunk) has bias 0
+            biased = False  # compile-time False without a bias: one softmax path compiled
+            if HAS_BIAS:  # a range wholly outside the bias window has bias 0
                 biased = (end > bias_lo) & (start < bias_hi)
             if biased:
                 acc, l_i, m_i = _attend_range(
@@ -535,8 +509,8 @@ if HAS_TRITON:
         stride_ob, stride_oh, stride_ol, stride_od,
         D: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
-        """One split item: out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), the
-        shares' softmaxes joined into one; a query no share saw a finite logit for gets 0."""
+        """One split item's shares joined: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse);
+        0 where no share saw a finite logit."""
         j = tl.program_id(0)
         item = n_whole + j
         pid_m = item % n_qblocks
@@ -589,21 +563,14 @@ def block_sparse_attention(
     num_splits: int | None = None,
     wave: int | None = None,
 ) -> Tensor:
-    """Triton kernel with the twin's contract; one program per query block and head.
+    """Triton kernel with the twin's contract (module docstring); no host sync.
 
-    q ``[B, H, Lq, D]``, k / v ``[B, H, Lk, D]`` in bf16 / fp16 (fp32 also runs, with an
-    IEEE dot to match the twin, but slowly), any strides (views are read in place). D a
-    power of two in [16, 256] (64 and 128 are the tested ones). ``block_q`` is part of
-    the plan's meaning (it fixes the query blocks ``ranges`` refers to) and may be any
-    int in [1, 256]; the kernel tile is it rounded up to a power of two.
-    ``prior`` = (out [B, H, Lq, D], lse [B, H, Lq] fp32, natural log) of attention over keys the plan
-    does not hold (e.g. cuDNN's over the keys every block reads) starts each block's online softmax.
-    Launch parameters (``kernels/launch.py``): ``block_n``, ``num_warps``, ``num_stages`` default to
-    ``default_launch`` (Hopper guesses); ``num_splits`` (1-16) splits every block's keys across
-    programs; None (the default) splits only the last wave's blocks, a wave being ``wave`` programs
-    (None: what the GPU holds at once for this launch; 0: no split); 1 never splits.
-    No host sync: plan values are clamped, not checked (see the module docstring).
-    The result has q's shape, dtype and (where q is dense) memory layout.
+    bf16 / fp16 (fp32 runs too, with an IEEE dot to match the twin, but slowly); D a power of two in
+    [16, 256] (64 and 128 are tested); ``block_q`` in [1, 256], the tile being it rounded up to a
+    power of two. Launch parameters (``kernels/launch.py``): ``block_n``, ``num_warps``,
+    ``num_stages`` default to ``default_launch``; ``num_splits`` (1-16) splits every item's keys, 1
+    none, None (default) only the last wave's, a wave being ``wave`` programs (None: what the GPU
+    holds at once for this launch; 0: no split).
     """
     if not HAS_TRITON:
         raise RuntimeError("block_sparse_attention needs triton, which is not importable")
@@ -628,16 +595,13 @@ def block_sparse_attention(
             return out.zero_()
         return out.copy_(torch.where(torch.isneginf(prior[1])[..., None], 0.0, prior[0]))
 
-    # tl.dot on fp32 operands is exact for bf16/fp16 products. Off-GPU, upcast tiles:
-    # Triton's interpreter (3.x) multiplies bf16 dot operands as raw bits.
+    # Off-GPU, tiles are upcast to fp32 (exact for bf16/fp16 products): Triton 3.x's interpreter
+    # multiplies bf16 dot operands as raw bits.
     upcast = q.dtype != torch.float32 and not q.is_cuda
     precision = "ieee" if (upcast or q.dtype == torch.float32) else None
-    # Bias in base 2, made once per call: a contiguous [B, H, Lk] fp32 tensor (cheap
-    # next to attention), so the kernel reads one contiguous vector per key tile and
-    # adds it with no multiply (the score becomes one FMA: s * qk_scale + bias). -inf
-    # stays -inf; the fp32 product is the same one the kernel used to form per tile.
-    # Outside ``bias_window`` the bias is 0 (zeroed here too, so a range that straddles the
-    # window's edge reads the twin's values); ranges wholly outside skip it.
+    # The bias in base 2, once per call and contiguous: one vector read per key tile, and the score
+    # is one FMA (s * qk_scale + bias). Zeroed outside bias_window, so a range straddling its edge
+    # reads the twin's values.
     bias = q  # dummy pointer, never read
     if key_bias is not None:
         bias = (key_bias * _LOG2E).contiguous()
@@ -645,16 +609,15 @@ def block_sparse_attention(
         bias[..., hi:] = 0.0
     prior_o, prior_lse = prior if prior is not None else (q, q)  # dummy pointers, never read
     prior_strides = (*prior_o.stride(), *prior_lse.stride()) if prior is not None else (0,) * 7
-    # In-tile offsets are int32 in the kernel: a tile of bn rows must span < 2**31
-    # elements. Always true for caches; a pathological view is copied instead.
+    # The kernel's in-tile offsets are int32: a view whose tile spans more is copied.
     if not tile_offsets_fit(k, bn):
         k = k.contiguous()
     if not tile_offsets_fit(v, bn):
         v = v.contiguous()
     bm = block_m(block_q)
     n_items = nqb * B * H
-    # Without a split, fp32 stand-ins: never read, but typed as the split's buffers, so that the
-    # wave's warm-up compiles the very kernel a split launch runs.
+    # Without a split, fp32 stand-ins typed as the split's buffers (never read), so that the wave's
+    # warm-up compiles the very kernel a split launch runs.
     part = lse = q.new_empty(0, dtype=torch.float32)
     r_block = max(2, 1 << (R - 1).bit_length())  # a split program's ranges as one vector: compiles as R doubles
 
@@ -692,8 +655,7 @@ def block_sparse_attention(
 
 
 def block_sparse_attention_auto(q: Tensor, *args, block_q: int = 64, **kwargs) -> Tensor:
-    """The kernel's signature; the kernel where Triton can run (CUDA, or CPU under
-    TRITON_INTERPRET=1) and the dtype / head dim / block size suit it, else the twin (same results)."""
+    """The kernel where ``use_kernel`` and ``kernel_supports`` allow, else the twin."""
     fits = isinstance(q, Tensor) and kernel_supports(q, block_q)
     fn = block_sparse_attention if use_kernel(q, fits) else block_sparse_attention_torch
     return fn(q, *args, block_q=block_q, **kwargs)

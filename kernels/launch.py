@@ -1,13 +1,12 @@
-"""How block-sparse attention is launched: tile sizes that fit Hopper's shared memory, and which
-programs split their keys so that the last wave is short. Host-side arithmetic, and one read of
-a compiled kernel's resources; the kernel itself is in ``kernels/block_sparse_attention.py``.
+"""How block-sparse attention (``kernels/block_sparse_attention.py``) is launched: tile sizes that
+fit Hopper's shared memory, and which programs split their keys. Host-side arithmetic, plus one
+read of a compiled kernel's resources.
 
-Waves: a grid of equal programs runs in waves of the programs the GPU holds at once (132 SMs x 2
-on an H200 for the default launch), and a last wave a third full costs about as long as a full
-one; its items split in S shares (S x tail <= wave) shorten it. On AnnSA's plans this gained
-little (0.9% of a call, ~3 ms a chunk: bench/NOTES.md, "The last wave"), and splitting every
-item there costs more than it gains (partials and a combine for all of them); ``num_splits``
-splits every item where programs read long ranges (the first step's dense biased attention).
+Waves: a grid runs in waves of the programs the GPU holds at once, and a part-full last wave costs
+about as long as a full one; splitting its items into shares shortens it. By default only the last
+wave splits (splitting every item costs partials and a combine for all of them); ``num_splits``
+splits every item, for launches whose programs read long ranges (the first step's dense biased
+attention). The gain is small on AnnSA's plans (bench/NOTES.md, "The last wave").
 """
 from __future__ import annotations
 
@@ -23,12 +22,11 @@ TUNABLES = ("block_n", "num_warps", "num_stages", "num_splits", "wave")
 #: Hopper's shared memory per block (227 KiB), less room for the bias tiles (4 * block_n * stages B).
 SMEM_BUDGET = 232448 - 2048
 
-#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on
-#: Hopper at D = 128 (``bench/block_sparse_bench.py`` sweeps them; every one compiles
-#: for sm_90 within shared memory, see the test). ``block_q`` is part of a plan's
-#: meaning, so a planner picks it; the other three are pure tunables.
+#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on Hopper at
+#: D = 128 (``bench/block_sparse_bench.py`` sweeps them; each fits sm_90's shared memory, as a test
+#: checks). ``block_q`` is part of a plan's meaning, so a planner picks it; the rest are tunables.
 HOPPER_LAUNCH_GRID = (
-    (64, 64, 4, 3),  # best measured before the full-tile split (352 TFLOP/s)
+    (64, 64, 4, 3),
     (64, 64, 4, 4),
     (64, 32, 4, 3),
     (128, 64, 8, 3),
@@ -54,16 +52,12 @@ def smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: in
 
 
 def default_launch(D: int, block_q: int, itemsize: int = 2) -> dict:
-    """Launch defaults for Hopper (H200), used where the caller passes None.
+    """Launch defaults for Hopper, used where the caller passes None.
 
-    ``block_n`` 64: a K and a V tile of 64 x 128 bf16 are 32 KiB per stage, so three
-    stages plus the query block fit shared memory with room to spare, and a range's
-    masked tail tile wastes at most 63 keys. ``num_warps`` 4 per 64 query rows (one
-    warpgroup per wgmma M=64 slab), i.e. 8 for block_q 128. ``num_stages`` 3 (2 for
-    D > 128, whose tiles are twice as large). Where that would not fit shared memory
-    (``itemsize`` 4, i.e. fp32 inputs, with large tiles) stages, then ``block_n``, are
-    cut until it does. Override any of them per call; ``HOPPER_LAUNCH_GRID`` lists the
-    candidates the benchmark compares.
+    ``block_n`` 64: three stages of K and V tiles plus the query block fit shared memory at D = 128,
+    and a masked tail tile wastes at most 63 keys. ``num_warps`` 4 per 64 query rows (one warpgroup
+    per wgmma M=64 slab). ``num_stages`` 3 (2 for D > 128, whose tiles are twice as large). Where
+    that overflows shared memory (fp32 inputs, large tiles), stages, then ``block_n``, are cut.
     """
     rows = block_m(block_q)
     launch = {
@@ -109,10 +103,9 @@ def tile_offsets_fit(t: Tensor, block_n: int) -> bool:
 
 
 def tail_split(n_items: int, wave: int) -> tuple[int, int]:
-    """``(n_whole, n_split)``: the first ``n_whole`` items run whole; the last wave's
-    ``n_items - n_whole`` items run in ``n_split`` programs each, as many shares as fit in the
-    wave (at most ``MAX_TAIL_SPLIT``). No split where the last wave is full, or more than half
-    full (two shares of each item would not fit), or ``wave`` is 0 (unknown)."""
+    """``(n_whole, n_split)``: the first ``n_whole`` items run whole, the last wave's items in
+    ``n_split`` programs each, as many as fit the wave (at most ``MAX_TAIL_SPLIT``). No split where
+    the last wave is full or more than half full, or ``wave`` is 0 (unknown)."""
     tail = n_items % wave if wave > 0 else 0
     n_split = min(MAX_TAIL_SPLIT, wave // tail) if tail else 1
     return (n_items - tail, n_split) if n_split > 1 else (n_items, 1)
@@ -131,10 +124,10 @@ _WAVES: dict = {}
 
 
 def device_wave(variant: tuple, warmup) -> int:
-    """Programs of a kernel variant (``variant[0]`` its device; ``warmup()`` compiles it, a
-    split-capable one) the GPU holds at once: SMs x the fewest per SM that its registers, shared
-    memory and threads allow, read from the compiled kernel (loaded, not launched) once per
-    variant. 0 off CUDA or where they cannot be read."""
+    """Programs of a kernel variant (``variant[0]``: its device; ``warmup()`` compiles it) the GPU
+    holds at once: SMs x the fewest per SM its registers, shared memory and threads allow, read
+    from the compiled kernel (loaded, not launched), cached per variant. 0 off CUDA or where the
+    resources cannot be read."""
     device = variant[0]
     if device.type != "cuda":
         return 0

@@ -1,22 +1,19 @@
 """TempCache's group merge of a chunk's rows into history rows, as one Triton kernel launched twice.
 
-Why: a merged slot's value becomes the running mean of its group, and its key the newest
-member's. In torch that took a gather, a multiply and a scatter of the representatives' rows
-(the old mean's weight), a head-major copy of the chunk's values times their share, and an
-``index_add_`` with an int64 index per element: ~16 kernels and ~0.19 ms a layer on an H200 at
-Wan 1.3B's shapes. Here the first launch writes each group's representative row (key, and the
-old mean's weighted value plus its own share, in fp32), the second adds the other members'
-shares with atomic adds; each program reads its tokens' slot state itself.
+Why: a merged slot's value becomes its group's running mean, its key the newest member's. Torch
+needs a dozen gathers, copies and an ``index_add_`` with an int64 index per element (bench/NOTES.md).
+Here the first launch writes each group's representative row (its key; the old mean's weighted
+value plus its own share, in fp32), the second atomically adds the other members' shares; each
+program reads its tokens' slot state itself.
 
 Semantics (the twin defines them): for history rows ``k, v [M, H, D]`` (any strides, written in
 place), the chunk's ``new_k, new_v [N, H, D]``, ``slot [H, N]`` int64 in ``[0, M)``, ``merge [H, N]``
-bool, and per head and slot the old group size ``count [H, M]`` and the merged arrivals ``added
-[H, M]`` (fp32) and the newest arrival's token ``rep [H, M]`` int64: for every slot s of head h
-that a token merges into, with ``t = count + added``, ``v[s, h] = count / t * v[s, h] + sum of
-new_v[n, h] / t`` over its members n, and ``k[s, h] = new_k[rep[h, s], h]``. Other rows are left
-as they are. The twin sums in fp32 and rounds once; the kernel rounds the representative's row,
-then adds the others' shares in the cache dtype (their order unspecified). Indices are clamped
-into range by the kernel (no host sync).
+bool, and per head and slot the old group size ``count [H, M]``, the merged arrivals ``added [H,
+M]`` (fp32) and the newest arrival's token ``rep [H, M]`` int64: for every slot s of head h that a
+token merges into, with ``t = count + added``, ``v[s, h] = count / t * v[s, h] + sum of new_v[n, h]
+/ t`` over its members n, and ``k[s, h] = new_k[rep[h, s], h]``; other rows are untouched. The twin
+sums in fp32 and rounds once; the kernel rounds the representative's row, then adds the others'
+shares in the cache dtype (in unspecified order). The kernel clamps indices (no host sync).
 """
 from __future__ import annotations
 
@@ -112,8 +109,7 @@ if HAS_TRITON:
 
 def merge_rows(k: Tensor, v: Tensor, new_k: Tensor, new_v: Tensor, slot: Tensor, merge: Tensor,
                count: Tensor, added: Tensor, rep: Tensor) -> None:
-    """Triton kernel with the twin's contract (D a power of two; fp32, fp16 or bf16); grid
-    ``(ceil(N / 32), H)``, launched twice."""
+    """Triton kernel with the twin's contract (D a power of two; fp32, fp16 or bf16)."""
     if not HAS_TRITON:
         raise RuntimeError("merge_rows needs triton, which is not importable")
     _check(k, v, new_k, new_v, slot, merge, count, added, rep)

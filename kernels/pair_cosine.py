@@ -1,15 +1,13 @@
 """Cosine of each new token with its matched history token, all heads concatenated, as one Triton kernel.
 
 Why: TempCache's shared match picks each new token's counterpart on fp8 scores, and whether the
-pair merges is decided on the exact cosine of their keys. In torch that took a per-head gather of
-the counterparts and ``torch.cosine_similarity`` in fp32: two upcast copies, two norms, two
-divisions, a product and a sum over ``[N, H * D]``, ~0.15 ms a layer on an H200 at Wan 1.3B's
-shapes. Here a program reads its tokens' rows once and keeps three fp32 sums.
+pair merges is decided on the exact cosine of their keys. Torch needs a per-head gather and
+upcast copies; here a program reads its tokens' rows once and keeps three fp32 sums.
 
-Semantics (the twin defines them): for ``x [N, H, D]``, ``src [M, H, D]`` (any strides) and
-``rows [H, N]`` int64 in ``[0, M)``, with ``y[n, h] = src[rows[h, n], h]``: ``cos[n] = <x[n], y[n]>
-/ max(|x[n]| |y[n]|, 1e-12)`` over all H x D entries, in fp32. The kernel clamps row indices
-into range (no host sync); the twin raises on them.
+Semantics (the twin defines them): for ``x [N, H, D]``, ``src [M, H, D]`` (any strides) and ``rows
+[H, N]`` int64 in ``[0, M)``, with ``y[n, h] = src[rows[h, n], h]``: ``cos[n] = <x[n], y[n]> /
+max(|x[n]| |y[n]|, 1e-12)`` over all H x D entries, in fp32. The kernel clamps row indices into
+range (no host sync); the twin raises on them.
 """
 from __future__ import annotations
 

@@ -1,21 +1,19 @@
 """The plan format: which keys each query block of block-sparse attention reads.
 
-Planners write plans (AnnSA's selection, ``kernels/quant_select.py``; :func:`dense_ranges`); the
-attention kernel and its twin read them (``kernels/block_sparse_attention.py``). Queries ``[B, H,
-Lq]`` are cut into ``nqb = ceil(Lq / block_q)`` query blocks of ``block_q`` consecutive queries; a
-plan is ``ranges [B, H, nqb, R, 2]`` and ``range_counts [B, H, nqb]``, both int32, and query block
-``i`` of head ``(b, h)`` reads::
+Planners (``kernels/quant_select.py``, :func:`dense_ranges`) write plans; the attention
+(``kernels/block_sparse_attention.py``) reads them. Queries ``[B, H, Lq]`` are cut into ``nqb =
+ceil(Lq / block_q)`` blocks of ``block_q`` consecutive queries; a plan is ``ranges [B, H, nqb, R,
+2]`` and ``range_counts [B, H, nqb]``, both int32, and query block ``i`` of head ``(b, h)`` reads::
 
     keys(b, h, i) = U_{r < range_counts[b, h, i]} [ranges[b, h, i, r, 0], ranges[b, h, i, r, 1])
 
-- Ranges are half-open ``(start, end)`` pairs of key indices with ``0 <= start <= end <= Lk``;
-  they may be empty, unsorted and unaligned to any block size. Ranges are assumed **not to
-  overlap**: a key covered twice is counted twice, which is not attention over a set.
-- Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest are ignored and
-  may hold anything.
+- Ranges are half-open ``(start, end)`` with ``0 <= start <= end <= Lk``; they may be empty,
+  unsorted and unaligned. They must **not overlap**: a key covered twice counts twice.
+- Only the first ``range_counts[b, h, i]`` of the ``R`` slots are read; the rest may hold anything.
 
 A plan's shapes are checked for free (:func:`check_plan`); its values only with a host sync
-(:func:`validate_plan`), which the kernel path must not do (DESIGN.md §3).
+(:func:`validate_plan`), which the kernel path must not do: a sync stalls the launch queue, and
+the rollout captures forwards as CUDA graphs (docs/engine.md).
 """
 from __future__ import annotations
 
@@ -98,11 +96,8 @@ def validate_plan(
 def dense_ranges(
     B: int, H: int, Lq: int, Lk: int, block_q: int, *, device=None
 ) -> tuple[Tensor, Tensor]:
-    """The plan "every query block reads all keys": ranges ``[B, H, nqb, 1, 2]`` = (0, Lk).
-
-    Returns ``(ranges, range_counts)`` (int32). Block-sparse attention with this plan is
-    dense attention (``scaled_dot_product_attention`` with ``key_bias`` as the mask).
-    """
+    """The plan "every query block reads all keys", (0, Lk): ``(ranges [B, H, nqb, 1, 2],
+    range_counts)``, int32. Attention with it is dense attention with ``key_bias`` as the mask."""
     for name, val in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)):
         if operator.index(val) < 0:
             raise ValueError(f"{name} must be >= 0, got {val}")

@@ -1,18 +1,16 @@
 """Fused q/k RMS norm + 3-axis RoPE (the Wan self-attention prologue), as one Triton kernel.
 
-Why: in eager PyTorch the norm and the rotation are eight elementwise kernels over an fp32
-copy of q (and of k) in every layer; at 4680 tokens x 1536 channels that is ~60 launches and
-~2 GB of fp32 traffic per forward for what is a single read and write of the bf16 row.
+Why: eager PyTorch runs the norm and the rotation as several elementwise kernels over an fp32
+copy of q (and k) in every layer, for what is one read and one write of each row.
 
-Semantics (the twin defines them): x ``[B, L, C]`` with ``C = H * D``; in fp32, each row
-is RMS-normalised over all C channels and scaled by ``weight`` (``weight`` None: no norm),
-then each head's adjacent channel pairs ``(2j, 2j+1)`` are rotated by ``freqs[l, j] =
-(cos, sin)``. The result ``[B, L, H, D]`` is rounded once, to x's dtype, and written to ``out``
-where given: the KV cache's rows of the open chunk, so that k needs no copy into the cache.
+Semantics (the twin defines them): x ``[B, L, C]`` with ``C = H * D``; in fp32, each row is
+RMS-normalised over all C channels and scaled by ``weight`` (None: no norm), then each head's
+channel pairs ``(2j, 2j+1)`` are rotated by ``freqs[l, j] = (cos, sin)``. The result ``[B, L, H,
+D]`` is rounded once to x's dtype and written to ``out`` where given: the KV cache's rows of the
+open chunk, so that k needs no copy into the cache.
 
-Kernel layout: grid ``(ceil(B * L / ROWS),)``, ROWS token rows per program, each read and
-written as one contiguous ``[ROWS, C]`` tile (C padded to a power of two) and split into its
-even and odd channels in registers.
+Kernel layout: ROWS token rows per program, read and written as one contiguous ``[ROWS, C]`` tile
+(C padded to a power of two), split into even and odd channels in registers.
 """
 from __future__ import annotations
 
@@ -128,6 +126,6 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int
 
 def qk_norm_rope_auto(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
                       out: Tensor | None = None) -> Tensor:
-    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted: ``use_kernel``)."""
+    """The kernel on CUDA for the dtypes it takes, else the twin (never interpreted)."""
     fn = qk_norm_rope if use_kernel(x, x.dtype in _DTYPES, interpreted=False) else qk_norm_rope_torch
     return fn(x, weight, freqs, num_heads, eps, out=out)

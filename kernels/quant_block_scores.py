@@ -1,32 +1,27 @@
 """AnnSA 'quant' planning scores: int8 scores of key blocks against query blocks, as one Triton kernel.
 
-Why: the selection step scores every block of sorted history keys (its int8 mean key)
-against every query of a query block and keeps the best blocks. In eager PyTorch that is a
-per-head loop of fp32 GEMMs over a ``[Lq, n_key_blocks]`` score matrix, ~3 ms per layer call;
-here each program scores one query block against all key blocks and writes only the block max.
+Why: the selection scores every block of sorted history keys (its int8 mean key) against every
+query of a query block and keeps the best; a program per query block writes only the block max,
+never the ``[Lq, n_key_blocks]`` score matrix eager PyTorch builds.
 
-Semantics (the twin defines them): queries ``q [B, H, Lq, D]`` are cut, in their own order, into
-blocks of ``block_q`` (the last may be shorter). Each block is quantized on its own scale:
-``inv = 127 / max(max |q| over the block, 1e-12)``, a query's levels ``clamp(floor(q * inv +
-0.5), -127, 127)``. The score of key block ``j`` for query block ``i`` is
+Semantics (the twin defines them): queries ``q [B, H, Lq, D]`` are cut, in their order, into blocks
+of ``block_q`` (the last may be shorter), each quantized on its own scale: ``inv = 127 / max(max |q|
+over the block, 1e-12)``, levels ``clamp(floor(q * inv + 0.5), -127, 127)``. The score of key block
+``j`` for query block ``i`` is
 
     max over the block's queries of (levels . key_means[b, h, j]) * (logit_scale[b, h] / inv) + block_bias[b, h, j]
 
-an estimate of the log attention mass the block would get: ``logit_scale`` (the key means'
-scale over sqrt(D)) and ``1 / inv`` turn the integer dot product back into a logit,
-``block_bias`` is the log of the block's key multiplicity (logsumexp of TempCache's log m over
-its keys; ``-inf`` for a block with no key, which then scores ``-inf``). A scale per query block,
-not per head, is computed where the block is loaded (no pass over the queries before the
-kernel) and resolves each block's queries more finely.
+an estimate of the block's log attention mass: ``logit_scale`` (the key means' scale over sqrt(D))
+and ``1 / inv`` turn the integer dot back into a logit; ``block_bias`` is the log of the block's key
+multiplicity (logsumexp of TempCache's log m over its keys; ``-inf`` for a block with no key, which
+then scores ``-inf``). The scale is per query block, not per head: computed where the block is
+loaded (no pass over the queries first), and it resolves each block's queries more finely.
 
-Products of values within +-127 summed over D <= 256 are exact in fp32, so the kernel's fp16
-tensor-core dot of the (integer-valued) operands gives exactly the twin's integers. Divisions
-round to nearest (``div_rn``) and the kernel is compiled without FMA contraction
-(``enable_fp_fusion=False``): fused, ``q * inv + 0.5`` rounds once instead of twice and moves a
-query sitting on a half-step to the next level, and ``best * scale + bias`` differs in the last
-ulp. Rounding every operation as the twin does, the results are equal, not close.
-
-``kernels/quant_block_shares.py`` reduces the same logits per query, for AnnSA's top-p plan.
+Exactness: products within +-127 summed over D <= 256 are exact in fp32, so the fp16 tensor-core
+dot gives the twin's integers. Divisions round to nearest (``div_rn``) and FMA contraction is off
+(``enable_fp_fusion=False``): fused, ``q * inv + 0.5`` rounds once and moves a query on a half-step
+to the next level, and ``best * scale + bias`` differs in the last ulp. So results equal the
+twin's, not just approach them.
 """
 from __future__ import annotations
 
@@ -121,8 +116,8 @@ if HAS_TRITON:
         logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
         s_base = s_ptr + (pid_bh.to(tl.int64) * tl.cdiv(Lq, block_q) + pid_m) * NKB
-        # [D, BLOCK_M]: scores come out as [key block, query], so the max over a block's queries
-        # runs along each accumulator row (a few lane shuffles, not a reduction across warps)
+        # [D, BLOCK_M]: scores come out [key block, query], so the max over queries runs along
+        # accumulator rows (lane shuffles, not a reduction across warps)
         qt = tl.trans(qt)
         for j0 in range(0, NKB, BLOCK_K):
             cols = j0 + offs_k
@@ -146,7 +141,7 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
             q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), scores,
             h, lq, nkb, block_q, *q.stride(),
             D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)), BLOCK_K=64,
-            # fp16 tensor cores on the GPU; fp32 under the CPU interpreter (exact either way)
+            # fp16 tensor cores on the GPU, fp32 under the interpreter: exact either way
             DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return scores
 

@@ -1,20 +1,20 @@
 """AnnSA 'quant' top-p planning shares: each key block's estimated share of a query block's
 attention mass, as one Triton kernel.
 
-Semantics (the twin defines them): the logits of ``kernels/quant_block_scores.py`` (each query
-block quantized to int8 on its own scale, against int8 key means), reduced per query instead of
-per block: a query's estimated share of attention mass in each key block is ``exp(logit - lse)``,
-``lse`` the logsumexp over the query's logits against both the history blocks and ``fixed``
-blocks (the sink's and the open chunk's: their float mean keys, read in fp16, ``levels . mean /
-(inv * sqrt(D))`` plus the log of their key counts); averaged over the block's queries, as
-``log_share [B, H, nqb, nkb]`` and the fixed blocks' ``log_fixed_share [B, H, nqb]``. Why per
-query, not the block max: a query block mixing two clusters whose logits differ in scale would
-otherwise credit the sharper cluster's blocks with the whole block's mass. Why float means for the
-fixed blocks: the open chunk's change every call, and its block means are then one kernel
-(``kernels/block_means.py``) writing where the plan reads them, with no int8 pass over them.
+Semantics (the twin defines them): the logits of ``kernels/quant_block_scores.py``, reduced per
+query instead of per block: a query's share in each key block is ``exp(logit - lse)``, ``lse``
+over its logits against the history blocks and the ``fixed`` blocks (the sink's and the open
+chunk's: float mean keys read in fp16, ``levels . mean / (inv * sqrt(D))`` plus the log of their
+key counts); averaged over the block's queries as ``log_share [B, H, nqb, nkb]`` and
+``log_fixed_share [B, H, nqb]``.
 
-The dots are exact and the divisions round as the scores' do; exponentials and logarithms round
-differently in Triton and torch, so the shares are close to the twin's, not equal.
+Why per query, not the block max: a query block mixing two clusters whose logits differ in scale
+would credit the sharper cluster's blocks with the whole block's mass. Why float means for the
+fixed blocks: the open chunk's change every call, and ``kernels/block_means.py`` then writes them
+where the plan reads them, with no int8 pass.
+
+Dots and divisions are exact as in the scores; exp and log round differently in Triton and torch,
+so the shares are close to the twin's, not equal.
 """
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _logits(k_base, bias_base, j0, NKB, qt, logit_scale, offs_k, offs_d, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        """Logits [BLOCK_K, BLOCK_M] of key blocks j0 + offs_k (their int8 means at k_base) against the
-        transposed query levels qt [D, BLOCK_M]; -inf past NKB. Key blocks along rows: a sum over a
-        block's queries runs along each accumulator row (lane shuffles, not a reduction across warps)."""
+        """Logits [BLOCK_K, BLOCK_M] of key blocks j0 + offs_k (int8 means at k_base) against the
+        transposed query levels qt [D, BLOCK_M]; -inf past NKB. Key blocks along rows, so a sum over
+        queries runs along accumulator rows (lane shuffles, not a reduction across warps)."""
         cols = j0 + offs_k
         col_ok = cols < NKB
         kt = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0).to(DOT_DTYPE)
@@ -89,9 +89,9 @@ if HAS_TRITON:
     @triton.jit
     def _query_logits(k_base, bias_base, j0, NKB, q, logit_scale, offs_k, offs_d, D: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, FIXED: tl.constexpr):
-        """Logits [BLOCK_M, BLOCK_K] of the query levels q [BLOCK_M, D] against key blocks j0 + offs_k:
-        queries along rows, so each query's logsumexp runs along an accumulator row. FIXED: float
-        means read in fp16 and key counts (their log is the bias); else int8 means and log masses."""
+        """Logits [BLOCK_M, BLOCK_K] of query levels q [BLOCK_M, D] against key blocks j0 + offs_k,
+        queries along rows (for each query's logsumexp). FIXED: float means read in fp16 and key
+        counts (their log the bias); else int8 means and log masses."""
         cols = j0 + offs_k
         col_ok = cols < NKB
         kt = tl.load(k_base + cols[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0)
@@ -162,8 +162,7 @@ def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
             q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), fixed_means.contiguous(),
             fixed_counts.contiguous(), shares, fixed_shares, h, lq, nkb, fixed_means.shape[2], block_q,
             1 / math.sqrt(d), *q.stride(), D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)),
-            # 128 key blocks a tile, one stage: 94 against 110 us at the chunk's shape (H200, launch sweep,
-            # bench/NOTES.md); the program is latency-bound, not by its dots
+            # 128 key blocks a tile, one stage: the program is latency-bound, not by its dots (bench/NOTES.md)
             BLOCK_K=128, num_stages=1,
             DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return shares, fixed_shares

@@ -1,12 +1,11 @@
 """AnnSA 'quant' planning: from key-block scores to each query block's key ranges, as one Triton kernel.
 
-Why: in PyTorch this step is a top-k, a sort of the picked indices, a gather and a dozen small
-ops that turn picks into runs and runs into range slots; on the H200 those kernels cost more
-than the scoring itself (bench/results/chunk_profile.json). One program per query block does it
-all in registers.
+Why: in PyTorch this is a top-k, a sort, a gather and a dozen small ops turning picks into runs and
+runs into slots, costing more than the scoring (bench/NOTES.md); one program per query block does
+it in registers.
 
 Semantics (the twin defines them). For each row ``score[b, h, i, :]`` (one query block's score of
-every key block; ``held[b, h, j]`` says whether key block ``j`` holds any key):
+every key block; ``held[b, h, j]``: whether key block ``j`` holds any key):
 
 - the ``top`` best-scoring key blocks are picked; among equal scores the lower block index wins
   (``-0.0`` equals ``0.0``; scores are never NaN);
@@ -16,19 +15,18 @@ every key block; ``held[b, h, j]`` says whether key block ``j`` holds any key):
 - slot 0 is the sink ``[0, sink)``, slot 1 the open chunk ``[chunk_start, chunk_stop)``;
   ``counts = 2 + runs``; slots past ``counts`` are left as zeros.
 
-With ``mass`` (top-p), a row also picks, beyond its ``top`` blocks, the fewest best blocks whose
-share of the query block's attention mass reaches ``mass``, the sink and the open chunk counted
-in: the union of both picks. A score is read as a log mass: with ``fixed[b, h, i]`` the log mass
-of the keys every plan reads and ``w_j = exp(score_j)`` over held blocks, the row needs ``mass *
-(exp(fixed) + sum w) - exp(fixed)``; ``t`` is the best score at which the held blocks scoring
-``>= t`` carry that much, and they are all picked (ties included); ``mass = 1`` picks every
-held block (no rounding decides it), a row that needs nothing only its ``top``. Why: a query
-block whose sink and own chunk hold most of its mass reads few history blocks, a diffuse one
-many, so every query block keeps about the same recall (bench/NOTES.md).
+With ``mass`` (top-p), a row also picks the fewest best blocks whose share of the query block's
+attention mass, the sink and open chunk counted in, reaches ``mass``: the union of both picks.
+Scores are log masses: with ``fixed[b, h, i]`` the log mass of the keys every plan reads and ``w_j
+= exp(score_j)`` over held blocks, the row needs ``mass * (exp(fixed) + sum w) - exp(fixed)``; ``t``
+is the best score at which held blocks scoring ``>= t`` carry that much, all picked (ties
+included); ``mass = 1`` picks every held block (no rounding decides it), a row needing nothing
+only its ``top``. Why: a query block whose sink and own chunk hold most of its mass reads few
+history blocks, a diffuse one many, so all keep about the same recall (bench/NOTES.md).
 
-Output: ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and ``counts [B, H, nqb]`` (int32), a plan
-(``kernels/plan.py``); with ``reads`` (int32 [B, H, nqb]) also each query block's keys read, its ranges'
-lengths summed (``plan.range_reads``): AnnSA's density telemetry, at no extra launch.
+Output: a plan (``kernels/plan.py``), ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and
+``counts [B, H, nqb]``, int32; with ``reads`` (int32 [B, H, nqb]) also each query block's keys read
+(``plan.range_reads``, AnnSA's density telemetry) at no extra launch.
 """
 from __future__ import annotations
 
@@ -52,8 +50,8 @@ def _check_reads(reads, shape):
 
 
 def slots(top: int, nkb: int, mass: float | None) -> int:
-    """Range slots past the sink's and the chunk's: a run per picked block at most, and with
-    ``mass`` any number of blocks may be picked, in at most ceil(nkb / 2) runs."""
+    """Range slots past the sink's and the chunk's: at most a run per picked block; with ``mass``,
+    any number of blocks, in at most ceil(nkb / 2) runs."""
     return top if mass is None else max(top, (nkb + 1) // 2)
 
 
@@ -235,10 +233,9 @@ if HAS_TRITON:
 def quant_select(score: Tensor, held: Tensor, top: int, *, key_block: int, rows_start: int, rows_stop: int, sink: int,
                  chunk_start: int, chunk_stop: int, mass: float | None = None, fixed: Tensor | None = None,
                  reads: Tensor | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
-    """Triton kernel with the twin's contract; one program per query block. ``chunk``: key blocks
-    held in registers at a time (a power of two; any row length works). By default a row of up
-    to 4096 key blocks (240 cached frames of 128-key blocks) is held whole, so the selection's
-    32 counting rounds never reload it; longer rows stream in chunks of 1024."""
+    """Triton kernel with the twin's contract. ``chunk``: key blocks held in registers at a time (a
+    power of two). By default a row of up to 4096 key blocks is held whole, so the 32 counting
+    rounds never reload it; longer rows stream in chunks of 1024."""
     if not HAS_TRITON:
         raise RuntimeError("quant_select needs triton, which is not importable")
     b, h, nqb, nkb = _check(score, held, top, key_block, mass, fixed)

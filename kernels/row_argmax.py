@@ -1,8 +1,7 @@
 """Each row's argmax of a score matrix, as one Triton kernel.
 
-Why: TempCache's fp8 match writes a ``[1024, 28080]`` bf16 score block per GEMM at Wan 1.3B's
-shapes, and ``torch.argmax`` read it back at ~1.4 TB/s on an H200 (42 us a block, ~0.2 ms a
-layer); a program per row streaming it with a running maximum per lane reads it at ~2.4 TB/s.
+Why: TempCache's fp8 match reduces a large score block per GEMM, and a program per row streaming
+it with a running maximum per lane reads it faster than ``torch.argmax`` (bench/NOTES.md).
 
 Semantics (the twin defines them): for ``scores [R, M]`` (any strides, M >= 1), the int64 index
 of each row's largest value, the smallest such index on ties. NaN is not handled (scores are

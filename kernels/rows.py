@@ -1,14 +1,12 @@
 """Per-head row moves between a ``[B, M, H, D]`` cache region and rows in order: the gather and the
 scatter, one Triton kernel body for both directions.
 
-Why: AnnSA re-sorts every layer's history by bucket after each clean pass, and TempCache's shared
-match aligns the heads of a sorted history by token: both gather whole rows of one head by an index
-per row. TempCache writes each chunk's keys and values into history rows picked per head (a merged
-group's representative, the slot an unmatched token takes): a scatter of rows. ``torch.gather``
-needs that index expanded to every element (an int64 read per bf16 element, five times the data
-moved), and ``index_copy_`` on a flat ``[M * H, D]`` view runs a thread per element with an index
-lookup each and wants the source transposed head-major first; here a program reads one index per
-row and moves the row's D contiguous values, in the ordered side's own ``[N, H, D]`` layout.
+Why: AnnSA re-sorts each layer's history by bucket, TempCache's shared match aligns a sorted
+history's heads by token (gathers of whole rows of one head, an index per row), and TempCache
+writes each chunk's keys and values into history rows picked per head (a scatter). ``torch.gather``
+wants the index expanded to every element, ``index_copy_`` a head-major source and an index lookup
+per element; here a program reads one index per row and moves its D contiguous values, in the
+ordered side's own ``[N, H, D]`` layout.
 
 Semantics (the twins define them), for ``index [B, H, N]`` int64 with values in ``[0, M)``:
 
@@ -19,8 +17,7 @@ Semantics (the twins define them), for ``index [B, H, N]`` int64 with values in 
   place); returns ``dst``. A row written more than once (TempCache's dump row) takes one of its
   writes, which one is unspecified.
 
-The twins raise on an index out of range; the kernels clamp it (no host sync), as the
-block-sparse kernel does.
+The twins raise on an index out of range; the kernels clamp it (no host sync).
 """
 from __future__ import annotations
 
@@ -86,9 +83,9 @@ if HAS_TRITON:
     def _move_rows(cache_ptr, index_ptr, rows_ptr, H, M, N,
                    stride_cb, stride_cm, stride_ch, stride_cd, stride_rb, stride_rn, stride_rh, stride_rd,
                    ROWS: tl.constexpr, D: tl.constexpr, SCATTER: tl.constexpr):
-        """One program: ``ROWS`` consecutive positions of head ``program_id(1)`` = b * H + h. Position
-        i is row i of the ordered side and row ``index[b, h, i]`` of the cache (clamped into [0, M)
-        for memory safety only); the row moves cache -> ordered (gather) or back (``SCATTER``)."""
+        """One program: ``ROWS`` positions of head ``program_id(1)`` = b * H + h. Position i is row i
+        of the ordered side and row ``index[b, h, i]`` (clamped) of the cache; it moves cache ->
+        ordered, or back with ``SCATTER``."""
         bh = tl.program_id(1)
         pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         ok = pos < N
@@ -121,8 +118,7 @@ if HAS_TRITON:
 
 
 def _move(kernel, cache: Tensor, index: Tensor, rows: Tensor) -> None:
-    """Launch a direction's kernel: grid ``(ceil(N / 32), B * H)``, the cache ``[B, M, H, D]`` and
-    the ordered rows ``[B, N, H, D]`` by their strides."""
+    """Launch a direction's kernel on the cache ``[B, M, H, D]`` and ordered rows ``[B, N, H, D]``."""
     b, m, h, d = cache.shape
     n = index.shape[2]
     if n == 0 or b * h == 0:

@@ -1,19 +1,18 @@
 """Token rows at unit norm x 256 in fp8 e4m3, the operands of TempCache's fp8 match, as one Triton kernel.
 
 Why: the shared match compares whole tokens (every head's key concatenated) by cosine on fp8
-tensor cores. In torch, readying the history's side took a per-head row gather (lining up the
-heads of an AnnSA-sorted history), a norm pass, a bf16 multiply, a zero fill and an fp8 cast:
-five passes over a layer's 86 MB of history keys, every chunk. Here a program reads its rows
-(through the gather) once to sum their squares and once more from L2 to write them scaled and
-rounded, and the new tokens' side takes the same kernel.
+tensor cores. Torch needs separate passes over the history's keys for the per-head gather (lining
+up an AnnSA-sorted history's heads), the norm, the scale and the cast; here a program reads its
+rows (through the gather) once to sum their squares and again, from L2, to write them. The new
+tokens' side takes the same kernel.
 
-Semantics (the twin defines them): for ``src [M_src, H, D]`` (any strides) and, optionally,
-``index [H, M]`` int64 (row m of head h is ``src[index[h, m], h]``; without it ``src[m, h]``,
-M = M_src), row m of the result is that token's H x D values in fp32, times ``256 / max(|row|,
-1e-12)`` (0 where ``held[m]`` is False), rounded to e4m3: ``[m_out, H * D]`` fp8 with rows from
-M on zero (fp8 GEMMs want row counts in multiples of 16). 256 keeps every entry of a unit vector
-inside e4m3's 448 and a spread-out one's (~256 / sqrt(H D)) in its normal range. The kernel clamps
-index values into range (no host sync); the twin raises on them.
+Semantics (the twin defines them): for ``src [M_src, H, D]`` (any strides) and optionally ``index
+[H, M]`` int64 (row m of head h is ``src[index[h, m], h]``; without it ``src[m, h]``, M = M_src),
+row m of the result is that token's H x D values in fp32, times ``256 / max(|row|, 1e-12)`` (0
+where ``held[m]`` is False), rounded to e4m3: ``[m_out, H * D]`` fp8, rows from M on zero (fp8
+GEMMs want row counts in multiples of 16). 256 keeps every entry of a unit vector inside e4m3's
+448 and a spread-out one's (~256 / sqrt(H D)) in its normal range. The kernel clamps index values
+(no host sync); the twin raises on them.
 """
 from __future__ import annotations
 
@@ -107,7 +106,7 @@ if HAS_TRITON:
 
 def unit_fp8(src: Tensor, index: Tensor | None = None, held: Tensor | None = None,
              m_out: int | None = None) -> Tensor:
-    """Triton kernel with the twin's contract (D a power of two); grid ``ceil(m_out / 16)``."""
+    """Triton kernel with the twin's contract (D a power of two)."""
     if not HAS_TRITON:
         raise RuntimeError("unit_fp8 needs triton, which is not importable")
     m, m_out = _check(src, index, held, m_out)
