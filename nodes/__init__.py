@@ -1,7 +1,7 @@
 """ComfyUI node classes: schemas and glue into ``fastar``; no math lives here.
 
-``bridge`` (the samplers) and ``video`` (the streaming decode) are the modules that touch ComfyUI
-internals; ``fastar_nodes`` holds the node classes. Neither is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
+``fastar_nodes`` holds the node classes; ``bridge`` (the samplers) and ``video`` (the streaming decode)
+touch ComfyUI internals. None is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
 """
 
 

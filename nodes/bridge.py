@@ -1,26 +1,27 @@
-"""The bridge between ComfyUI and ``fastar``: the only module that touches ComfyUI internals.
+"""The bridge between ComfyUI and ``fastar``: patching, the samplers and everything else that reaches
+into ComfyUI's model internals (``video`` reaches into its VAE).
 
 A rollout runs on one of two engines (``choose_engine``):
 
-- ``fused``: the library's Wan forward (``fastar.models.WanModel``) built over the ComfyUI model's own
-  parameter tensors, with the rollout's per-chunk CUDA graphs: the library's speed, no second copy of
-  the weights, weight patches as ComfyUI applied them. Taken whenever it computes what ComfyUI's
-  forward would (``_fused_blocker`` names what stands in the way otherwise).
-- ``comfy``: ComfyUI's own forward through ``BaseModel.apply_model`` (``ComfyChunkModel``), with the
+- ``fused``: the library's Wan forward (``fastar.models.WanModel``) over the ComfyUI model's own
+  parameter tensors, with per-chunk CUDA graphs: the library's speed, no second copy of the weights,
+  weight patches as ComfyUI applied them. Taken wherever it computes what ComfyUI's forward would;
+  ``_fused_blocker`` names what stands in the way otherwise.
+- ``comfy``: ComfyUI's own forward through ``BaseModel.apply_model`` (``ComfyChunkModel``), its
   attention routed into FAST-AR by what ``patch_model`` adds to a ``ModelPatcher.clone()``, inert
-  outside a rollout: a keyed ``DIFFUSION_MODEL`` wrapper that gives the chunk its temporal RoPE offset
-  and counts the forward's attention calls, and an ``optimized_attention_override`` that sends
-  self-attention through the rollout's KV cache and cross-attention to its prompt path, chained to any
-  override already set.
+  outside a rollout: a keyed ``DIFFUSION_MODEL`` wrapper (the chunk's temporal RoPE offset, a count of
+  the forward's attention calls) and an ``optimized_attention_override`` (self-attention through the
+  rollout's KV cache, cross-attention through its prompt path), chained to any override already set.
 
 ``sample`` runs a whole rollout the way KSampler does (conditioning through the model's
-``extra_conds``, ComfyUI's model management, the model's latent format); ``ARVideoSampler`` is the
-same rollout as a SAMPLER in core ComfyUI's autoregressive video graph.
+``extra_conds``, ComfyUI's model management, the model's latent format); ``ARVideoSampler`` runs it
+as the SAMPLER of core ComfyUI's autoregressive video graph.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import math
@@ -257,35 +258,10 @@ class ComfyChunkModel:
             options = dict(options, wrappers=wrappers)
         self.transformer_options = options
         self.cond_or_uncond = [0]
-
-    # ChunkModel geometry
-    @property
-    def num_layers(self) -> int:
-        return len(self.dm.blocks)
-
-    @property
-    def num_heads(self) -> int:
-        return self.dm.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dm.dim // self.dm.num_heads
-
-    @property
-    def latent_channels(self) -> int:
-        return self.dm.in_dim
-
-    @property
-    def text_dim(self) -> int:
-        return self.dm.text_dim
-
-    @property
-    def patch_size(self) -> tuple[int, int, int]:
-        return tuple(self.dm.patch_size)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.manual_cast_dtype or self.base.get_dtype()
+        dm = self.dm  # the ChunkModel geometry
+        self.num_layers, self.num_heads, self.head_dim = len(dm.blocks), dm.num_heads, dm.dim // dm.num_heads
+        self.latent_channels, self.text_dim, self.patch_size = dm.in_dim, dm.text_dim, tuple(dm.patch_size)
+        self.dtype = compute_dtype(model)
 
     def __call__(self, x, t, context, *, frame_offset: int, attention):
         sigma = t.to(torch.float64) / self.multiplier
@@ -309,9 +285,8 @@ _PLAIN_OPS = ("disable_weight_init.", "manual_cast.")
 
 @dataclass
 class Engine:
-    """What runs a rollout's forwards: ``fused`` (the library's Wan forward and per-chunk CUDA graphs
-    over the ComfyUI model's own parameter tensors) or ``comfy`` (ComfyUI's forward, attention routed
-    through FAST-AR by the override). ``reason``: why the fused engine could not run."""
+    """What runs a rollout's forwards (``fused`` or ``comfy``, see the module docstring); ``reason``: why
+    the fused engine could not run."""
     name: str
     model: object
     reason: str | None = None
@@ -530,11 +505,37 @@ def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int
     return contexts[0], list(zip(chunks, contexts[1:]))
 
 
-def _one_token_count(context, switches, negative):
-    """The first prompt, the switches' prompts and the negative (or None) at one token count."""
+def _texts(patcher, prompts, positive, negative, encode: Callable, noise: torch.Tensor, device, frames: int,
+           chunk_frames: int, node: str):
+    """(first context, [(chunk, context)] prompt switches, negative context or None) at one token count.
+    A prompt schedule conditions the video instead of ``positive``; ``encode(conditioning, name)`` turns
+    the sampler's own positive / negative into a context."""
+    switches = []
+    if prompts:
+        context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node)
+    else:
+        context = encode(positive, "positive")
+    negative = None if negative is None else encode(negative, "negative")
     n = 1 + len(switches)
     texts = _match_tokens(context, *(t for _, t in switches), *([] if negative is None else [negative]))
     return texts[0], [(c, t) for (c, _), t in zip(switches, texts[1:n])], None if negative is None else texts[n]
+
+
+def _rollout(patcher, options: dict, model_options: dict, texts, device, node: str,
+             on_engine: Callable[[Engine], None] | None, ann, **settings) -> Rollout:
+    """The rollout over ``texts`` (``_texts``) on the engine ``choose_engine`` picks; ``settings``: the
+    rest of ``Rollout``'s keywords, which differ between the two samplers."""
+    context, switches, negative = texts
+    engine = choose_engine(patcher, options, model_options, node)
+    log_engine(engine, node)
+    if on_engine is not None:
+        on_engine(engine)
+    if engine.name == "comfy":
+        engine.model.cond_or_uncond = [0, 1] if negative is not None else [0]
+    return Rollout(engine.model, context.to(device),
+                   negative_context=None if negative is None else negative.to(device),
+                   prompts=[(c, t.to(device)) for c, t in switches],
+                   **({"ann": ann} if ann is not None else {}), **settings)
 
 
 def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
@@ -593,9 +594,8 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     if guided and negative is None:
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     check_cache(settings.cache, settings.ann, settings.chunk_frames, node)
-    b = settings.batch_size
     whole = -(-settings.frames // settings.chunk_frames) * settings.chunk_frames
-    latent_shape = (b, model.model.latent_format.latent_channels, whole,
+    latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
     noise_like = torch.zeros(latent_shape)
     conds = {"positive": comfy.sampler_helpers.convert_cond(positive)}
@@ -608,27 +608,14 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     rollout = None
     try:
         model.pre_run()
-        switches = []
-        if settings.prompts:
-            context, switches = scheduled_contexts(model, settings.prompts, noise_like, device, whole,
-                                                   settings.chunk_frames, node)
-        else:
-            context = conditioning_context(model, positive, noise_like, device, node, "positive")
-        negative_context = conditioning_context(model, negative, noise_like, device, node, "negative") \
-            if guided else None
-        context, switches, negative_context = _one_token_count(context, switches, negative_context)
-        engine = choose_engine(model, _transformer_options(model, model_options, prepared=True), model_options, node)
-        log_engine(engine, node)
-        if on_engine is not None:
-            on_engine(engine)
-        if engine.name == "comfy":
-            engine.model.cond_or_uncond = [0, 1] if guided else [0]
-        rollout = Rollout(engine.model, context.to(device), frames=whole, height=settings.height,
-                          width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
-                          cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
-                          negative_context=None if negative_context is None else negative_context.to(device),
-                          cfg=settings.cfg, prompts=[(c, t.to(device)) for c, t in switches],
-                          **({"ann": settings.ann} if settings.ann is not None else {}))
+        texts = _texts(model, settings.prompts, positive, negative if guided else None,
+                       lambda c, name: conditioning_context(model, c, noise_like, device, node, name),
+                       noise_like, device, whole, settings.chunk_frames, node)
+        rollout = _rollout(model, _transformer_options(model, model_options, prepared=True), model_options, texts,
+                           device, node, on_engine, settings.ann, frames=whole, height=settings.height,
+                           width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
+                           cache=settings.cache, seed=settings.seed, context_noise=settings.context_noise,
+                           cfg=settings.cfg)
         progress = ChunkProgress(model, rollout.num_chunks, preview)
 
         def report(r):
@@ -691,7 +678,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
             self.events.finish("done")
         return out
 
-    def _check(self, model_wrap, sigmas, noise, denoise_mask, options) -> list[float]:
+    def _check(self, sigmas, noise, denoise_mask, options) -> list[float]:
         node = self.node
         if noise.ndim != 5:
             raise FastARError(f"{node}: the latent must be a video latent [B, C, T, H, W] (Empty AR Video Latent), "
@@ -718,44 +705,29 @@ class ARVideoSampler(comfy.samplers.Sampler):
         patcher, base, node = model_wrap.model_patcher, model_wrap.inner_model, self.node
         model_options = extra_args.get("model_options", {})
         options = _transformer_options(patcher, model_options, prepared=True)
-        steps = self._check(model_wrap, sigmas, noise, denoise_mask, options)
+        steps = self._check(sigmas, noise, denoise_mask, options)
         settings = patcher.model_options.get(SETTINGS_KEY, {})
         cache = settings.get("cache") or TempCacheConfig()
         check_cache(cache, settings.get("ann"), self.chunk_frames, node)
-        device = patcher.load_device
-        batch = noise.shape[0]
+        device, batch, seed = patcher.load_device, noise.shape[0], int(extra_args.get("seed", 0))
         if latent_image is None:
             latent_image = torch.zeros_like(noise)
         x = base.model_sampling.noise_scaling(sigmas[0], noise, latent_image, self.max_denoise(model_wrap, sigmas))
-        switches = []
-        if self.prompts:
-            context, switches = scheduled_contexts(patcher, self.prompts, torch.zeros_like(noise), device, x.shape[2],
-                                                   self.chunk_frames, node)
-        else:
-            context = text_context(model_wrap.conds.get("positive"), batch, device, node, "positive")
+        frames, (h, w) = x.shape[2], x.shape[3:]
         cfg = float(getattr(model_wrap, "cfg", 1.0))
-        negative = None
-        if cfg != 1.0 and model_wrap.conds.get("negative"):
-            negative = text_context(model_wrap.conds["negative"], batch, device, node, "negative")
-        else:
-            cfg = 1.0
-        context, switches, negative = _one_token_count(context, switches, negative)
+        negative = model_wrap.conds.get("negative") if cfg != 1.0 else None
+        if not negative:  # nothing to guide with: unguided
+            negative, cfg = None, 1.0
+        texts = _texts(patcher, self.prompts, model_wrap.conds.get("positive"), negative,
+                       lambda conds, name: text_context(conds, batch, device, node, name),
+                       torch.zeros_like(noise), device, frames, self.chunk_frames, node)
         if self.events is not None:
-            self.events.start(x.shape[2], x.shape[2] // self.chunk_frames, 1 + len(switches))
-        engine = choose_engine(patcher, options, model_options, node)
-        log_engine(engine, node)
-        if self.events is not None:
-            self.events.engine(engine)
-        if engine.name == "comfy":
-            engine.model.cond_or_uncond = [0, 1] if negative is not None else [0]
-        _, _, h, w = x.shape[1:]
-        rollout = Rollout(engine.model, context.to(device), frames=x.shape[2], height=h * 8, width=w * 8,
-                          chunk_frames=self.chunk_frames, schedule=FlowMatchSchedule.from_sigmas(steps),
-                          cache=cache, seed=int(extra_args.get("seed", 0)),
-                          negative_context=None if negative is None else negative.to(device), cfg=cfg,
-                          prompts=[(c, t.to(device)) for c, t in switches],
-                          noise=_graph_noise(x.to(device), int(extra_args.get("seed", 0)), self.chunk_frames),
-                          **({"ann": settings["ann"]} if settings.get("ann") is not None else {}))
+            self.events.start(frames, frames // self.chunk_frames, 1 + len(texts[1]))
+        rollout = _rollout(patcher, options, model_options, texts, device, node,
+                           None if self.events is None else self.events.engine, settings.get("ann"),
+                           frames=frames, height=h * 8, width=w * 8, chunk_frames=self.chunk_frames,
+                           schedule=FlowMatchSchedule.from_sigmas(steps), cache=cache, seed=seed, cfg=cfg,
+                           noise=_graph_noise(x.to(device), seed, self.chunk_frames))
         done = torch.zeros_like(x)
         total = len(sigmas) - 1
 
@@ -776,16 +748,13 @@ class ARVideoSampler(comfy.samplers.Sampler):
 
 
 # -- UI glue ----------------------------------------------------------------------------
-def _latent_preview_module():
+def comfy_module(name: str):
+    """A module of ComfyUI's top level: ``name`` in a checkout, ``comfy.cmd.name`` in the pip-installable
+    ComfyUI."""
     try:
-        import latent_preview  # ComfyUI as a checkout
-        return latent_preview
+        return importlib.import_module(name)
     except ImportError:
-        try:
-            from comfy.cmd import latent_preview  # pip-installable ComfyUI
-            return latent_preview
-        except ImportError:
-            return None
+        return importlib.import_module(f"comfy.cmd.{name}")
 
 
 class ChunkProgress:
@@ -796,10 +765,10 @@ class ChunkProgress:
         self.num_chunks = num_chunks
         self.previewer = None
         if preview:
-            lp = _latent_preview_module()
-            try:
-                self.previewer = lp.get_previewer(model.load_device, model.model.latent_format) if lp else None
-            except Exception:  # previews are best effort; never fail a run over one
+            try:  # previews are best effort; never fail a run over one
+                lp = comfy_module("latent_preview")
+                self.previewer = lp.get_previewer(model.load_device, model.model.latent_format)
+            except Exception:
                 self.previewer = None
 
     def __call__(self, report):

@@ -22,22 +22,34 @@ SCHEDULE_SLOTS = 4
 CACHE_EVENT = "fastar.cache"
 
 
+def _schema(**fields) -> io.Schema:
+    return io.Schema(category=CATEGORY, **fields)
+
+
+def _prompts_input(instead_of: str):
+    return PromptsType.Input("prompts", optional=True,
+                             tooltip=f"A FAST-AR Prompt Schedule: prompts that change along the video, which "
+                                     f"then condition it instead of {instead_of}.")
+
+
 @contextlib.contextmanager
-def _in_words(library: str, node: str):
-    """A settings error in the node's words: the library's ``TempCacheConfig.x`` is the node's input x."""
+def _in_words(node: str, library: str | None = None):
+    """A FastARError in the node's words: after the node's name, or, given ``library``, with the
+    library's name for a setting (``TempCacheConfig.x``) made the node's (``TempCache Settings: x``)."""
     try:
         yield
     except FastARError as exc:
-        raise FastARError(str(exc).replace(library, node, 1)) from None
+        message = str(exc)
+        message = f"{node}: {message}" if library is None else message.replace(library, f"{node}: ", 1)
+        raise FastARError(message) from None
 
 
 class PatchModel(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return _schema(
             node_id="FastARPatchModel",
             display_name="FAST-AR Patch Model",
-            category=CATEGORY,
             description="The one place a FAST-AR graph sets its KV cache and sparse attention: the samplers "
                         "(Autoregressive Long Sampler, FAST-AR AR Video) read them from the model. Returns a copy: "
                         "the input model is untouched, and outside those samplers it samples exactly like the "
@@ -67,10 +79,9 @@ class TempCacheSettings(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         d = TempCacheConfig()
-        return io.Schema(
+        return _schema(
             node_id="FastARTempCacheSettings",
             display_name="TempCache Settings",
-            category=CATEGORY,
             description="KV-cache compression by temporal correspondence (FAST-AR TempCache): each new key finds "
                         "its nearest cached key; close pairs merge into one key with a log-count bias, which is "
                         "exact for identical keys. The cache never exceeds max cache frames.",
@@ -93,7 +104,7 @@ class TempCacheSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames) -> io.NodeOutput:
-        with _in_words("TempCacheConfig.", "TempCache Settings: "):
+        with _in_words("TempCache Settings", "TempCacheConfig."):
             return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
                                                  max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames)))
 
@@ -101,10 +112,9 @@ class TempCacheSettings(io.ComfyNode):
 class WindowCache(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return _schema(
             node_id="FastARWindowCache",
             display_name="Sink + Window Cache",
-            category=CATEGORY,
             description="A dense KV cache: the first sink frames and the most recent window frames (LongLive's "
                         "sink 3 + window 12; flat memory, no memory of the frames in between), or with unbounded "
                         "every frame (the dense baseline: memory and time grow with the video).",
@@ -128,10 +138,9 @@ class AnnSparsity(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         d = AnnConfig()
-        return io.Schema(
+        return _schema(
             node_id="FastARAnnSparsity",
             display_name="ANN Sparsity",
-            category=CATEGORY,
             description="Approximate-nearest-neighbour sparse attention (FAST-AR AnnSA / AnnCA): a block of the "
                         "chunk's queries reads only the cached key blocks that score best against it (int8 "
                         "similarity to blocks of bucket-sorted keys), and, with AnnCA, each frame only the prompt "
@@ -160,7 +169,7 @@ class AnnSparsity(io.ComfyNode):
 
     @classmethod
     def execute(cls, annsa, annca, keep_mass, keep_fraction, dense_steps_fraction) -> io.NodeOutput:
-        with _in_words("AnnConfig.", "ANN Sparsity: "):
+        with _in_words("ANN Sparsity", "AnnConfig."):
             return io.NodeOutput(AnnConfig(annsa=bool(annsa), annca=bool(annca), keep_mass=float(keep_mass),
                                            keep_fraction=float(keep_fraction),
                                            dense_steps_fraction=float(dense_steps_fraction)))
@@ -199,10 +208,9 @@ def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_
 class AutoregressiveLongSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return _schema(
             node_id="FastARAutoregressiveSampler",
             display_name="Autoregressive Long Sampler",
-            category=CATEGORY,
             description="Generates a video latent chunk by chunk with a causal Wan 2.1 model (Self-Forcing "
                         "sampler: a few flow-matching steps per chunk, then a clean pass that writes the chunk "
                         "into the KV cache). Decode the LATENT with the stock VAE Decode.",
@@ -235,9 +243,7 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                        "above 1 a negative prompt is needed and each forward runs twice the batch."),
                 io.Conditioning.Input("negative", optional=True,
                                       tooltip="Negative prompt, used only when cfg > 1."),
-                PromptsType.Input("prompts", optional=True,
-                                  tooltip="A FAST-AR Prompt Schedule: prompts that change along the video, which "
-                                          "then condition it instead of positive."),
+                _prompts_input("positive"),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -262,11 +268,9 @@ class AutoregressiveLongSampler(io.ComfyNode):
         if not bridge.is_patched(model):
             model = PatchModel.execute(model).result[0]
         fastar = model.model_options.get(bridge.SETTINGS_KEY, {})
-        try:
+        with _in_words("Autoregressive Long Sampler"):
             settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
                                  context_noise, cfg, fastar.get("cache", TempCacheConfig()))
-        except FastARError as exc:
-            raise FastARError(f"Autoregressive Long Sampler: {exc}") from None
         settings.ann, settings.prompts = fastar.get("ann"), prompts
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
@@ -281,16 +285,15 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
 
 def _node_id(cls):
-    return getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) is not None else None
+    return getattr(getattr(cls, "hidden", None), "unique_id", None)
 
 
 class ARVideo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return _schema(
             node_id="FastARARVideo",
             display_name="FAST-AR AR Video",
-            category=CATEGORY,
             description="FAST-AR's autoregressive sampler as a SAMPLER for SamplerCustom / SamplerCustomAdvanced: "
                         "put it where Sampler AR Video sits in ComfyUI's autoregressive video graph (Empty AR "
                         "Video Latent, the graph's sigmas and seed). The KV cache and sparse attention are FAST-AR "
@@ -300,9 +303,7 @@ class ARVideo(io.ComfyNode):
                 io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
                              tooltip="Latent frames per autoregressive block (chunk). 1 = framewise, 3 = chunkwise; "
                                      "must match the checkpoint."),
-                PromptsType.Input("prompts", optional=True,
-                                  tooltip="A FAST-AR Prompt Schedule: prompts that change along the video, which "
-                                          "then condition it instead of SamplerCustom's positive."),
+                _prompts_input("SamplerCustom's positive"),
             ],
             outputs=[io.Sampler.Output()],
             hidden=[io.Hidden.unique_id],
@@ -326,10 +327,9 @@ class PromptSchedule(io.ComfyNode):
                              tooltip=f"The video frame where prompt_{i} begins (16 frames = 1 s). The switch "
                                      f"happens with the first chunk that starts there or later."),
             ]
-        return io.Schema(
+        return _schema(
             node_id="FastARPromptSchedule",
             display_name="FAST-AR Prompt Schedule",
-            category=CATEGORY,
             description="Prompts that change along the video, for the prompts input of Autoregressive Long Sampler "
                         "or FAST-AR AR Video: at each switch the new text conditions the chunks that follow and the "
                         "cached history is re-encoded with it (one clean pass per chunk so far), so the video "
@@ -356,10 +356,9 @@ class PromptSchedule(io.ComfyNode):
 class SaveVideo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
+        return _schema(
             node_id="FastARSaveVideo",
             display_name="FAST-AR Save Video (streaming)",
-            category=CATEGORY,
             description="Decodes a video LATENT with the Wan 2.1 VAE and writes it to a video file frame by frame: "
                         "the memory stays that of a few frames however long the video (VAE Decode + Save Video "
                         "hold every frame at once). The frames are VAE Decode's. Cancel closes the file with the "
@@ -380,10 +379,7 @@ class SaveVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, fps, filename_prefix, format) -> io.NodeOutput:
-        try:
-            import folder_paths
-        except ImportError:  # the pip-installable ComfyUI
-            from comfy.cmd import folder_paths
+        folder_paths = bridge.comfy_module("folder_paths")
         latent = samples["samples"]
         if latent.ndim != 5:
             raise FastARError(f"{video.NODE}: samples must be a video latent [B, C, T, h, w], got "
