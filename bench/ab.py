@@ -21,6 +21,7 @@ cancels within a round) and how far B's latents lie from A's (relative, last rou
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import statistics
@@ -62,6 +63,20 @@ def export(rev: str) -> tuple[str, str]:
             f.write(commit + "\n")
         os.rename(partial, folder)
     return folder, commit
+
+
+def digest(folder: str) -> str:
+    """SHA-256 of the package's code in ``folder`` (every .py file under fastar/, kernels/, nodes/, by path):
+    what ran, whatever a copied tree's git metadata says."""
+    h = hashlib.sha256()
+    for part in ("fastar", "kernels", "nodes"):
+        for dirpath, _, files in sorted(os.walk(os.path.join(folder, part))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, folder).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read() + b"\0")
+    return h.hexdigest()
 
 
 def resolve(spec: str | None) -> tuple[str, str]:
@@ -138,7 +153,7 @@ def main():
     models["b"].load_state_dict(models["a"].state_dict())
     context = random_prompt(models["a"].text_dim, device, models["a"].dtype)
 
-    result = {**header(device), "a": {"tree": trees["a"][1]}, "b": {"tree": trees["b"][1]},
+    result = {**header(device), **{key: {"tree": what, "code_sha256": digest(folder)} for key, (folder, what) in trees.items()},
               "shapes": {"model": size, "height": hw[0], "width": hw[1], "chunk_frames": CHUNK,
                          "dtype": str(models["a"].dtype).replace("torch.", "")},
               "weights": "bench/common.testbed_model (sensitized random weights), the same in A and B; "
