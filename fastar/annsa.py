@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..kernels import triton_runs_on
+from ..kernels import use_kernel
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_block_scores import quant_block_scores_auto
@@ -231,7 +231,7 @@ class AnnSA:
         """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
         layout = self.cache.layout
         prior, side = None, None
-        if layout.fixed is not None and triton_runs_on(q) and kernel_supports(q, self.config.block_q):
+        if layout.fixed is not None and use_kernel(q, kernel_supports(q, self.config.block_q)):  # the kernel runs
             if q.is_cuda:
                 # the side stream waits for this layer's K/V, and waits again before its next call,
                 # which orders its reuse of the memory it allocates after the kernel that reads it

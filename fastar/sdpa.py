@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import HAS_TRITON
+from ..kernels import use_kernel
 from ..kernels.block_sparse_attention import block_sparse_attention, kernel_supports
 from ..kernels.plan import dense_ranges
 
@@ -99,7 +99,7 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: t
     before the history (TempCache's committed sink and the open chunk), cuDNN attends them and the
     kernel only the history, starting from that softmax; else the kernel reads all, split in two.
     """
-    if not (HAS_TRITON and q.is_cuda and kernel_supports(q, 64)):
+    if not use_kernel(q, kernel_supports(q, 64), interpreted=False):
         return attend(q, k, v, key_bias=key_bias)
     B, Lq, H, _ = q.shape
     lo, hi = bias_window

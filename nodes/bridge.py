@@ -535,7 +535,7 @@ def _rollout(patcher, options: dict, model_options: dict, texts, device, node: s
     return Rollout(engine.model, context.to(device),
                    negative_context=None if negative is None else negative.to(device),
                    prompts=[(c, t.to(device)) for c, t in switches],
-                   **({"ann": ann} if ann is not None else {}), **settings)
+                   ann=ann, **settings)
 
 
 def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
