@@ -8,14 +8,18 @@ an attention state (``fastar.attention.FastARAttention``), which owns the KV cac
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.adaln import adaln_auto
+from ...kernels.fp8_linear import fp8_linear_auto, fp8_matmul_auto, quantize_rows_auto, quantize_weight
 from ...kernels.qk_norm_rope import qk_norm_rope_auto
 from ..errors import FastARError
 
@@ -107,6 +111,49 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer on fp8 tensor cores (``kernels.fp8_linear``): ``weight`` is float8 e4m3 [N, K]
+    with ``weight_scale`` [1, N] fp32 per output channel, and each input row is quantized to e4m3
+    with a scale of its own as the layer runs. The parameter names are nn.Linear's (``weight``,
+    ``bias``), so the layer sits under the checkpoint's names; the scale is a buffer beside them.
+    The bias stays in its own dtype and is read in the input's."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
+            raise FastARError(f"Fp8Linear: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
+                              f"{tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        as_param = (lambda t: t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
+        self.weight = as_param(weight)
+        self.register_parameter("bias", as_param(bias))
+        self.register_buffer("weight_scale", weight_scale)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, scale: torch.Tensor | float | None = None) -> "Fp8Linear":
+        """The layer of ``linear``'s weight: an e4m3 weight taken as it is (its own tensor, with
+        ``scale``: 1 by default), any other quantized per output channel (``quantize_weight``); the
+        bias is ``linear``'s own tensor."""
+        weight = linear._parameters["weight"]
+        weight8, weight_scale = quantize_weight(weight, scale)
+        return cls(weight if weight8 is weight else weight8, weight_scale, linear._parameters.get("bias"))
+
+    def forward(self, x: torch.Tensor, *, gelu_input: bool = False, out: torch.Tensor | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype, into ``out`` where given. ``gelu_input``: x is the
+        pre-activation, put through tanh GELU as it is quantized. ``rows``: x's rows already quantized
+        (``quantize_rows_auto(x.reshape(-1, K))``), shared by layers that read the same x."""
+        if rows is None:
+            return fp8_linear_auto(x, self.weight, self.weight_scale, self.bias, gelu_input=gelu_input, out=out)
+        y = fp8_matmul_auto(*rows, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype,
+                            out=None if out is None else out.view(-1, self.out_features))
+        return out if out is not None else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 class WanAttention(nn.Module):
     """q/k/v/o projections with RMS q/k norm; self- or cross-attention by how it is called."""
 
@@ -132,11 +179,19 @@ class WanAttention(nn.Module):
         (``FastARAttention.kv_rows``) where their layout allows: no copy per forward into the cache."""
         rows = attention.kv_rows(layer)
         k_rows, v_rows = rows if rows is not None and rows[0].dtype == x.dtype else (None, None)
-        q = self._norm_rope(self.norm_q, self.q(x), freqs)
-        k = self._norm_rope(self.norm_k, self.k(x), freqs, out=k_rows)
-        if v_rows is None or not v_rows.is_contiguous() or self.v.bias is None:  # several batches: copied
+        # fp8 projections share one quantization of x
+        fp8 = all(isinstance(p, Fp8Linear) for p in (self.q, self.k, self.v))
+        kw = {"rows": quantize_rows_auto(x.reshape(-1, x.shape[-1]))} if fp8 else {}
+        q = self._norm_rope(self.norm_q, self.q(x, **kw), freqs)
+        k = self._norm_rope(self.norm_k, self.k(x, **kw), freqs, out=k_rows)
+        if v_rows is None or not v_rows.is_contiguous():  # several batches: copied
+            return q, k, self.heads(self.v(x, **kw))
+        if isinstance(self.v, Fp8Linear):
+            self.v(x, out=v_rows.view(-1, x.shape[-1]), **kw)
+        elif self.v.bias is not None:
+            torch.addmm(self.v.bias, x.reshape(-1, x.shape[-1]), self.v.weight.t(), out=v_rows.view(-1, x.shape[-1]))
+        else:
             return q, k, self.heads(self.v(x))
-        torch.addmm(self.v.bias, x.reshape(-1, x.shape[-1]), self.v.weight.t(), out=v_rows.view(-1, x.shape[-1]))
         return q, k, v_rows
 
     def self_attention(self, x, freqs, attention, layer):
@@ -198,9 +253,12 @@ class WanAttentionBlock(nn.Module):
         self.self_attn.fill_cache(h, freqs, attention, layer)
 
     def feed_forward(self, h):
-        """The FFN; on CUDA its tanh GELU runs in the first GEMM's epilogue (cuBLASLt)."""
+        """The FFN; on CUDA its tanh GELU runs in the first GEMM's epilogue (cuBLASLt). In fp8 it runs
+        in the second GEMM's input quantization: the first GEMM's bf16 pre-activation is read once."""
         up, act, down = self.ffn
-        if not h.is_cuda:
+        if isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear):
+            return down(up(h), gelu_input=True)
+        if not h.is_cuda or isinstance(up, Fp8Linear):
             return down(act(up(h)))
         hidden = torch._addmm_activation(up.bias, h.reshape(-1, h.shape[-1]), up.weight.t(), use_gelu=True)
         return down(hidden.view(*h.shape[:-1], -1))
@@ -346,3 +404,32 @@ class WanModel(nn.Module):
         u = x.reshape(b, *grid, pt, ph, pw, c)
         u = torch.einsum("bfhwpqrc->bcfphqwr", u)
         return u.reshape(b, c, grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+
+#: The blocks' linear layers ``fp8_linears`` moves to fp8, by their names in a block. The cross-attention's
+#: k and v are not among them: they project the text once per rollout (``WanModel.cross_kv``), a cost that
+#: does not grow with the video, and fp8 there would only add its rounding to every step's attention.
+FP8_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o",
+               "ffn.0", "ffn.2")
+
+
+@torch.no_grad()
+def fp8_linears(model: WanModel, which: Callable[[str, nn.Linear], bool] | None = None) -> WanModel:
+    """``model`` with its blocks' linear layers (``FP8_LINEARS``, those ``which(name, linear)`` picks;
+    default all) as ``Fp8Linear``: per-token x per-channel scaled e4m3 matmuls, about twice the bf16
+    rate on Hopper, at an error of a few % of each layer's output. A new module tree over the same
+    tensors: every other parameter and buffer is ``model``'s own, e4m3 weights are taken as they are,
+    other weights are quantized (a byte a weight and a scale a channel: the only new tensors; the
+    originals stay ``model``'s alone), and ``model`` is left as it was. The quantized layers run on fp8 tensor cores
+    where ``torch._scaled_mm`` runs (CUDA, compute capability 8.9 on, bf16 / fp16), else through
+    ``kernels.fp8_linear``'s twins, which compute the same numbers slower."""
+    own = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    fp8 = copy.deepcopy(model, own)  # the modules copied; their tensors, found in the memo, shared
+    for block in fp8.blocks:
+        for name in FP8_LINEARS:
+            parent, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent)
+            linear = getattr(parent, attr)
+            if isinstance(linear, nn.Linear) and (which is None or which(name, linear)):
+                setattr(parent, attr, Fp8Linear.from_linear(linear))
+    return fp8
