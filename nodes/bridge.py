@@ -359,12 +359,26 @@ def _cast_on_read(module: torch.nn.Module, dtype: torch.dtype) -> None:
     module.compute_dtype = dtype
 
 
-def fused_wan(dm, dtype: torch.dtype | None = None):
+def _fp8_matmuls(wan, dtype: torch.dtype) -> bool:
+    """Whether the blocks' linear layers can run on fp8 tensor cores (``torch._scaled_mm``): weights on
+    a CUDA device of compute capability 8.9 on, computing in bf16 / fp16."""
+    device = wan.blocks[0].self_attn.q.weight.device
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and \
+        torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False):
     """The library's Wan forward over ``dm``'s own parameter tensors (no copy: the state-dict names
     match), computing in ``dtype`` (default: the weights'). Weights stored in another dtype are read
     in ``dtype`` layer by layer; the patch embedding runs in its own dtype, as ComfyUI runs it (fp32).
-    Built per rollout: ComfyUI swaps a parameter's tensor when it patches or moves weights."""
-    from ..fastar.models import WanModel, infer_config
+    Where fp8 matmuls run (``_fp8_matmuls``), the blocks' linear layers stored in float8_e4m3fn (Load
+    Diffusion Model's fp8_e4m3fn) run as ``Fp8Linear`` over that very tensor (scale 1) instead of being
+    dequantized on every forward; ``fp8_linears`` quantizes the blocks' linear layers stored in a
+    compute dtype too (a per-channel scaled e4m3 copy per rollout: half their bytes, a few % of each
+    layer's output in error). Built per rollout: ComfyUI swaps a parameter's tensor when it patches or
+    moves weights."""
+    from ..fastar.models import Fp8Linear, WanModel, infer_config
+    from ..fastar.models import fp8_linears as with_fp8_linears
 
     state = dict(dm.state_dict())
     config = infer_config(state, num_heads=int(dm.num_heads))
@@ -374,7 +388,13 @@ def fused_wan(dm, dtype: torch.dtype | None = None):
         wan = WanModel(config)
     wan.load_state_dict(state, strict=True, assign=True)
     dtype = dtype or state["blocks.0.self_attn.q.weight"].dtype
+    if _fp8_matmuls(wan, dtype):
+        quantized = _COMPUTE_DTYPES if fp8_linears else ()
+        wan = with_fp8_linears(wan, lambda name, linear: linear.weight.dtype == torch.float8_e4m3fn
+                               or linear.weight.dtype in quantized)
     for name, m in wan.named_modules():
+        if isinstance(m, Fp8Linear):  # reads its own weight and bias
+            continue
         stored = [p.dtype for p in m.parameters(recurse=False)]
         own_dtype = name == "patch_embedding" and all(d in _COMPUTE_DTYPES for d in stored)
         if "weight" in m._parameters and not own_dtype and any(d != dtype for d in stored):
