@@ -6,9 +6,7 @@ cache's rows first, so no concatenation is ever made); cross-attention attends t
 tokens. Dense calls end in ``attend`` (cuDNN SDPA), or, with TempCache's log m as a key bias on a
 GPU, in the block-sparse kernel (``attend_biased``); where an ``AnnConfig`` schedules sparsity
 they go to AnnSA / AnnCA. In both kernel paths the keys every query reads unbiased (the sink, the
-open chunk) go to cuDNN, whose softmax the kernel starts from (``fastar.sdpa.attend_lse``). In 8 bits
-(``precision``) every self-attention call is the block-sparse kernel over all its keys, on AnnSA's
-plan where it is sparse (``fastar.sdpa.attend8``); cross-attention stays in the model's dtype.
+open chunk) go to cuDNN, whose softmax the kernel starts from (``fastar.sdpa.attend_lse``).
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from .annsa import AnnSA
 from .config import AnnConfig
 from .errors import FastARError
 from .lsh import LSH
-from .sdpa import DENSE_BLOCK_Q, PRECISIONS, attend, attend8, attend_biased, side_stream
+from .sdpa import attend, attend_biased, side_stream
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -61,7 +59,6 @@ class FastARAttention:
     the clean pass; the engine opens chunks and commits them); ``mask`` applies only without a
     cache. ``ann`` (an ``AnnConfig``, needs a cache) makes attention AnnSA / AnnCA sparse where
     its schedule says so; the engine sets ``step`` / ``num_steps`` before each forward for it.
-    ``precision`` (``fastar.sdpa.PRECISIONS``, needs a cache) is self-attention's arithmetic.
     """
 
     # Its calls sync nothing with the host and keep no per-call tensors: a rollout may replay a
@@ -69,17 +66,9 @@ class FastARAttention:
     # host (probes, recorders) set False.
     graph_safe = True
 
-    def __init__(self, cache=None, mask: torch.Tensor | None = None, ann: AnnConfig | None = None,
-                 precision: str = "bf16"):
+    def __init__(self, cache=None, mask: torch.Tensor | None = None, ann: AnnConfig | None = None):
         if cache is not None and mask is not None:
             raise FastARError("FastARAttention takes a KV cache or a full-sequence mask, not both")
-        if precision not in PRECISIONS:
-            raise FastARError(f"attention precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if precision != "bf16" and cache is None:
-            raise FastARError(f"{precision} attention runs over a KV cache (precision given without one)")
-        if precision != "bf16" and cache.k.dtype not in (torch.bfloat16, torch.float16):
-            raise FastARError(f"{precision} attention needs a bf16 or fp16 model, this one computes in {cache.k.dtype}")
-        self.precision = precision
         self.cache = cache
         self.mask = mask
         self.ann = ann
@@ -110,13 +99,7 @@ class FastARAttention:
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.attend(layer, k, v)
-        if self.precision != "bf16":
-            sparse = self.annsa is not None and self._sparse(layer)
-            out = attend8(q, keys, values, key_bias=bias, bias_window=self.cache.layout.bias,
-                          plan=self.annsa.plan(layer, q) if sparse else None,
-                          block_q=self.ann.block_q if sparse else DENSE_BLOCK_Q,
-                          fp8_values=self.precision == "int8+fp8")
-        elif self.annsa is not None and self._sparse(layer):
+        if self.annsa is not None and self._sparse(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)
         elif bias is not None:
             out = attend_biased(q, keys, values, bias, self.cache.layout.bias)

@@ -170,7 +170,7 @@ class Rollout:
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
                  cuda_graphs: bool = True, noise: Callable | None = None,
-                 prompts: Sequence[tuple[int, torch.Tensor]] = (), attention_precision: str = "bf16"):
+                 prompts: Sequence[tuple[int, torch.Tensor]] = ()):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
         self.switches = check_prompts(prompts, context, frames // chunk_frames)
         self.negative_context = negative_context
@@ -194,9 +194,9 @@ class Rollout:
         self._cache_args = dict(config=cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
                                 num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                                 chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
-        self.ann, self.precision = ann, attention_precision
+        self.ann = ann
         self.cache = make_cache(**self._cache_args)
-        self.attention = FastARAttention(self.cache, ann=ann, precision=attention_precision)
+        self.attention = FastARAttention(self.cache, ann=ann)
         self.prompt = 0
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
         self.graph_replays = 0
@@ -278,7 +278,7 @@ class Rollout:
         self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = make_cache(**self._cache_args)
-        self.attention = FastARAttention(self.cache, ann=self.ann, precision=self.precision)
+        self.attention = FastARAttention(self.cache, ann=self.ann)
         self.attention.num_steps = len(self.sigmas)
         last, graph = None, ReplayGraph()
 

@@ -1,7 +1,6 @@
-"""Attention primitives on PyTorch's SDPA, cuDNN and the block-sparse kernel, shared by
-``FastARAttention`` and AnnSA: plain attention, attention with its log-sum-exp (the block-sparse
-kernel's prior), attention with TempCache's key bias, 8-bit attention, and the side streams the
-clean pass's writes use.
+"""Dense attention primitives on PyTorch's SDPA and cuDNN, shared by ``FastARAttention`` and
+AnnSA: plain attention, attention with its log-sum-exp (the block-sparse kernel's prior),
+attention with TempCache's key bias, and the side streams the clean pass's writes use.
 """
 from __future__ import annotations
 
@@ -12,14 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import use_kernel
-from ..kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_auto, kernel_supports
+from ..kernels.block_sparse_attention import block_sparse_attention, kernel_supports
 from ..kernels.plan import dense_ranges
-from ..kernels.quantize8 import quantize8_auto
-
-#: Self-attention precisions: bf16 (the model's dtype: cuDNN and the bf16 kernel), ``int8`` (q.k
-#: in int8 per token, P.V in the model's dtype) and ``int8+fp8`` (P.V in e4m3 too), both on the
-#: block-sparse kernel (``attend8``).
-PRECISIONS = ("bf16", "int8", "int8+fp8")
 
 # On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
 # the others stay as fallbacks for shapes or masks it does not take.
@@ -112,42 +105,13 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: t
     lo, hi = bias_window
     prior = attend_lse(q, k[:, :lo], v[:, :lo]) if 0 < lo and hi == k.shape[1] else None
     first = lo if prior is not None else 0
-    out = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                 *_dense_plan(B, H, Lq, k.shape[1], 64, q.device, first),
+    shape = (B, H, Lq, first, k.shape[1], q.device)
+    if shape not in _DENSE_PLANS:  # one per shape: a rollout at its budget meets one or two
+        ranges, counts = dense_ranges(B, H, Lq, k.shape[1] - first, 64, device=q.device)
+        _DENSE_PLANS[shape] = (ranges + first, counts)
+    out = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *_DENSE_PLANS[shape],
                                  key_bias=key_bias, bias_window=bias_window, prior=prior,
                                  num_splits=None if prior is not None else 2)
-    return out.transpose(1, 2)
-
-
-def _dense_plan(B: int, H: int, Lq: int, Lk: int, block_q: int, device, first: int = 0):
-    """The all-keys plan from key ``first`` on, one per shape (a rollout at its budget meets one or two)."""
-    shape = (B, H, Lq, first, Lk, block_q, device)
-    if shape not in _DENSE_PLANS:
-        ranges, counts = dense_ranges(B, H, Lq, Lk - first, block_q, device=device)
-        _DENSE_PLANS[shape] = (ranges + first, counts)
-    return _DENSE_PLANS[shape]
-
-
-#: Query rows per program of 8-bit dense attention: two warpgroups share each key tile's loads.
-DENSE_BLOCK_Q = 128
-
-
-def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: torch.Tensor | None = None,
-            bias_window: tuple[int, int] | None = None, plan=None, block_q: int = DENSE_BLOCK_Q,
-            fp8_values: bool = False) -> torch.Tensor:
-    """Attention of [B, L, H, D] tensors on the block-sparse kernel with q and k in int8 per token
-    (``kernels/quantize8.py``) and, with ``fp8_values``, v in e4m3 per channel; ``plan`` a
-    (ranges, counts) over all of k's keys in query blocks of ``block_q`` (None: every key). The
-    kernel reads every key itself (no cuDNN prior: cuDNN has no 8-bit attention here)."""
-    B, Lq, H, _ = q.shape
-    q8, qs = quantize8_auto(q)
-    k8, ks = quantize8_auto(k)
-    v8, vs = quantize8_auto(v, "channel") if fp8_values else (v, None)
-    if plan is None:
-        plan = _dense_plan(B, H, Lq, k.shape[1], block_q, q.device)
-    out = block_sparse_attention_auto(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), *plan,
-                                      key_bias=key_bias, bias_window=bias_window, block_q=block_q, scales=(qs, ks, vs),
-                                      out_dtype=q.dtype)
     return out.transpose(1, 2)
 
 

@@ -16,14 +16,6 @@ and a softmax over exactly those keys.
 - ``prior=(out, lse)``: a softmax already taken over keys outside the plan (natural-log lse per
   query; -inf: none), e.g. cuDNN's over the keys every block reads. The result is the softmax over
   both key sets; the kernel starts each block's online softmax from it, so it needs no combine.
-- 8 bits (``kernels/quantize8.py`` makes the inputs): q and k in int8 with ``scales=(q_scale [B, H,
-  Lq], k_scale [B, H, Lk], v_scale)`` (fp32) stand for ``q * q_scale`` and ``k * k_scale``; v is
-  bf16 / fp16 (``v_scale`` None) or float8 e4m3 standing for ``v * v_scale`` (``v_scale`` [B, H,
-  D], per channel). The output is v's dtype, bf16 for e4m3 values, unless ``out_dtype`` says
-  otherwise. With e4m3 values the kernel rounds the softmax weights to e4m3 too (times 256, so
-  weights down to ~1e-5 keep bits) for the P.V product, which the twin does not: that rounding is
-  the kernel's error against the twin (on the GPU; the interpreter's e4m3 rounding is broken, so
-  off-GPU the weights stay fp32). No ``prior`` in 8 bits: the kernel reads every key itself.
 
 The twin checks the plan's values (``validate_plan``, a host sync) and raises ``ValueError``; the
 kernel, which must not sync, checks only shapes, dtypes and devices and, for memory safety, clamps
@@ -58,9 +50,8 @@ if HAS_TRITON:
 __all__ = ["block_sparse_attention", "block_sparse_attention_auto", "block_sparse_attention_torch",
            "kernel_supports"]
 
-_FP8 = torch.float8_e4m3fn
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
-_TWIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TWIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LOG2E = 1.4426950408889634
 
 
@@ -97,34 +88,9 @@ def _check_prior(prior, q: Tensor) -> tuple[Tensor, Tensor] | None:
     return o, lse
 
 
-def _check_scales(scales, q: Tensor, v: Tensor, Lk: int):
-    """8-bit inputs' ``scales`` (q_scale [B, H, Lq], k_scale [B, H, Lk], v_scale [B, H, D] or None,
-    fp32), or None."""
-    B, H, Lq, D = q.shape
-    if q.dtype != torch.int8:
-        if scales is not None:
-            raise ValueError(f"scales are for int8 queries and keys, q is {q.dtype}")
-        return None
-    try:
-        qs, ks, vs = scales
-    except (TypeError, ValueError):
-        raise ValueError("int8 queries and keys need scales=(q_scale, k_scale, v_scale or None)") from None
-    if (vs is None) != (v.dtype != _FP8):
-        raise ValueError(f"v_scale goes with float8_e4m3fn values and only with them (v is {v.dtype})")
-    for name, t, shape in (("q_scale", qs, (B, H, Lq)), ("k_scale", ks, (B, H, Lk)), ("v_scale", vs, (B, H, D))):
-        if name == "v_scale" and t is None:
-            continue
-        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a float32 tensor of shape {list(shape)}, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"device mismatch: q on {q.device}, {name} on {t.device}")
-    return qs, ks, vs
-
-
-def _check_call(q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior, scales=None):
+def _check_call(q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior):
     """The checks kernel and twin share (no host sync). Returns (B, H, Lq, Lk, D, nqb, R, block_q,
-    scale, (lo, hi), prior, scales): the resolved scale, bias window, prior and fp8 scales."""
+    scale, (lo, hi), prior): the resolved scale, bias window and prior."""
     for name, t in (("q", q), ("k", k), ("v", v), ("ranges", ranges), ("range_counts", range_counts)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch tensor, got {type(t).__name__}")
@@ -142,12 +108,9 @@ def _check_call(q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_wi
     if k.shape[3] != D:
         raise ValueError(f"head dim D mismatch: q has D={D}, k/v have D={k.shape[3]}")
     if q.dtype not in _TWIN_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} unsupported (bf16/fp16/fp32/int8)")
-    eight = q.dtype == torch.int8
-    if k.dtype != q.dtype or (v.dtype != q.dtype and not eight):
+        raise ValueError(f"q dtype {q.dtype} unsupported (bf16/fp16/fp32)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype} (must be equal)")
-    if eight and v.dtype not in (torch.bfloat16, torch.float16, _FP8):
-        raise ValueError(f"with int8 q and k, v must be bf16, fp16 or float8_e4m3fn, got {v.dtype}")
     block_q = check_block_q(block_q)
     nqb, R = check_plan(ranges, range_counts, B, H, Lq, block_q)
     named = {"k": k, "v": v, "ranges": ranges, "range_counts": range_counts}
@@ -172,18 +135,7 @@ def _check_call(q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_wi
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     prior = _check_prior(prior, q)
-    scales = _check_scales(scales, q, v, Lk)
-    if scales is not None and prior is not None:
-        raise ValueError("8-bit inputs take no prior: the kernel reads every key itself")
-    return B, H, Lq, Lk, D, nqb, R, block_q, scale, _check_bias_window(bias_window, Lk), prior, scales
-
-
-def _out_dtype(v: Tensor, out_dtype) -> torch.dtype:
-    if out_dtype is None:
-        return torch.bfloat16 if v.dtype == _FP8 else v.dtype
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
-    return out_dtype
+    return B, H, Lq, Lk, D, nqb, R, block_q, scale, _check_bias_window(bias_window, Lk), prior
 
 
 def block_sparse_attention_torch(
@@ -198,27 +150,20 @@ def block_sparse_attention_torch(
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
     prior: tuple[Tensor, Tensor] | None = None,
-    scales: tuple[Tensor, Tensor, Tensor] | None = None,
-    out_dtype: torch.dtype | None = None,
     **tunables,
 ) -> Tensor:
     """Reference twin (module docstring): per (b, h, query block), its keys gathered, fp32 softmax.
 
     Takes the kernel's launch parameters (``launch.TUNABLES``) and ignores them; also takes fp64.
-    The result has q's shape, ``out_dtype`` and (where q is dense) memory layout.
+    The result has q's shape, dtype and (where q is dense) memory layout.
     """
     unknown = sorted(set(tunables) - set(TUNABLES))
     if unknown:
         raise TypeError(f"block_sparse_attention_torch() got unexpected keyword arguments {unknown}")
-    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior, scales = _check_call(
-        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior, scales
+    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior = _check_call(
+        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior
     )
-    result = torch.empty_like(q, dtype=_out_dtype(v, out_dtype))
     validate_plan(ranges, range_counts, Lk, key_bias)
-    if scales is not None:  # what the 8-bit values stand for
-        qs, ks, vs = scales
-        q, k = q.float() * qs[..., None], k.float() * ks[..., None]
-        v = v.float() * vs[:, :, None, :] if vs is not None else v.float()
     if key_bias is not None and (lo, hi) != (0, Lk):
         windowed = torch.zeros_like(key_bias)
         windowed[..., lo:hi] = key_bias[..., lo:hi]
@@ -256,6 +201,7 @@ def block_sparse_attention_torch(
         den = w + p_w
         out = (w[..., None] * out + p_w[..., None] * torch.where(p_w[..., None] > 0, p_out, 0.0)) / torch.where(
             den > 0, den, 1.0)[..., None]
+    result = torch.empty_like(q)
     result.copy_(out)
     return result
 
@@ -271,7 +217,6 @@ if HAS_TRITON:
         k_tile,
         v_tile,
         b_tile,
-        s_tile,
         k_offs,
         v_offs,
         offs_n,
@@ -282,25 +227,14 @@ if HAS_TRITON:
         SCALE_NEG: tl.constexpr,
         UPCAST: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
-        QK8: tl.constexpr,
-        PV8: tl.constexpr,
     ):
         """One key tile of the online softmax (base-2 logits); returns the updated (acc, l_i, m_i).
 
-        ``k_tile`` / ``v_tile`` / ``b_tile`` / ``s_tile`` (QK8: the keys' scales) point at the tile's
-        first key. A full tile reads BLOCK_N keys unmasked; a ``MASKED`` tail tile the first ``n_valid``
-        (< BLOCK_N), the rest at -inf. QK8: ``qk_scale`` is per row (the queries' scales folded in).
+        ``k_tile`` / ``v_tile`` / ``b_tile`` point at the tile's first key. A full tile reads BLOCK_N
+        keys unmasked; a ``MASKED`` tail tile the first ``n_valid`` (< BLOCK_N), the rest at -inf.
         """
         if MASKED:
             col_ok = offs_n < n_valid
-        if QK8:
-            if MASKED:
-                ks = tl.load(s_tile + offs_n, mask=col_ok, other=0.0)
-            else:
-                ks = tl.load(s_tile + offs_n)
-            qk = qk_scale[:, None]
-        else:
-            qk = qk_scale
         if HAS_BIAS:
             # Issued first: its latency hides behind the K load and the QK^T dot.
             if MASKED:
@@ -316,17 +250,15 @@ if HAS_TRITON:
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(qt, tl.trans(kt), input_precision=INPUT_PRECISION)
-        if QK8:
-            s = s.to(tl.float32) * ks[None, :]
         if HAS_BIAS:
             # Masked columns: 0 * scale + -inf = -inf. A key with bias -inf likewise.
-            t = s * qk + kb[None, :]
+            t = s * qk_scale + kb[None, :]
             m_new = tl.maximum(m_i, tl.max(t, 1))
             # A row with no finite logit yet keeps m = -inf: shift by 0 there, so no NaN.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(t - m_use[:, None])
         elif MASKED:
-            t = tl.where(col_ok[None, :], s * qk, float("-inf"))
+            t = tl.where(col_ok[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(t, 1))  # finite: the tile has >= 1 valid key
             m_use = m_new
             p = tl.math.exp2(t - m_use[:, None])
@@ -338,18 +270,12 @@ if HAS_TRITON:
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-            p = tl.math.exp2(s * qk - m_use[:, None])
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if not MASKED:
             vt = tl.load(v_tile + v_offs)
-        if PV8:  # scaled into e4m3's range; the output's scale takes the factor back out
-            if UPCAST:
-                p = p * 256.0
-                vt = vt.to(tl.float32)
-            else:
-                p = (p * 256.0).to(tl.float8e4nv)
-        elif UPCAST:
+        if UPCAST:
             # Round p as the native path does (to the input dtype), then compute in fp32.
             p = p.to(v_tile.dtype.element_ty).to(tl.float32)
             vt = vt.to(tl.float32)
@@ -360,25 +286,24 @@ if HAS_TRITON:
         return acc, l_i, m_new
 
     @triton.jit
-    def _attend_range(acc, l_i, m_i, qt, k_tile, v_tile, b_tile, s_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                      v_step, qk_scale, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_NEG: tl.constexpr,
-                      UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr):
+    def _attend_range(acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step, v_step,
+                      qk_scale, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_NEG: tl.constexpr,
+                      UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
         """One range of keys: its full tiles unmasked, then at most one masked tail tile."""
         n_full = n_keys // BLOCK_N
         for _ in range(0, n_full):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, s_tile, k_offs, v_offs, offs_n, BLOCK_N,
-                qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION, QK8, PV8,
+                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
+                qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
             )
             k_tile += k_step
             v_tile += v_step
             b_tile += BLOCK_N
-            s_tile += BLOCK_N
         n_tail = n_keys - n_full * BLOCK_N
         if n_tail > 0:
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, s_tile, k_offs, v_offs, offs_n, n_tail,
-                qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION, QK8, PV8,
+                acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
+                qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
             )
         return acc, l_i, m_i
 
@@ -406,9 +331,6 @@ if HAS_TRITON:
         lse_ptr,  # SPLITS: [split items, n_split, BLOCK_M] fp32, each share's log2-sum-exp2 per row
         prior_o_ptr,  # HAS_PRIOR: [B, H, Lq, D] output of a softmax over keys outside the plan
         prior_lse_ptr,  # HAS_PRIOR: [B, H, Lq] fp32, its log-sum-exp (natural log)
-        q_scale_ptr,  # QK8: [B, H, Lq] contiguous fp32 per query
-        k_scale_ptr,  # QK8: [B, H, Lk] contiguous fp32 per key
-        v_scale_ptr,  # PV8: [B, H, D] contiguous fp32 per value channel
         qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
         H,
         Lq,
@@ -461,8 +383,6 @@ if HAS_TRITON:
         INPUT_PRECISION: tl.constexpr,
         SPLITS: tl.constexpr,
         R_BLOCK: tl.constexpr,
-        QK8: tl.constexpr,
-        PV8: tl.constexpr,
     ):
         """One program: one query block of one (b, h) against its ranges' keys (a split program:
         against one share of them, a partial result)."""
@@ -492,20 +412,16 @@ if HAS_TRITON:
         qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         if UPCAST:
             qt = qt.to(tl.float32)
-        qk_rows = qk_scale
-        if QK8:  # the queries' scales ride on the logit scale, per row
-            qk_rows = tl.load(q_scale_ptr + pid_bh.to(tl.int64) * Lq + rows, mask=row_ok, other=0.0) * qk_scale
 
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
         bias_base = bias_ptr + pid_bh.to(tl.int64) * Lk
-        k_scale_base = k_scale_ptr + pid_bh.to(tl.int64) * Lk
         # In-tile offsets: loop-invariant int32 (the wrapper ensures they fit); the tile's int64
         # base is a scalar pointer advanced per tile.
         k_offs = offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd
         v_offs = offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd
-        k_step = tl.cast(stride_kl, tl.int64) * BLOCK_N  # tl.cast: a unit stride arrives as the constant 1
-        v_step = tl.cast(stride_vl, tl.int64) * BLOCK_N
+        k_step = stride_kl.to(tl.int64) * BLOCK_N
+        v_step = stride_vl.to(tl.int64) * BLOCK_N
         r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
         count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
         count = tl.minimum(tl.maximum(count, 0), R)
@@ -561,25 +477,22 @@ if HAS_TRITON:
             k_tile = k_base + start.to(tl.int64) * stride_kl
             v_tile = v_base + start.to(tl.int64) * stride_vl
             b_tile = bias_base + start
-            s_tile = k_scale_base + start
             biased = False  # compile-time False without a bias: one softmax path compiled
             if HAS_BIAS:  # a range wholly outside the bias window has bias 0
                 biased = (end > bias_lo) & (start < bias_hi)
             if biased:
                 acc, l_i, m_i = _attend_range(
-                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, s_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                    v_step, qk_rows, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION, QK8, PV8,
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                    v_step, qk_scale, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
             else:  # the cheaper softmax
                 acc, l_i, m_i = _attend_range(
-                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, s_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                    v_step, qk_rows, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION, QK8, PV8,
+                    acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
+                    v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
                 )
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if PV8:
-            out = out * (tl.load(v_scale_ptr + pid_bh.to(tl.int64) * D + offs_d) * (1.0 / 256.0))[None, :]
         o_base = o_ptr + b * stride_ob + h * stride_oh
         o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
         if is_split:  # partials by the block's rows, which the combine joins into the output
@@ -626,12 +539,10 @@ if HAS_TRITON:
 
 
 def kernel_supports(q: Tensor, block_q) -> bool:
-    """dtype, head dim and block size the kernel handles (D a power of two in [16, 256]; 8 bits on
-    a GPU from Ada / Hopper on, whose tensor cores take e4m3)."""
+    """dtype, head dim and block size the kernel handles (D a power of two in [16, 256])."""
     D = q.shape[-1] if q.ndim == 4 else 0
     small = isinstance(block_q, int) and block_q <= 256
-    eight_ok = q.dtype != torch.int8 or not q.is_cuda or torch.cuda.get_device_capability(q.device) >= (8, 9)
-    return q.dtype in _KERNEL_DTYPES and 16 <= D <= 256 and not D & (D - 1) and small and eight_ok
+    return q.dtype in _KERNEL_DTYPES and 16 <= D <= 256 and not D & (D - 1) and small
 
 
 def block_sparse_attention(
@@ -646,8 +557,6 @@ def block_sparse_attention(
     scale: float | None = None,
     bias_window: tuple[int, int] | None = None,
     prior: tuple[Tensor, Tensor] | None = None,
-    scales: tuple[Tensor, Tensor, Tensor] | None = None,
-    out_dtype: torch.dtype | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -656,7 +565,7 @@ def block_sparse_attention(
 ) -> Tensor:
     """Triton kernel with the twin's contract (module docstring); no host sync.
 
-    bf16 / fp16 / 8-bit (fp32 runs too, with an IEEE dot to match the twin, but slowly); D a power of two in
+    bf16 / fp16 (fp32 runs too, with an IEEE dot to match the twin, but slowly); D a power of two in
     [16, 256] (64 and 128 are tested); ``block_q`` in [1, 256], the tile being it rounded up to a
     power of two. Launch parameters (``kernels/launch.py``): ``block_n``, ``num_warps``,
     ``num_stages`` default to ``default_launch``; ``num_splits`` (1-16) splits every item's keys, 1
@@ -665,33 +574,30 @@ def block_sparse_attention(
     """
     if not HAS_TRITON:
         raise RuntimeError("block_sparse_attention needs triton, which is not importable")
-    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior, scales = _check_call(
-        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior, scales
+    B, H, Lq, Lk, D, nqb, R, block_q, scale, (lo, hi), prior = _check_call(
+        q, k, v, ranges, range_counts, key_bias, block_q, scale, bias_window, prior
     )
     if q.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"dtype {q.dtype} unsupported by the kernel (bf16/fp16/fp32/int8)")
+        raise ValueError(f"dtype {q.dtype} unsupported by the kernel (bf16/fp16/fp32)")
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"kernel needs head dim D a power of two in [16, 256], got D={D}")
     if block_q > 256:
         raise ValueError(f"kernel needs block_q <= 256 (one query block is one tile), got {block_q}")
     check_triton_runs_on(q)
-    launch = launch_config(D, block_q, q.element_size(), block_n, num_warps, num_stages, num_splits, wave,
-                           v.element_size())
+    launch = launch_config(D, block_q, q.element_size(), block_n, num_warps, num_stages, num_splits, wave)
     bn = launch["block_n"]
 
-    out = torch.empty_like(q, dtype=_out_dtype(v, out_dtype))
+    out = torch.empty_like(q)
     if out.numel() == 0:
         return out
     if Lk == 0 or R == 0:
         if prior is None:
             return out.zero_()
         return out.copy_(torch.where(torch.isneginf(prior[1])[..., None], 0.0, prior[0]))
-    qk8, pv8 = scales is not None, v.dtype == _FP8
-    q_scale, k_scale, v_scale = (q if t is None else t.contiguous() for t in (scales if qk8 else (None,) * 3))
 
     # Off-GPU, tiles are upcast to fp32 (exact for bf16/fp16 products): Triton 3.x's interpreter
     # multiplies bf16 dot operands as raw bits.
-    upcast = q.dtype != torch.float32 and not q.is_cuda  # int8 and e4m3 too: exact in fp32
+    upcast = q.dtype != torch.float32 and not q.is_cuda
     precision = "ieee" if (upcast or q.dtype == torch.float32) else None
     # The bias in base 2, once per call and contiguous: one vector read per key tile, and the score
     # is one FMA (s * qk_scale + bias). Zeroed outside bias_window, so a range straddling its edge
@@ -720,20 +626,19 @@ def block_sparse_attention(
         kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
             (n_whole + (n_items - n_whole) * n_split,)]
         return kernel(
-            q, k, v, out, ranges, range_counts, bias, part, lse, prior_o, prior_lse, q_scale, k_scale, v_scale,
-            scale * _LOG2E,
+            q, k, v, out, ranges, range_counts, bias, part, lse, prior_o, prior_lse, scale * _LOG2E,
             H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
             *prior_strides,
             D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PRIOR=prior is not None,
             SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
-            R_BLOCK=r_block if splits else 1, QK8=qk8, PV8=pv8,
+            R_BLOCK=r_block if splits else 1,
             num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             **({"grid": (1,)} if warmup else {}),
         )
 
     variant = (q.device, q.dtype, D, bm, bn, launch["num_warps"], launch["num_stages"],
-               key_bias is not None, prior is not None, r_block, qk8, pv8)
+               key_bias is not None, prior is not None, r_block)
     n_whole, n_split = split_items(n_items, num_splits, wave,
                                    lambda: device_wave(variant, lambda: run(0, 2, warmup=True)))
     if n_whole < n_items:

@@ -46,14 +46,12 @@ def block_m(block_q: int) -> int:
     return max(16, 1 << (block_q - 1).bit_length())
 
 
-def smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: int, v_itemsize: int | None = None) -> int:
-    """Shared memory of a launch: the query block plus a K and a V tile per stage (``v_itemsize``: the
-    values' element size where it is not the queries' and keys')."""
-    v_itemsize = itemsize if v_itemsize is None else v_itemsize
-    return D * (itemsize * block_m + (itemsize + v_itemsize) * num_stages * block_n)
+def smem_bytes(D: int, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
+    """Shared memory of a launch: the query block plus a K and a V tile per stage."""
+    return itemsize * D * (block_m + 2 * num_stages * block_n)
 
 
-def default_launch(D: int, block_q: int, itemsize: int = 2, v_itemsize: int | None = None) -> dict:
+def default_launch(D: int, block_q: int, itemsize: int = 2) -> dict:
     """Launch defaults for Hopper, used where the caller passes None.
 
     ``block_n`` 64: three stages of K and V tiles plus the query block fit shared memory at D = 128,
@@ -69,7 +67,7 @@ def default_launch(D: int, block_q: int, itemsize: int = 2, v_itemsize: int | No
     }
 
     def fits():
-        return smem_bytes(D, rows, launch["block_n"], launch["num_stages"], itemsize, v_itemsize) <= SMEM_BUDGET
+        return smem_bytes(D, rows, launch["block_n"], launch["num_stages"], itemsize) <= SMEM_BUDGET
 
     while not fits() and launch["num_stages"] > 2:
         launch["num_stages"] -= 1
@@ -79,12 +77,11 @@ def default_launch(D: int, block_q: int, itemsize: int = 2, v_itemsize: int | No
 
 
 def launch_config(D: int, block_q: int, itemsize: int, block_n: int | None, num_warps: int | None,
-                  num_stages: int | None, num_splits: int | None, wave: int | None,
-                  v_itemsize: int | None = None) -> dict:
+                  num_stages: int | None, num_splits: int | None, wave: int | None) -> dict:
     """:func:`default_launch` with the caller's overrides (None: the default), checked: ``block_n``
     a power of two >= 16 (tl.dot's minimum), ``num_splits`` an int in [1, 16] or None (only the last
     wave may split), ``wave`` an int >= 0 or None (read from the compiled kernel)."""
-    launch = default_launch(D, block_q, itemsize, v_itemsize)
+    launch = default_launch(D, block_q, itemsize)
     for name, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             launch[name] = value
