@@ -20,6 +20,8 @@ bench/e2e_bench.py checks that the result is sensitive: the control that drops t
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import sys
 
@@ -30,6 +32,7 @@ from common import fastar, random_prompt, testbed_model  # noqa: E402
 from realvideo import DATA, _orthogonal, real_latents  # noqa: E402
 
 CacheConfig, FastARAttention = fastar.CacheConfig, fastar.FastARAttention
+PACKAGE = fastar.__name__.rsplit(".", 1)[0]  # the pack's own modules: their objects hold a rollout's state
 
 HEIGHT, WIDTH, CHUNK, TPF, SINK = 480, 832, 3, 1560, 3
 
@@ -194,6 +197,144 @@ def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = 
         if on_chunk is not None:
             on_chunk(c)
     return torch.cat(outs, dim=2)
+
+
+class RealVideoHistory:
+    """``continue_real_video``'s teacher forcing in steps: ``to(frames)`` runs the clean passes of the real
+    latents up to ``frames`` (the history a generation then continues), on a CUDA device replayed from one
+    graph once the attention state's key repeats, as ``Rollout.switch_prompt`` re-encodes a history (a
+    TempCache pass is ~7000 launches, host-bound when eager: bench/NOTES.md). Equal to the eager passes."""
+
+    def __init__(self, run, latents: torch.Tensor):
+        self.run, self.latents, self.frames = run, latents, 0
+        self._last, self._graph = None, importlib.import_module(f"{fastar.__name__}.rollout").ReplayGraph()
+
+    def _clean_pass(self, x0, offset):
+        self.run.fill_cache(x0, offset)
+        self.run.cache.join_writes()
+
+    def to(self, frames: int) -> None:
+        run, ch = self.run, self.run.chunk_frames
+        if frames % ch or frames < self.frames or frames > self.latents.shape[2]:
+            raise ValueError(f"cannot cache up to frame {frames}: {self.frames} cached, chunks of {ch}, "
+                             f"{self.latents.shape[2]} real frames")
+        attention = run.attention
+        attention.num_steps = len(run.sigmas)
+        for start in range(self.frames, frames, ch):
+            x0 = self.latents[:, :, start:start + ch].to(run.model.dtype)
+            run.cache.begin_chunk(start, ch)
+            key = attention.graph_key() if run.cuda_graphs and attention.graph_safe else None
+            run.cache.begin_clean_pass()
+            attention.step = len(run.sigmas)
+            if key is None or key != self._last:
+                self._last = key
+                self._clean_pass(x0, start)
+            else:
+                def buffers(x0=x0):
+                    return torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=run.device)
+
+                def fill(buf, offset, x0=x0, start=start):
+                    buf.copy_(x0)
+                    offset.fill_(start)
+                self._graph.run(key, buffers, self._clean_pass, fill)
+            run.cache.commit()
+        self.frames = frames
+
+
+def generate(run, chunks: int) -> torch.Tensor:
+    """``chunks`` more chunks sampled after what the rollout's cache holds (its noise is the chunk's own, as
+    in ``continue_real_video``); the latents [B, C, chunks * chunk_frames, h, w]."""
+    outs, first = [], run.cache.frames_cached // run.chunk_frames
+    for c in range(first, first + chunks):
+        run.cache.begin_chunk(c * run.chunk_frames, run.chunk_frames)
+        outs.append(run.sample_chunk(c))
+        run.cache.commit()
+    return torch.cat(outs, dim=2)
+
+
+_MISSING = object()
+_CONFIGS = (fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig)
+
+
+def copy_state(src, dst, _seen=None) -> None:
+    """Make ``dst`` hold the state ``src`` holds, for a KV cache or an attention state (and the package
+    objects they hold: AnnSA, AnnCA, LSH) of two rollouts of one geometry: tensors copied into ``dst``'s
+    own where their shapes match (its buffers stay where a CUDA graph reads them), cloned otherwise;
+    lists, tuples and dicts item by item; Python values taken over. ``dst`` keeps its configs (AnnSA's may
+    differ in the dense steps, a schedule's setting no cached state depends on), its models and callables,
+    and whatever attributes ``src`` lacks (a probe's). Generic on purpose: whatever a cache or attention
+    state comes to hold (8-bit kernels' buffers too) follows without a list here to update. Call it under
+    ``torch.inference_mode()`` (the rollouts' tensors are inference tensors)."""
+    seen = {} if _seen is None else _seen
+    seen[id(src)] = dst
+    for name, value in vars(src).items():
+        old = getattr(dst, name, _MISSING)
+        if value is old or isinstance(value, (torch.nn.Module, *_CONFIGS)) or (
+                callable(value) and not isinstance(value, torch.Tensor)):
+            continue
+        new = _copied(value, old, seen)
+        if new is not old:
+            setattr(dst, name, new)
+
+
+def _copied(value, old, seen):
+    if isinstance(value, torch.Tensor):
+        if (isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
+                and old.device == value.device):
+            try:
+                return old.copy_(value)
+            except RuntimeError:  # an expanded view (several elements, one address): replaced instead
+                pass
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        olds = old if type(old) is type(value) and len(old) == len(value) else [_MISSING] * len(value)
+        items = [_copied(v, o, seen) for v, o in zip(value, olds)]
+        if isinstance(value, list) and olds is old:
+            old[:] = items
+            return old
+        return items if isinstance(value, list) else type(value)(items)
+    if isinstance(value, dict):
+        olds = old if isinstance(old, dict) else {}
+        return {k: _copied(v, olds.get(k, _MISSING), seen) for k, v in value.items()}
+    if type(value).__module__.startswith(PACKAGE) and hasattr(value, "__dict__") and not (
+            dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen):
+        if id(value) in seen:
+            return seen[id(value)]
+        if not isinstance(old, type(value)):
+            raise TypeError(f"copy_state: {type(value).__name__} has no counterpart to copy into (got {old!r})")
+        copy_state(value, old, seen)
+        return old
+    return value
+
+
+def fork(run, make):
+    """A rollout ``make()`` builds (same model geometry, frames and cache policy) holding ``run``'s state
+    (``copy_state`` of its cache and attention): it continues as ``run`` would, ``run`` left untouched."""
+    twin, seen = make(), {}
+    with torch.inference_mode():
+        copy_state(run.cache, twin.cache, seen)
+        copy_state(run.attention, twin.attention, seen)
+    return twin
+
+
+def probe_annsa(attention, layers):
+    """``AnnProbe``'s measurement installed on an attention state a rollout made (whatever its settings:
+    its precision, its kernels), not a new one: every sparse self-attention call of ``layers`` records its
+    plan's recall of the dense attention mass and its key density into the returned lists (recalls,
+    densities). The state reads them on the host from then on, so its rollout replays no CUDA graph."""
+    recalls, densities, layers = [], [], set(layers)
+    inner = attention.self_attention
+
+    def self_attention(layer, q, k, v):
+        if layer in layers and attention._sparse(layer):
+            keys, _, bias = attention.cache.attend(layer, k, v)
+            plan = attention.annsa.plan(layer, q)
+            recalls.append(attention.annsa.recall(q, keys, bias, plan).item())
+            densities.append(fastar.annsa.plan_density(*plan, keys.shape[1]).item())
+        return inner(layer, q, k, v)
+    attention.self_attention = self_attention
+    attention.graph_safe = False
+    return recalls, densities
 
 
 def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -58,6 +58,44 @@ def test_continuing_a_video_reads_the_prefix_only_through_the_cache():
     assert torch.equal(own_a, own_b) and not torch.equal(own_a, out_a)
 
 
+@pytest.mark.parametrize("cache,ann,other", [
+    (fastar.TempCacheConfig(max_cache_frames=6), fastar.AnnConfig(), fastar.AnnConfig(dense_steps_fraction=0.0)),
+    (fastar.CacheConfig("window", 3, 3), None, None),
+], ids=["tempcache+annsa", "window"])
+def test_a_forked_history_continues_as_the_run_it_copies(cache, ann, other, monkeypatch):
+    """The frontier's shared history: a rollout's state copied into a fresh one (``fork``) generates what the
+    source would, the source untouched; a twin that differs in the dense steps only generates what a run of
+    its own over the same history does."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch twins: the state is what is tested
+    model = common.sensitize(fastar.models.build_model("tiny", seed=0))
+    ctx = torch.randn(1, 5, model.text_dim, generator=torch.Generator().manual_seed(0))
+    latents = testbed.real_latents(12, 64, 96)
+
+    def history(config, frames=12):
+        run = fastar.Rollout(model, ctx, frames=18, height=64, width=96, chunk_frames=3, cache=cache, ann=config)
+        with torch.inference_mode():
+            testbed.RealVideoHistory(run, latents).to(frames)
+        return run
+
+    def gen(run):
+        with torch.inference_mode():
+            return testbed.generate(run, 2)
+    straight, source = gen(history(ann)), history(ann)
+    twin = testbed.fork(source, lambda: fastar.Rollout(model, ctx, frames=18, height=64, width=96, chunk_frames=3,
+                                                       cache=cache, ann=other or ann))
+    assert twin.cache.frames_cached == 12 and twin.cache is not source.cache
+    forked = gen(twin)
+    assert torch.equal(gen(source), straight)
+    if other is None:
+        assert torch.equal(forked, straight)
+    else:
+        assert torch.equal(forked, gen(history(other)))
+    # and the steps the history took equal continue_real_video's, generation included
+    run = fastar.Rollout(model, ctx, frames=18, height=64, width=96, chunk_frames=3, cache=cache, ann=ann)
+    with torch.inference_mode():
+        assert torch.equal(testbed.continue_real_video(run, 12, latents), straight)
+
+
 def test_psnr_and_ssim():
     g = torch.Generator().manual_seed(0)
     ref = torch.rand(1, 4, 2, 16, 16, generator=g)
