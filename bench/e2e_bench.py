@@ -27,6 +27,7 @@ testbed of bench/testbed.py. Every number comes from this run on this device:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -36,8 +37,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import SENSITIVE, fastar, header, parser, shapes, wall_ms, write_json  # noqa: E402
-from testbed import (CHUNK, AnnProbe, NoAttention, OwnChunkOnly, continue_real_video, prefill, psnr, ssim,  # noqa: E402
-                     testbed)
+from realvideo import real_latents  # noqa: E402
+from testbed import (CHUNK, NoAttention, OwnChunkOnly, RealVideoHistory, continue_real_video, fork,  # noqa: E402
+                     generate, prefill, probe_annsa, psnr, ssim, testbed)
 
 AnnConfig, CacheConfig, TempCacheConfig = fastar.AnnConfig, fastar.CacheConfig, fastar.TempCacheConfig
 Rollout, attend = fastar.Rollout, fastar.attend
@@ -74,9 +76,14 @@ def reset_peak(device):
 
 
 def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True, settings=SETTINGS):
-    cache, ann = settings[name]
+    """The rollout of setting ``name``: ``settings[name]`` is (cache, ann) or (cache, ann, options), options
+    the Rollout's further keywords, and "model": the model this setting runs (fp8 linears: another module
+    over the same weights). ``attention`` (a class over the cache) replaces its attention state."""
+    cache, ann, *options = settings[name]
+    options = dict(options[0]) if options else {}
+    model = options.pop("model", model)
     run = Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache, ann=ann,
-                  cuda_graphs=cuda_graphs)
+                  cuda_graphs=cuda_graphs, **options)
     if attention is not None:
         run.attention = attention(run.cache)
     return run
@@ -158,48 +165,159 @@ def linear_floor_ms(model, tokens, device, reps):
         return statistics.median(wall_ms(chunk, reps, device))
 
 
-def fidelity(model, model32, context, horizons, hw, gen_frames, settings=SETTINGS):
-    """Generated latents after each horizon of real cached frames, against dense bf16 (``settings``'
-    "dense"); beside each other setting's PSNR / SSIM, the share of the dense cache it holds and, where
-    AnnSA runs, the recall and density of its sparse calls on the generated chunks (``AnnProbe``)."""
-    rows = []
-    probe_layers = [i for i in PROBE_LAYERS if i < model.num_layers] or [model.num_layers - 1]
-    for history in horizons:
-        frames = history + gen_frames
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-        def gen(name, m=model, ctx=context, attention=None):
-            run = make_run(m, ctx, frames, hw, name, attention, settings=settings)
-            arm = getattr(run.attention, "arm", None)
+
+def _sharing(settings, name):
+    """What a setting's cached history depends on: its cache, its AnnSA / AnnCA but the dense steps (the
+    clean pass, all a history is, runs sparse whatever their share, unless it is 1), its further options;
+    and for an unbounded cache, whose copy would double the largest tensor of the run, its own name."""
+    cache, ann, *options = settings[name]
+    bounded = isinstance(cache, TempCacheConfig) or cache.bounded
+    if ann is not None:
+        ann = dataclasses.replace(ann, dense_steps_fraction=0.0 if ann.dense_steps_fraction < 1 else 1.0)
+    options = tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v)
+                           for k, v in (options[0] if options else {}).items()))
+    return repr(cache), repr(ann), options, None if bounded else name
+
+
+class Fidelity:
+    """Generated latents after each horizon of real cached frames, against dense bf16 (``settings``'
+    "dense"), beside the bf16 noise floor (dense fp32 against dense bf16; at ``floor_horizons`` only, default
+    every horizon: elsewhere None and a note of what it would need) and the control that drops the cached
+    history; per other setting PSNR / SSIM, the share of the dense cache it holds and, where AnnSA runs, the
+    recall and density of its sparse calls on the generated chunks (``probe_annsa``).
+
+    ``references()`` first, then ``measure(names)`` for each of ``groups()`` (or some), then ``table()``.
+    The work is shared: settings whose cached history is one (``_sharing``: the same bounded cache and the
+    same AnnSA but its dense steps) cache the real video once, up to the longest horizon (``RealVideoHistory``:
+    its repeating clean passes replayed from a CUDA graph), and at each horizon each generates from a copy of
+    that state (``fork``), the last one in place; an unbounded setting caches it once per horizon. ``walls``
+    holds each setting's seconds: its generations and its share of the history it cached."""
+
+    def __init__(self, model, model32, context, horizons, hw, gen_frames, settings=SETTINGS, floor_horizons=None):
+        self.model, self.model32, self.context, self.hw, self.gen_frames = model, model32, context, hw, gen_frames
+        self.settings, self.horizons = settings, sorted(horizons)
+        self.floor_at = set(self.horizons) if floor_horizons is None else set(floor_horizons)
+        self.probe_layers = [i for i in PROBE_LAYERS if i < model.num_layers] or [model.num_layers - 1]
+        self.latents = real_latents(self.horizons[-1], hw[0], hw[1]).to(context.device)
+        self.rows = {h: {"history_frames": h, "generated_frames": gen_frames} for h in self.horizons}
+        self.refs, self.walls = {}, {}
+
+    def _reference(self, history, m=None, ctx=None, attention=None):
+        run = make_run(m or self.model, self.context if ctx is None else ctx, history + self.gen_frames, self.hw,
+                       "dense", attention, settings=self.settings)
+        with torch.inference_mode():
+            return continue_real_video(run, history, self.latents[:, :, :history])
+
+    def references(self):
+        """Dense bf16 at every horizon, the noise floor where asked, the own-chunk control."""
+        model, tpf = self.model, (self.hw[0] // 16) * (self.hw[1] // 16)
+        for history in self.horizons:
+            tic = time.time()
+            ref, row = self._reference(history), self.rows[history]
+            if history in self.floor_at:
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref32 = self._reference(history, self.model32, self.context.float())
+                torch.backends.cuda.matmul.allow_tf32 = True
+                row["noise_floor"] = {"psnr": psnr(ref, ref32), "ssim": ssim(ref, ref32)}
+                del ref32
+            else:
+                frames = history + self.gen_frames
+                gb = 2 * model.num_layers * tpf * model.num_heads * model.head_dim * 4 * frames / 1e9
+                row["noise_floor"] = None
+                row["noise_floor_note"] = (f"not measured: the dense fp32 reference's K/V over {frames} frames "
+                                           f"take {gb:.3g} GB besides the models")
+            own = self._reference(history, attention=OwnChunkOnly)
+            row["own_chunk_only"] = {"psnr": psnr(own, ref), "ssim": ssim(own, ref)}
+            self.refs[history] = ref
+            print(f"  references after {history} frames: {time.time() - tic:.1f} s", flush=True)
+
+    def groups(self, names=None) -> list[list[str]]:
+        """``names`` (default every setting but "dense") in groups that share one cached history."""
+        groups = {}
+        for name in (n for n in self.settings if n != "dense") if names is None else names:
+            groups.setdefault(_sharing(self.settings, name), []).append(name)
+        return list(groups.values())
+
+    def measure(self, names):
+        """The settings ``names`` (one of ``groups()``) at every horizon."""
+        if _sharing(self.settings, names[0])[-1] is None:
+            self._cached_once(names, self.horizons)
+        else:
+            for h in self.horizons:
+                self._cached_once(names, [h])
+
+    def _cached_once(self, names, hs):
+        """One history for ``names``, forked at each of the horizons ``hs``."""
+        model, context, hw, settings, device = self.model, self.context, self.hw, self.settings, self.context.device
+        frames = hs[-1] + self.gen_frames
+        run = make_run(model, context, frames, hw, names[0], settings=settings)
+        history = RealVideoHistory(run, self.latents)
+        for i, h in enumerate(hs):
+            tic = time.time()
             with torch.inference_mode():
-                out = continue_real_video(run, history, on_chunk=lambda c: arm and (c + 1) * CHUNK == history
-                                          and arm())
-            stats = run.cache.stats()
-            return out, stats.tokens_held / max(stats.dense_tokens, 1), run.attention
-        ref, _, _ = gen("dense")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        ref32, _, _ = gen("dense", model32, context.float())
-        torch.backends.cuda.matmul.allow_tf32 = True
-        row = {"history_frames": history, "generated_frames": gen_frames,
-               "noise_floor": {"psnr": psnr(ref, ref32), "ssim": ssim(ref, ref32)}}
-        own, _, _ = gen("dense", attention=OwnChunkOnly)
-        row["own_chunk_only"] = {"psnr": psnr(own, ref), "ssim": ssim(own, ref)}
-        for name, (_, ann) in settings.items():
-            if name == "dense":
+                history.to(h)
+            _sync(device)
+            spent = time.time() - tic
+            for name in names:
+                self.walls[name] = self.walls.get(name, 0.0) + spent / len(names)
+            print(f"  cached {h} real frames for {', '.join(names)}: {spent:.1f} s", flush=True)
+            for name in names[1:] + names[:1]:  # the run's own setting last: at the last horizon, in place
+                tic = time.time()
+                if i + 1 == len(hs) and name == names[0]:
+                    gen, run.cuda_graphs = run, False
+                else:
+                    gen = fork(run, lambda name=name: make_run(model, context, frames, hw, name, cuda_graphs=False,
+                                                               settings=settings))
+                ann = settings[name][1]
+                probe = probe_annsa(gen.attention, self.probe_layers) if ann is not None and ann.annsa else None
+                with torch.inference_mode():
+                    out = generate(gen, self.gen_frames // CHUNK)
+                stats = gen.cache.stats()
+                r = {"psnr": psnr(out, self.refs[h]), "ssim": ssim(out, self.refs[h]),
+                     "kv_held": stats.tokens_held / max(stats.dense_tokens, 1)}
+                if probe is not None and probe[0]:  # (a schedule may keep every call dense)
+                    r.update(annsa_recall=statistics.mean(probe[0]), annsa_density=statistics.mean(probe[1]),
+                             annsa_layers=self.probe_layers)
+                self.rows[h][name] = r
+                del gen
+                spent = time.time() - tic
+                self.walls[name] = self.walls.get(name, 0.0) + spent
+                print(f"    {name} after {h} frames: {r['psnr']:.1f} dB / {r['ssim']:.4f}, held {r['kv_held']:.2f}"
+                      + (f", recall {r['annsa_recall']:.3f} @ {r['annsa_density']:.3f}" if "annsa_recall" in r
+                         else "") + f" ({spent:.1f} s)", flush=True)
+        del run, history
+
+    def table(self, quiet=False) -> list[dict]:
+        """One row per horizon: references first, then the settings measured, in ``settings``' order."""
+        out = []
+        for history in self.horizons:
+            row = self.rows[history]
+            row = {**{k: v for k, v in row.items() if k not in self.settings},
+                   **{n: row[n] for n in self.settings if n in row}}
+            out.append(row)
+            if quiet:
                 continue
-            probe = (lambda cache, ann=ann: AnnProbe(cache, ann, probe_layers)) if ann and ann.annsa else None
-            out, held, attn = gen(name, attention=probe)
-            row[name] = {"psnr": psnr(out, ref), "ssim": ssim(out, ref), "kv_held": held}
-            if probe is not None and attn.recalls:  # (a schedule may keep every call dense)
-                row[name].update(annsa_recall=statistics.mean(attn.recalls),
-                                 annsa_density=statistics.mean(attn.densities), annsa_layers=probe_layers)
-        rows.append(row)
-        print(f"fidelity after {history} frames: " + "  ".join(
-            f"{k} {v['psnr']:.1f} dB/{v['ssim']:.4f}" for k, v in row.items() if isinstance(v, dict)), flush=True)
-        print("  cache held / dense, AnnSA recall @ density: " + "  ".join(
-            f"{k} {v['kv_held']:.2f}" + (f" {v['annsa_recall']:.3f} @ {v['annsa_density']:.3f}"
-                                         if "annsa_recall" in v else "")
-            for k, v in row.items() if isinstance(v, dict) and "kv_held" in v), flush=True)
-    return rows
+            print(f"fidelity after {history} frames: " + "  ".join(
+                f"{k} {v['psnr']:.1f} dB/{v['ssim']:.4f}" for k, v in row.items() if isinstance(v, dict)), flush=True)
+            print("  cache held / dense, AnnSA recall @ density: " + "  ".join(
+                f"{k} {v['kv_held']:.2f}" + (f" {v['annsa_recall']:.3f} @ {v['annsa_density']:.3f}"
+                                             if "annsa_recall" in v else "")
+                for k, v in row.items() if isinstance(v, dict) and "kv_held" in v), flush=True)
+        return out
+
+
+def fidelity(model, model32, context, horizons, hw, gen_frames, settings=SETTINGS, floor_horizons=None):
+    """``Fidelity``'s table for every setting: one row per horizon (history_frames, generated_frames,
+    noise_floor, own_chunk_only, then each setting's PSNR / SSIM / kv_held and AnnSA's recall / density)."""
+    f = Fidelity(model, model32, context, horizons, hw, gen_frames, settings, floor_horizons)
+    f.references()
+    for names in f.groups():
+        f.measure(names)
+    return f.table()
 
 
 def dense_curve(points):
