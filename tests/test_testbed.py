@@ -197,15 +197,31 @@ def test_frontier_smoke(tmp_path):
                           env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "frontier_smoke.json").read_text())
-    names = ["fastar", "mass.9", "no_dense_step", "budget12", "no_dense_step+mass.9", "all_three", "top-k.35",
-             "top-p.95/.1"]
-    assert list(result["settings"]) == names
-    assert result["settings"]["fastar"]["vs_defaults"] == 1.0
-    assert all(r["ms"] > 0 and 0 < r["density"] <= 1 for r in result["settings"].values())
-    assert result["settings"]["top-k.35"]["density"] < 1  # the fixed share reads a share, whatever the attention
-    fid = result["fidelity"]
-    assert all(name in fid and fid[name]["psnr"] > 0 for name in names)
-    assert fid["budget12"]["kv_held"] < fid["fastar"]["kv_held"]  # the smaller budget holds fewer keys
+    assert result["complete"] and result["horizons"] == [9, 15]
+    rows = {r["name"]: r for r in result["settings"]}
+    fastar_names = [f"fastar{b}-p{m}{d}" for m in (".95", ".9") for d in ("", "-nodense") for b in (6, 12)]
+    assert set(rows) == {"window3", "window6", "tempcache6", "tempcache12", *fastar_names}
+    for r in rows.values():
+        assert r["precision"] == "bf16" and r["ms"] > 0 and 0 < r["density"] <= 1
+        assert r["chunks"] == -(-r["held_frames"] // 3) + 5 == len(r["all_ms"])  # full for its last 5 chunks
+        assert set(r["fidelity"]) == {"9", "15"} and all(f["psnr"] > 0 for f in r["fidelity"].values())
+        assert ("annsa_recall" in r["fidelity"]["15"]) == (r["family"] == "fastar")
+    assert rows["window6"]["chunks"] == 8 and rows["tempcache12"]["chunks"] == 9
+    assert rows["fastar12-p.9-nodense"]["ann"]["dense_steps_fraction"] == 0.0
+    assert rows["tempcache6"]["fidelity"]["15"]["kv_held"] < rows["tempcache12"]["fidelity"]["15"]["kv_held"]
+    refs = result["references"]
+    assert refs["9"]["noise_floor"]["psnr"] > 0 and refs["15"]["noise_floor"] is None  # fp32 at the first only
+    assert "noise_floor_note" in refs["15"] and refs["15"]["own_chunk_only"]["psnr"] > 0
+    for h, front in result["pareto"].items():  # nothing on the front is beaten on both axes
+        pts = [(rows[n]["ms"], rows[n]["fidelity"][h]["psnr"]) for n in front]
+        assert front and all(not (m2 <= m and p2 >= p and (m2, p2) != (m, p)) for m, p in pts
+                             for m2, p2 in ((r["ms"], r["fidelity"][h]["psnr"]) for r in rows.values()))
+    beaten = result["windows_beaten"]
+    assert beaten["horizon"] == 15 and set(beaten["by"]) == {"window3", "window6"}
+    for w, by in beaten["by"].items():
+        if by is not None:
+            assert rows[by]["ms"] <= rows[w]["ms"] and rows[by]["fidelity"]["15"]["psnr"] > rows[w]["fidelity"]["15"]["psnr"]
+    assert (tmp_path / "frontier_smoke.png").stat().st_size > 0
 
 
 @pytest.mark.slow
