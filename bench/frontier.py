@@ -342,9 +342,9 @@ def main():
     if args.merge and os.path.exists(os.path.join(args.out, out_name)):
         with open(os.path.join(args.out, out_name)) as f:
             earlier = json.load(f)
-        if earlier["horizons"] != horizons or earlier["device"] != header(device)["device"]:
-            ap.error(f"--merge: {os.path.join(args.out, out_name)} holds horizons {earlier['horizons']} on "
-                     f"{earlier['device']}; this run measures {horizons} on {header(device)['device']}")
+        if earlier.get("horizons") != horizons or earlier.get("device") != header(device)["device"]:
+            ap.error(f"--merge: {os.path.join(args.out, out_name)} holds horizons {earlier.get('horizons')} on "
+                     f"{earlier.get('device')}; this run measures {horizons} on {header(device)['device']}")
     this_run = {"command": "python bench/frontier.py " + " ".join(sys.argv[1:]), "date": header(device)["date"],
                 "settings": list(meta), "complete": False}
     result = {**header(device), "runs": (earlier or {}).get("runs", []) + [this_run], "complete": False,
@@ -357,7 +357,8 @@ def main():
               "estimate_h200_s": estimate, "references": {}, "settings": []}
     rows = {}
     kept = {r["name"]: r for r in (earlier or {}).get("settings", []) if r["name"] not in meta}
-    order = list(grid(g, "all")[1]) + list(kept)  # the grid's order, fp8 twins beside their settings
+    twins = [suffix for mode in PRECISIONS.values() for suffix, _ in mode]
+    order = [n + t for n in grid(g, "none")[1] for t in ("", *twins)] + list(kept)  # fp8 twins beside their settings
 
     def save():
         merged = {**kept, **rows}
