@@ -89,7 +89,10 @@ def quantize_rows_torch(x: Tensor, gelu: bool = False) -> tuple[Tensor, Tensor]:
     h = x.float()
     if gelu:
         h = gelu_tanh(h)
-    scale = h.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    amax = h.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
+    # a tensor divisor: CUDA torch divides by a Python number as a product with its reciprocal, a last
+    # bit off IEEE division on some rows, and a scale one bit off moves values that sit on a rounding edge
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     return (h / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
