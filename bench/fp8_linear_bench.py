@@ -6,12 +6,14 @@ GPU time of the bf16 layer as the model runs it (cuBLAS; the FFN's up projection
 in the GEMM's epilogue) and of the fp8 one, the row quantization included (q/k/v share one; the
 GELU moves into the down projection's), side by side from CUDA graphs (CUDA events, 15 calls a
 round, 5 rounds taking turns), with the quantization and the scaled matmul alone beside them and
-Hopper's fast fp8 accumulation as a variant; the layers' errors against the fp32 layer. Then one
+Hopper's fast fp8 accumulation and, for weights stored in e4m3 as ComfyUI loads fp8 checkpoints, the bf16
+layer over the weight cast on every call (what the fused engine did before) as variants; the layers' errors against the fp32 layer. Then one
 whole block forward of the chunk (dense self-attention over its own keys, cross-attention over 512
 text tokens) in bf16 and through ``fp8_linears``, and the block output's error against bf16 and
 fp32. About a minute on an H200.
 
     python bench/fp8_linear_bench.py --out bench/results
+    python bench/fp8_linear_bench.py --size 14B --out bench/results     # the 14B's layers: fp8_linear_bench_14B.json
     python bench/fp8_linear_bench.py --smoke --out /tmp/fp8      # CPU, tiny shapes: checks the script
 """
 from __future__ import annotations
@@ -66,6 +68,7 @@ def layer_cases(m, dim, ffn, device, g):
     cases.append(dict(
         layer="qkvo", shape=[m, dim, dim], flops=2 * m * dim * dim,
         bf16=lambda: F.linear(x, w, b), fp8=lambda: fp8_linear_auto(x, w8, ws, b),
+        cast=lambda: F.linear(x, w8.to(x.dtype), b),
         fp8_fast=lambda: fp8_linear_auto(x, w8, ws, b, use_fast_accum=True),
         quant=lambda: quantize_rows_auto(x), mm=lambda: fp8_matmul_auto(*rows, w8, ws, b, out_dtype=x.dtype),
         ref=lambda: F.linear(x.float(), w.float(), b.float())))
@@ -81,6 +84,7 @@ def layer_cases(m, dim, ffn, device, g):
     cases.append(dict(
         layer="ffn_up", shape=[m, dim, ffn], flops=2 * m * dim * ffn,
         bf16=lambda: ffn_up_bf16(xu, wu, bu), fp8=lambda: fp8_linear_auto(xu, wu8, wus, bu),
+        cast=lambda: ffn_up_bf16(xu, wu8.to(xu.dtype), bu),
         fp8_fast=lambda: fp8_linear_auto(xu, wu8, wus, bu, use_fast_accum=True),
         quant=lambda: quantize_rows_auto(xu), mm=lambda: fp8_matmul_auto(*ru, wu8, wus, bu, out_dtype=xu.dtype),
         ref=lambda: F.linear(xu.float(), wu.float(), bu.float()), bf16_value=lambda: F.linear(xu, wu, bu),
@@ -93,6 +97,7 @@ def layer_cases(m, dim, ffn, device, g):
     cases.append(dict(
         layer="ffn_down", shape=[m, ffn, dim], flops=2 * m * ffn * dim,
         bf16=lambda: F.linear(hidden, wd, bd), fp8=lambda: fp8_linear_auto(pre, wd8, wds, bd, gelu_input=True),
+        cast=lambda: F.linear(hidden, wd8.to(hidden.dtype), bd),
         fp8_fast=lambda: fp8_linear_auto(pre, wd8, wds, bd, gelu_input=True, use_fast_accum=True),
         quant=lambda: quantize_rows_auto(pre, gelu=True),
         mm=lambda: fp8_matmul_auto(*rd, wd8, wds, bd, out_dtype=pre.dtype),
@@ -114,7 +119,7 @@ def flat(y):
 def time_layers(cases, device, rounds):
     rows = []
     for case in cases:
-        fns = {k: case[k] for k in ("bf16", "fp8", "fp8_fast", "quant", "mm") if k in case}
+        fns = {k: case[k] for k in ("bf16", "fp8", "fp8_fast", "quant", "mm", "cast") if k in case}
         times = side_by_side_ms(fns, device, rounds=rounds)
         med = {k: statistics.median(v) for k, v in times.items()}
         # ffn_up's fp8 output is the pre-activation: its errors are those of the GEMM before the GELU
@@ -123,7 +128,7 @@ def time_layers(cases, device, rounds):
         row = {"layer": case["layer"], "shape": case["shape"], "bf16_ms": med["bf16"], "fp8_ms": med["fp8"],
                "speedup": med["bf16"] / med["fp8"], "bf16_ms_rounds": times["bf16"], "fp8_ms_rounds": times["fp8"],
                "bf16_tflops": case["flops"] / med["bf16"] / 1e9, "fp8_tflops": case["flops"] / med["fp8"] / 1e9}
-        for k in ("fp8_fast", "quant", "mm"):
+        for k in ("fp8_fast", "quant", "mm", "cast"):
             if k in med:
                 row[f"{k}_ms"] = med[k]
         if "mm" in med:
@@ -134,7 +139,7 @@ def time_layers(cases, device, rounds):
         if "note" in case:
             row["note"] = case["note"]
         rows.append(row)
-        extra = "".join(f"  {k} {med[k]:.3f}" for k in ("quant", "mm", "fp8_fast") if k in med)
+        extra = "".join(f"  {k} {med[k]:.3f}" for k in ("quant", "mm", "fp8_fast", "cast") if k in med)
         print(f"{case['layer']:10s} {str(case['shape']):22s} bf16 {med['bf16']:7.3f} ms  fp8 {med['fp8']:7.3f} ms  "
               f"x{row['speedup']:.2f}{extra}  err vs fp32: bf16 {row['bf16_rel_err_vs_fp32']:.1e} "
               f"fp8 {row['fp8_rel_err_vs_fp32']:.1e}")
@@ -198,12 +203,13 @@ def time_block(size, grid, text_tokens, device, rounds):
 def main(argv=None):
     ap = parser(__doc__, smoke=True)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the side-by-side timing (default 5)")
+    ap.add_argument("--size", choices=("1.3B", "14B"), default="1.3B", help="the model's layer shapes")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.smoke:
         device, size, grid, text_tokens = torch.device("cpu"), "tiny", (3, 4, 6), 7
     else:
-        device, size, grid, text_tokens = torch.device("cuda"), "1.3B", (3, 30, 52), 512
+        device, size, grid, text_tokens = torch.device("cuda"), args.size, (3, 30, 52), 512
     cfg = fastar.models.WAN_CONFIGS[size]
     m = grid[0] * grid[1] * grid[2]
     probe = torch.empty(1, 1, device=device, dtype=torch.bfloat16)
@@ -219,7 +225,8 @@ def main(argv=None):
     result["layers"] = time_layers(layer_cases(m, cfg.dim, cfg.ffn_dim, device, g), device, args.rounds)
     result["block"] = time_block(size, grid, text_tokens, device, args.rounds)
     result["runtime_s"] = time.time() - t0
-    print(f"wrote {write_json(args.out, 'fp8_linear_bench.json', result)} ({result['runtime_s']:.0f} s)")
+    name = "fp8_linear_bench.json" if size in ("1.3B", "tiny") else f"fp8_linear_bench_{size}.json"
+    print(f"wrote {write_json(args.out, name, result)} ({result['runtime_s']:.0f} s)")
     return result
 
 
