@@ -5,7 +5,7 @@ without its dependencies see bench/comfy_site.py). A figure whose machine is not
 the exit status is 0 only when every figure asked for was written.
 
     python bench/reproduce.py --list                        # what it would run, where, and for how long
-    python bench/reproduce.py --comfyui PATH                # every figure: ~30 minutes on an H200, ~35 on a CPU
+    python bench/reproduce.py --comfyui PATH                # every figure: ~42 minutes on an H200, ~35 on a CPU
     python bench/reproduce.py --only e2e_bench,core_bench   # some of them
 """
 from __future__ import annotations
@@ -46,6 +46,8 @@ FIGURES = (
            "the same on a Gaussian prompt (the harder test)"),
     Figure("e2e_bench", ("e2e_bench.py",), True, False, 8,
            "2880 frames: FAST-AR and its components against dense, throughput and memory"),
+    Figure("frontier", ("frontier.py",), True, False, 12,
+           "ms per steady chunk against PSNR after 81 / 240 real frames: windows, TempCache, FAST-AR"),
     Figure("comfy_bench", ("comfy_bench.py", "--comfyui", "{comfyui}"), True, True, 9,
            "the ComfyUI paths against the library, ms per chunk"),
     Figure("stream_memory", ("stream_memory.py", "--size", "64"), False, True, 35,
