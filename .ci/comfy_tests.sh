@@ -8,6 +8,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENVS=${COMFY_ENVS:-$ROOT/.comfyui}
 TESTS=("$ROOT/tests/test_comfy_bridge.py" "$ROOT/tests/test_comfy_server.py" "$ROOT/tests/test_comfy_pack.py"
        "$ROOT/tests/test_comfy_video.py")
+# test_fp8_linear.py's ComfyUI tests only (its others are the everyday run's and the GPU's)
+for t in test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors \
+         test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype \
+         test_comfy_patch_model_fp8_linears_reach_the_fused_engine; do
+  TESTS+=("$ROOT/tests/test_fp8_linear.py::$t")
+done
 status=0
 while read -r name tree python; do
   files=("${TESTS[@]}")

@@ -388,6 +388,9 @@ def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False
         wan = WanModel(config)
     wan.load_state_dict(state, strict=True, assign=True)
     dtype = dtype or state["blocks.0.self_attn.q.weight"].dtype
+    if fp8_linears and not _fp8_matmuls(wan, dtype):
+        logging.warning("FAST-AR: fp8_linears needs a GPU with fp8 tensor cores (compute capability 8.9 on) and a "
+                        "bf16 / fp16 model; the linear layers run in %s", dtype)
     if _fp8_matmuls(wan, dtype):
         quantized = _COMPUTE_DTYPES if fp8_linears else ()
         wan = with_fp8_linears(wan, lambda name, linear: linear.weight.dtype == torch.float8_e4m3fn
@@ -408,7 +411,8 @@ def choose_engine(patcher, options: dict, model_options: dict, node: str) -> Eng
     reason = _fused_blocker(patcher, dm, options, model_options)
     if reason is None:
         try:
-            return Engine("fused", fused_wan(dm, compute_dtype(patcher)))
+            fp8 = bool(patcher.model_options.get(SETTINGS_KEY, {}).get("fp8_linears"))
+            return Engine("fused", fused_wan(dm, compute_dtype(patcher), fp8_linears=fp8))
         except (FastARError, RuntimeError, KeyError) as exc:  # a structure the library's Wan does not have
             reason = f"its parameters do not map onto the Wan 2.1 forward ({str(exc).splitlines()[0]})"
     from comfy.ldm.wan.model import WanModel

@@ -62,13 +62,17 @@ class PatchModel(io.ComfyNode):
                                         "window, or every frame). Empty: TempCache at its defaults."),
                 AnnType.Input("ann", optional=True,
                               tooltip="ANN Sparsity (AnnSA / AnnCA). Empty: dense attention."),
+                io.Boolean.Input("fp8_linears", default=False, optional=True,
+                                 tooltip="The blocks' linear layers as fp8 matmuls for bf16 / fp16 weights (fp8_e4m3fn "
+                                         "weights always run so). Faster on 14B models, slower on 1.3B ones; needs a "
+                                         "GPU with fp8 tensor cores (RTX 40 / H100 on)."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, cache=None, ann=None) -> io.NodeOutput:
-        settings = {"cache": cache if cache is not None else TempCacheConfig()}
+    def execute(cls, model, cache=None, ann=None, fp8_linears=False) -> io.NodeOutput:
+        settings = {"cache": cache if cache is not None else TempCacheConfig(), "fp8_linears": bool(fp8_linears)}
         if ann is not None:
             settings["ann"] = ann
         bridge.check_cache(settings["cache"], ann, 1, "FAST-AR Patch Model")

@@ -126,3 +126,26 @@ def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
     assert seen == [True, False]
     assert ("CUDA graph" in graphed) == torch.cuda.is_available()  # replayed only where there is CUDA
     assert "CUDA graph" not in capsys.readouterr().out
+
+
+def test_cli_fp8_linears_reach_the_model_and_need_a_16_bit_dtype(tmp_path, capsys, monkeypatch):
+    from comfyui_fastar.fastar import cli
+    from comfyui_fastar.fastar.models.wan import Fp8Linear
+
+    seen = []
+
+    class Spy(cli.Rollout):
+        def __init__(self, model, *a, **kw):
+            seen.append(model)
+            super().__init__(model, *a, **kw)
+
+    monkeypatch.setattr(cli, "Rollout", Spy)
+    args = ["--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--model", "tiny"]
+    assert main(args + ["--fp8-linears", "--dtype", "bfloat16"]) == 0
+    assert "fp8 linears" in capsys.readouterr().out
+    assert isinstance(seen[-1].blocks[0].ffn[0], Fp8Linear) and isinstance(seen[-1].blocks[0].self_attn.q, Fp8Linear)
+    assert main(args + ["--dtype", "bfloat16"]) == 0
+    assert not isinstance(seen[-1].blocks[0].ffn[0], Fp8Linear)
+    assert main(args + ["--fp8-linears", "--dtype", "float32"]) == 2
+    assert "--fp8-linears needs --dtype bfloat16 or float16" in capsys.readouterr().err
+    assert len(seen) == 2

@@ -493,6 +493,22 @@ def test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype(comfy_bridge, m
     assert not any(isinstance(m, Fp8Linear) for m in bridge.fused_wan(dm, torch.float32, fp8_linears=True).modules())
 
 
+def test_comfy_patch_model_fp8_linears_reach_the_fused_engine(comfy_bridge, monkeypatch):
+    """FAST-AR Patch Model's fp8_linears widget is what the fused engine quantizes by (off by default)."""
+    comfy, bridge, helpers, path = comfy_bridge
+    from comfyui_fastar.nodes.fastar_nodes import PatchModel
+
+    model = comfy.sd.load_diffusion_model(str(path))
+    monkeypatch.setattr(bridge, "_fp8_matmuls", lambda wan, dtype: True)
+    for flag, want in ((True, len(FP8_LINEARS) * len(model.model.diffusion_model.blocks)), (False, 0)):
+        patched = PatchModel.execute(model, fp8_linears=flag).result[0]
+        assert patched.model_options[bridge.SETTINGS_KEY]["fp8_linears"] is flag
+        engine = helpers._engine(bridge, patched)
+        assert engine.name == "fused"
+        assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == want
+    assert PatchModel.execute(model).result[0].model_options[bridge.SETTINGS_KEY]["fp8_linears"] is False
+
+
 # -- the benchmark ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_smoke(tmp_path):
