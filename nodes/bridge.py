@@ -371,12 +371,13 @@ def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False
     """The library's Wan forward over ``dm``'s own parameter tensors (no copy: the state-dict names
     match), computing in ``dtype`` (default: the weights'). Weights stored in another dtype are read
     in ``dtype`` layer by layer; the patch embedding runs in its own dtype, as ComfyUI runs it (fp32).
-    Where fp8 matmuls run (``_fp8_matmuls``), the blocks' linear layers stored in float8_e4m3fn (Load
-    Diffusion Model's fp8_e4m3fn) run as ``Fp8Linear`` over that very tensor (scale 1) instead of being
-    dequantized on every forward; ``fp8_linears`` quantizes the blocks' linear layers stored in a
-    compute dtype too (a per-channel scaled e4m3 copy per rollout: half their bytes, a few % of each
-    layer's output in error). Built per rollout: ComfyUI swaps a parameter's tensor when it patches or
-    moves weights."""
+    ``fp8_linears`` (where fp8 matmuls run, ``_fp8_matmuls``) runs the blocks' linear layers as
+    ``Fp8Linear``: those stored in float8_e4m3fn (Load Diffusion Model's fp8_e4m3fn) over that very
+    tensor (scale 1) instead of dequantized on every forward, those stored in a compute dtype through a
+    per-channel scaled e4m3 copy per rollout (half their bytes). Opt-in either way: each layer's input
+    is quantized too (a few % of its output in error), which pays in time at the 14B's shapes and not
+    at the 1.3B's (bench/NOTES.md). Built per rollout: ComfyUI swaps a parameter's tensor when it
+    patches or moves weights."""
     from ..fastar.models import Fp8Linear, WanModel, infer_config
     from ..fastar.models import fp8_linears as with_fp8_linears
 
@@ -391,10 +392,9 @@ def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False
     if fp8_linears and not _fp8_matmuls(wan, dtype):
         logging.warning("FAST-AR: fp8_linears needs a GPU with fp8 tensor cores (compute capability 8.9 on) and a "
                         "bf16 / fp16 model; the linear layers run in %s", dtype)
-    if _fp8_matmuls(wan, dtype):
-        quantized = _COMPUTE_DTYPES if fp8_linears else ()
-        wan = with_fp8_linears(wan, lambda name, linear: linear.weight.dtype == torch.float8_e4m3fn
-                               or linear.weight.dtype in quantized)
+    elif fp8_linears:
+        wan = with_fp8_linears(wan, lambda name, linear: linear.weight.dtype in (torch.float8_e4m3fn,
+                                                                                 *_COMPUTE_DTYPES))
     for name, m in wan.named_modules():
         if isinstance(m, Fp8Linear):  # reads its own weight and bias
             continue

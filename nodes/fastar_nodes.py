@@ -63,9 +63,10 @@ class PatchModel(io.ComfyNode):
                 AnnType.Input("ann", optional=True,
                               tooltip="ANN Sparsity (AnnSA / AnnCA). Empty: dense attention."),
                 io.Boolean.Input("fp8_linears", default=False, optional=True,
-                                 tooltip="The blocks' linear layers as fp8 matmuls for bf16 / fp16 weights (fp8_e4m3fn "
-                                         "weights always run so). Faster on 14B models, slower on 1.3B ones; needs a "
-                                         "GPU with fp8 tensor cores (RTX 40 / H100 on)."),
+                                 tooltip="The blocks' linear layers as fp8 matmuls (fp8_e4m3fn weights as they are, "
+                                         "bf16 / fp16 ones through an fp8 copy of half their size). Faster on 14B "
+                                         "models, slower on 1.3B ones, at a few % of each layer's output in error; "
+                                         "needs a GPU with fp8 tensor cores (RTX 40 / H100 on)."),
             ],
             outputs=[io.Model.Output()],
         )

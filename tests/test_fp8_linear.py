@@ -452,13 +452,16 @@ def comfy_bridge(tmp_path_factory):
 
 
 def test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors(comfy_bridge, monkeypatch):
-    """Where fp8 matmuls run (forced here: the CPU runs the twins), the blocks' e4m3 linear weights become
-    ``Fp8Linear`` over the model's own tensors, everything else is read in the compute dtype as before,
-    and the samples stay within e4m3's error of ComfyUI's own forward's."""
+    """With fp8_linears, where fp8 matmuls run (forced here: the CPU runs the twins), the blocks' e4m3
+    linear weights become ``Fp8Linear`` over the model's own tensors, everything else is read in the
+    compute dtype as before, and the samples stay within e4m3's error of ComfyUI's own forward's; without
+    it they are cast on read, as ever."""
     comfy, bridge, helpers, path = comfy_bridge
-    fp8 = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
-    dm = fp8.model.diffusion_model
+    stored = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
+    dm = stored.model.diffusion_model
     monkeypatch.setattr(bridge, "_fp8_matmuls", lambda wan, dtype: True)
+    assert not any(isinstance(m, Fp8Linear) for m in helpers._engine(bridge, stored).model.modules())
+    fp8 = bridge.patch_model(stored, {"fp8_linears": True})
     engine = helpers._engine(bridge, fp8)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(dm.named_parameters())
