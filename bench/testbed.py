@@ -152,28 +152,6 @@ class OwnChunkOnly(FastARAttention):
         return fastar.attend(q, keys[:, own], values[:, own])
 
 
-class AnnProbe(FastARAttention):
-    """AnnSA / AnnCA as ``ann`` configures them; once armed, every sparse self-attention call of
-    ``layers`` also records its plan's recall of the dense attention mass and its key density."""
-
-    graph_safe = False  # reads recall and density on the host
-
-    def __init__(self, cache, ann, layers):
-        super().__init__(cache, ann=ann)
-        self.layers, self.armed, self.recalls, self.densities = set(layers), False, [], []
-
-    def arm(self):
-        self.armed = True
-
-    def self_attention(self, layer, q, k, v):
-        if self.armed and layer in self.layers and self._sparse(layer):
-            keys, _, bias = self.cache.attend(layer, k, v)
-            plan = self.annsa.plan(layer, q)
-            self.recalls.append(self.annsa.recall(q, keys, bias, plan).item())
-            self.densities.append(fastar.annsa.plan_density(*plan, keys.shape[1]).item())
-        return super().self_attention(layer, q, k, v)
-
-
 def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = None, on_chunk=None):
     """Teacher-force a rollout on ``prefix_frames`` real latent frames (their clean passes fill the
     cache), then let it generate the rest; returns the generated latents [B, C, F - prefix, h, w]."""
@@ -202,42 +180,19 @@ def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = 
 class RealVideoHistory:
     """``continue_real_video``'s teacher forcing in steps: ``to(frames)`` runs the clean passes of the real
     latents up to ``frames`` (the history a generation then continues), on a CUDA device replayed from one
-    graph once the attention state's key repeats, as ``Rollout.switch_prompt`` re-encodes a history (a
-    TempCache pass is ~7000 launches, host-bound when eager: bench/NOTES.md). Equal to the eager passes."""
+    graph once the attention state's key repeats (``fastar.rollout.CleanPasses``, as a prompt switch
+    re-encodes a history: a TempCache pass is ~7000 launches, host-bound when eager: bench/NOTES.md)."""
 
     def __init__(self, run, latents: torch.Tensor):
         self.run, self.latents, self.frames = run, latents, 0
-        self._last, self._graph = None, importlib.import_module(f"{fastar.__name__}.rollout").ReplayGraph()
-
-    def _clean_pass(self, x0, offset):
-        self.run.fill_cache(x0, offset)
-        self.run.cache.join_writes()
+        self._passes = importlib.import_module(f"{fastar.__name__}.rollout").CleanPasses(run)
 
     def to(self, frames: int) -> None:
-        run, ch = self.run, self.run.chunk_frames
+        ch = self.run.chunk_frames
         if frames % ch or frames < self.frames or frames > self.latents.shape[2]:
             raise ValueError(f"cannot cache up to frame {frames}: {self.frames} cached, chunks of {ch}, "
                              f"{self.latents.shape[2]} real frames")
-        attention = run.attention
-        attention.num_steps = len(run.sigmas)
-        for start in range(self.frames, frames, ch):
-            x0 = self.latents[:, :, start:start + ch].to(run.model.dtype)
-            run.cache.begin_chunk(start, ch)
-            key = attention.graph_key() if run.cuda_graphs and attention.graph_safe else None
-            run.cache.begin_clean_pass()
-            attention.step = len(run.sigmas)
-            if key is None or key != self._last:
-                self._last = key
-                self._clean_pass(x0, start)
-            else:
-                def buffers(x0=x0):
-                    return torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=run.device)
-
-                def fill(buf, offset, x0=x0, start=start):
-                    buf.copy_(x0)
-                    offset.fill_(start)
-                self._graph.run(key, buffers, self._clean_pass, fill)
-            run.cache.commit()
+        self._passes.run(self.latents[:, :, self.frames:frames].to(self.run.model.dtype), self.frames)
         self.frames = frames
 
 
@@ -263,7 +218,7 @@ def copy_state(src, dst, _seen=None) -> None:
     lists, tuples and dicts item by item; Python values taken over. ``dst`` keeps its configs (AnnSA's may
     differ in the dense steps, a schedule's setting no cached state depends on), its models and callables,
     and whatever attributes ``src`` lacks (a probe's). Generic on purpose: whatever a cache or attention
-    state comes to hold (8-bit kernels' buffers too) follows without a list here to update. Call it under
+    state comes to hold follows without a list here to update. Call it under
     ``torch.inference_mode()`` (the rollouts' tensors are inference tensors)."""
     seen = {} if _seen is None else _seen
     seen[id(src)] = dst
@@ -318,10 +273,10 @@ def fork(run, make):
 
 
 def probe_annsa(attention, layers):
-    """``AnnProbe``'s measurement installed on an attention state a rollout made (whatever its settings:
-    its precision, its kernels), not a new one: every sparse self-attention call of ``layers`` records its
-    plan's recall of the dense attention mass and its key density into the returned lists (recalls,
-    densities). The state reads them on the host from then on, so its rollout replays no CUDA graph."""
+    """AnnSA's recall measured on an attention state a rollout made (whatever its settings), not a new one:
+    every sparse self-attention call of ``layers`` records its plan's recall of the dense attention mass and
+    its key density into the returned lists (recalls, densities). The state reads them on the host from then
+    on, so its rollout replays no CUDA graph."""
     recalls, densities, layers = [], [], set(layers)
     inner = attention.self_attention
 

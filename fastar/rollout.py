@@ -110,6 +110,38 @@ class ReplayGraph:
         return self.out
 
 
+class CleanPasses:
+    """Clean passes of given clean latents into a rollout's cache, chunk by chunk: a history re-encoded
+    under a new prompt (``Rollout.switch_prompt``), or real video cached (the benchmarks' testbed). On CUDA
+    the passes replay from one graph once the attention state's key repeats, as chunks do; successive
+    ``run`` calls continue one another."""
+
+    def __init__(self, rollout: "Rollout"):
+        self.rollout, self.last, self.graph = rollout, None, ReplayGraph()
+
+    def _pass(self, x0, offset):
+        self.rollout.fill_cache(x0, offset)
+        self.rollout.cache.join_writes()
+
+    def run(self, latents: torch.Tensor, start: int = 0) -> None:
+        """latents [B, C, F, h, w]: whole chunks, the first one's first frame ``start``."""
+        r = self.rollout
+        r.attention.num_steps = len(r.sigmas)
+        for i in range(0, latents.shape[2], r.chunk_frames):
+            x0, frame = latents[:, :, i:i + r.chunk_frames], start + i
+            r.cache.begin_chunk(frame, r.chunk_frames)
+            key = r.attention.graph_key() if r.cuda_graphs and r.attention.graph_safe else None
+            r.cache.begin_clean_pass()
+            r.attention.step = len(r.sigmas)
+            if key is None or key != self.last:
+                self.last = key
+                self._pass(x0, frame)
+            else:
+                self.graph.run(key, lambda: (torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=r.device)),
+                               self._pass, lambda buf, offset: (buf.copy_(x0), offset.fill_(frame)))
+            r.cache.commit()
+
+
 def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Noise for (chunk, step), independent of how many chunks the rollout has. Drawn on the
     device itself: a host-to-device copy would stall the host on every step."""
@@ -279,26 +311,7 @@ class Rollout:
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = make_cache(**self._cache_args)
         self.attention = FastARAttention(self.cache, ann=self.ann)
-        self.attention.num_steps = len(self.sigmas)
-        last, graph = None, ReplayGraph()
-
-        def clean_pass(x0, offset):
-            self.fill_cache(x0, offset)
-            self.cache.join_writes()
-
-        for start in range(0, done.shape[2], self.chunk_frames):
-            x0 = done[:, :, start:start + self.chunk_frames]
-            self.cache.begin_chunk(start, self.chunk_frames)
-            key = self.attention.graph_key() if self.cuda_graphs and self.attention.graph_safe else None
-            self.cache.begin_clean_pass()
-            self.attention.step = len(self.sigmas)
-            if key is None or key != last:
-                last = key
-                clean_pass(x0, start)
-            else:
-                graph.run(key, lambda: (torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=self.device)),
-                          clean_pass, lambda buf, offset: (buf.copy_(x0), offset.fill_(start)))
-            self.cache.commit()
+        CleanPasses(self).run(done)
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
         b, ch, _, h, w = self.chunk_shape
