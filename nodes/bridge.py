@@ -39,6 +39,7 @@ import comfy.samplers
 import comfy.utils
 
 from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
+from ..kernels.fp8_linear import scaled_mm_runs
 
 WRAPPER_KEY = "fastar"            # key of our DIFFUSION_MODEL wrapper
 STATE_KEY = "fastar_rollout"      # transformer_options key present only inside a rollout
@@ -360,11 +361,10 @@ def _cast_on_read(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _fp8_matmuls(wan, dtype: torch.dtype) -> bool:
-    """Whether the blocks' linear layers can run on fp8 tensor cores (``torch._scaled_mm``): weights on
-    a CUDA device of compute capability 8.9 on, computing in bf16 / fp16."""
-    device = wan.blocks[0].self_attn.q.weight.device
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and \
-        torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether the blocks' linear layers can run on fp8 tensor cores (``kernels.fp8_linear.scaled_mm_runs``:
+    weights on a CUDA device of compute capability 8.9 on, computing in bf16 / fp16)."""
+    w = wan.blocks[0].ffn[0].weight
+    return scaled_mm_runs(w, w.shape[1], w.shape[0], dtype)
 
 
 def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False):
