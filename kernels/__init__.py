@@ -13,7 +13,7 @@ By paper component:
 - AnnSA: ``block_means``, ``quant_block_scores`` / ``quant_block_shares`` and ``quant_select``
   (the plan), ``block_sparse_attention`` (the attention), with the plan format in ``plan.py``
   and the launch model in ``launch.py``; ``rows`` re-sorts the history.
-- The Wan forward: ``adaln``, ``qk_norm_rope``.
+- The Wan forward: ``adaln``, ``qk_norm_rope``, ``fp8_linear`` (the blocks' linear layers in fp8, opt-in).
 
 Triton is optional (absent on macOS, Windows and CPU-only installs): the twins run there.
 """
