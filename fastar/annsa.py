@@ -21,7 +21,8 @@ diffuse one many. Why a floor: a mean key underestimates a block that mixes unli
 so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
 kernels, nothing syncs with the host: every shape comes from Python integers the schedule knows.
 Where the kernel runs, cuDNN attends the keys every plan reads (``Layout.fixed``: the sink and the
-open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax.
+open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax. On
+Hopper with FlashAttention-4 its block sparsity reads the plan's history instead, joined to that softmax.
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ import math
 
 import torch
 
-from ..kernels import use_kernel
+from ..kernels import flash4, use_kernel
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_block_scores import quant_block_scores_auto
 from ..kernels.quant_block_shares import quant_block_shares_auto
-from ..kernels.plan import range_reads, runs_to_ranges
+from ..kernels.plan import range_blocks, range_reads, runs_to_ranges
 from ..kernels.quant_select import quant_select_auto
 from .config import AnnConfig
 from .errors import FastARError
@@ -46,6 +47,9 @@ from .sdpa import attend_lse, side_stream
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
 # less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
 KEY_BLOCK = 128
+#: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
+#: 128-query rate, so pairs of 64-query plans are read as their union.
+FA4_BLOCK_Q = 128
 
 
 def _int8(x: torch.Tensor):
@@ -231,7 +235,8 @@ class AnnSA:
         """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
         layout = self.cache.layout
         prior, side = None, None
-        if layout.fixed is not None and use_kernel(q, kernel_supports(q, self.config.block_q)):  # the kernel runs
+        fa4 = layout.fixed is not None and flash4.runs(q, keys)
+        if layout.fixed is not None and (fa4 or use_kernel(q, kernel_supports(q, self.config.block_q))):  # a kernel runs
             if q.is_cuda:
                 # the side stream waits for this layer's K/V, and waits again before its next call,
                 # which orders its reuse of the memory it allocates after the kernel that reads it
@@ -244,10 +249,31 @@ class AnnSA:
             torch.cuda.current_stream(q.device).wait_stream(side)
         if prior is not None:
             ranges, counts = ranges[:, :, :, 2:], counts - 2
+            if fa4:
+                return self._attend_blocks(q, keys, values, bias, ranges, counts, prior)
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, block_q=self.config.block_q, prior=prior,
                                           bias_window=layout.bias)
         return out.transpose(1, 2)
+
+    def _attend_blocks(self, q, keys, values, bias, ranges, counts, prior):
+        """``attention``'s history on FlashAttention-4's block sparsity (Hopper): the plan's history
+        ranges as lists of its ``KEY_BLOCK`` blocks, ``FA4_BLOCK_Q`` queries a list, read over the
+        history's view with TempCache's bias, joined to the prior (cuDNN's softmax over the keys every
+        query reads)."""
+        hist = self.cache.layout.history
+        if hist.stop <= hist.start:
+            return prior[0].transpose(1, 2)
+        blocks = range_blocks(ranges, counts, hist.start, hist.stop - hist.start, KEY_BLOCK,
+                              FA4_BLOCK_Q // self.config.block_q)
+        window = None
+        if bias is not None:  # the bias window, in the history's rows
+            lo, hi = self.cache.layout.bias
+            window = (min(max(lo - hist.start, 0), hist.stop - hist.start), max(min(hi, hist.stop) - hist.start, 0))
+            bias = bias[..., hist]
+        out, lse = flash4.attention(q, keys[:, hist], values[:, hist], key_bias=bias, bias_window=window,
+                                    blocks=blocks, block_size=(FA4_BLOCK_Q, KEY_BLOCK))
+        return flash4.join(prior[0].transpose(1, 2), prior[1], out, lse)
 
 
 def plan_density(ranges: torch.Tensor, counts: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from comfyui_fastar.fastar import sdpa
 from comfyui_fastar.kernels import flash4
+from comfyui_fastar.kernels.plan import range_blocks, runs_to_ranges
 
 
 def rel(a, b):
@@ -96,3 +97,25 @@ def test_fa4_calls_at_wan_shapes_against_fp32(frames):
                                  blocks=(counts, idx))
     want, _ = softmax_attention(q[:, rows], k[:, hist], v[:, hist], bias[..., hist])
     assert rel(sparse[:, rows], want) <= 1.5 * cudnn
+
+
+@pytest.mark.parametrize("merge", [1, 2])
+def test_range_blocks_lists_the_blocks_a_plan_covers(merge):
+    """AnnSA's plan (runs of picked key blocks, the last one partial) as FA4's block lists: the same
+    blocks, ascending, per query block or per ``merge`` of them (their union)."""
+    g = torch.Generator().manual_seed(merge)
+    nqb, nkb, kb, start = 7, 11, 8, 13
+    n_keys = nkb * kb - 3
+    sel = torch.rand(1, 2, nqb, nkb, generator=g) < 0.4
+    starts = start + torch.arange(nkb) * kb
+    ends = (starts + kb).clamp(max=start + n_keys)
+    ranges, counts = runs_to_ranges(sel, starts.expand_as(sel), ends.expand_as(sel), 2 + nkb, sink=5,
+                                    chunk_start=100, chunk_stop=120)
+    got_counts, got_idx = range_blocks(ranges[..., 2:, :], counts - 2, start, n_keys, kb, merge)
+    want = torch.nn.functional.pad(sel, (0, 0, 0, -nqb % merge)).view(1, 2, -1, merge, nkb).any(-2)
+    assert got_counts.dtype == got_idx.dtype == torch.int32
+    assert torch.equal(got_counts, want.sum(-1, dtype=torch.int32))
+    for b, h, i in zip(*[t.flatten().tolist() for t in torch.meshgrid(*map(torch.arange, want.shape[:3]),
+                                                                    indexing="ij")]):
+        listed = got_idx[b, h, i, :got_counts[b, h, i]].tolist()
+        assert listed == want[b, h, i].nonzero().flatten().tolist()  # ascending: the partial block last
