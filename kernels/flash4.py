@@ -27,9 +27,10 @@ def _module():
         from flash_attn.cute import interface
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     except Exception as e:  # absent, or a CUDA / DSL mismatch: the Triton kernel stays
-        log.info("FAST-AR: FlashAttention-4 not used (%s: %s)", type(e).__name__, e)
+        log.info("FAST-AR: FlashAttention-4 not used (%s: %s); attention on cuDNN and the Triton kernels",
+                 type(e).__name__, e)
         return None
-
+    log.info("FAST-AR: the history's attention on FlashAttention-4")
     return interface, BlockSparseTensorsTorch
 
 
