@@ -180,3 +180,32 @@ def test_heads_must_divide_among_the_ranks(tmp_path):
     _, failed, _ = launch(4, wrong_split, tmp_path)
     assert sorted(failed) == [0, 1, 2, 3]
     assert all(f[0] == "FastARError" and "2 attention heads among 4 ranks" in f[1] for f in failed.values())
+
+
+def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_path):
+    """The CLI as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set):
+    two processes, rank 0 alone reports, and the latents equal one process's."""
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+
+    args = ["--frames", "4", "--chunk-frames", "1", "--height", "64", "--width", "64", "--max-cache-frames", "3",
+            "--sink-frames", "1", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def cli(out, extra_env):
+        return subprocess.Popen([sys.executable, "-m", "comfyui_fastar.fastar", *args, "--plot", str(out) + ".png",
+                                 "--json", str(out) + ".json", "--save-latents", str(out) + ".safetensors"],
+                                env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    port = str(free_port())
+    ranks = [cli(tmp_path / f"rank{r}", dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                             MASTER_PORT=port)) for r in range(2)]
+    one = cli(tmp_path / "one", {})
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in (*ranks, one)]
+    assert [p.returncode for p in (*ranks, one)] == [0, 0, 0], [o[1][-2000:] for o in outs]
+    assert "head-parallel over 2 ranks (1 of 2 heads per rank" in outs[0][0] and "chunk    4/4" in outs[0][0]
+    assert outs[1][0] == "" and not (tmp_path / "rank1.json").exists()
+    got, ref = (load_file(str(tmp_path / f"{n}.safetensors"))["latent"] for n in ("rank0", "one"))
+    assert rel(got, ref) <= 1e-5
