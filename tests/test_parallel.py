@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from comfyui_fastar.fastar import AnnConfig, FastARError, Rollout, TempCacheConfig
+from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARError, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import WanConfig, build_model
 from comfyui_fastar.fastar.parallel import check_heads
 
@@ -25,6 +25,12 @@ SETTINGS = dict(frames=6, height=64, width=128, chunk_frames=1, seed=3,
                 ann=AnnConfig(keep_fraction=0.5, dense_steps_fraction=0.25))
 GROUP_TIMEOUT_S = 20  # a collective waiting longer for a rank fails
 RUN_TIMEOUT_S = 120   # the whole launch
+
+
+def tiny_model():
+    """Weights 5x the default's spread: attention then moves the latents by ~5e-3 (TempCache and AnnSA against
+    dense attention), not ~3e-4, so that 1e-5 tells a sharded rollout that attends otherwise apart."""
+    return build_model(CFG, seed=1).init_random(1, std=0.1)
 
 
 def context():
@@ -95,7 +101,7 @@ def cache_state(engine):
 
 
 def sharded_rollout(rank, world):
-    model = build_model(CFG, seed=1)
+    model = tiny_model()
     with torch.inference_mode():
         engine = Rollout(model, context(), group=dist.group.WORLD, **SETTINGS)
         chunks = []
@@ -108,7 +114,7 @@ def sharded_rollout(rank, world):
 def one_process():
     with pytest.MonkeyPatch.context() as mp_env:
         mp_env.delenv("TRITON_INTERPRET", raising=False)  # the twins, as the ranks run them
-        model = build_model(CFG, seed=1)
+        model = tiny_model()
         with torch.inference_mode():
             engine = Rollout(model, context(), **SETTINGS)
             chunks = []
@@ -146,8 +152,33 @@ def test_head_parallel_rollout_equals_one_process(one_process, tmp_path, world):
         assert torch.equal(r["count"][:, :, :1], results[0]["count"][:, :, :1])
 
 
+def variants():
+    """Settings beside SETTINGS': guidance (twice the batch) with a prompt switch (the history re-encoded
+    through a fresh sharded cache), and the unbounded cache under AnnSA with chunks of 3 frames."""
+    g = torch.Generator().manual_seed(9)
+    neg, switch = torch.randn(context().shape, generator=g), torch.randn(context().shape, generator=g)
+    return [dict(SETTINGS, frames=4, cfg=2.0, negative_context=neg, prompts=[(2, switch)]),
+            dict(SETTINGS, frames=6, chunk_frames=3, cache=CacheConfig("unbounded"))]
+
+
+def sharded_variants(rank, world, group=True):
+    model = tiny_model()
+    with torch.inference_mode():
+        return [Rollout(model, context(), group=dist.group.WORLD if group else None, **v).run() for v in variants()]
+
+
+def test_head_parallel_guidance_prompt_switch_and_unbounded_cache(tmp_path):
+    with pytest.MonkeyPatch.context() as mp_env:
+        mp_env.delenv("TRITON_INTERPRET", raising=False)
+        ref = sharded_variants(0, 1, group=False)
+    results, failed, _ = launch(2, sharded_variants, tmp_path)
+    assert not failed, failed
+    for outs in results.values():
+        assert all(rel(a, b) <= 1e-5 for a, b in zip(outs, ref))
+
+
 def dies_mid_rollout(rank, world):
-    model = build_model(CFG, seed=1)
+    model = tiny_model()
 
     def on_chunk(report):
         if rank == 1 and report.chunk == 1:
@@ -216,7 +247,7 @@ def test_one_rank_runs_the_one_process_path(tmp_path):
     from comfyui_fastar.fastar import FastARAttention, TempCache
 
     settings = dict(SETTINGS, ann=None, frames=3)
-    model = build_model(CFG, seed=1)
+    model = tiny_model()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
