@@ -126,7 +126,8 @@ def main():
     ap = parser(__doc__, smoke=True)
     ap.add_argument("a", help="revision A: a git revision or a folder holding an exported tree")
     ap.add_argument("b", nargs="?", help="revision B, as A (default: this working tree)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default="fastar,window",
+                    help=f"comma-separated, of {', '.join(SETTINGS)} (default fastar,window)")
     ap.add_argument("--chunks", type=int, default=14, help="chunks per rollout (default 14)")
     ap.add_argument("--steady", type=int, default=5, help="last chunks of each rollout timed, at least 5 (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of A then B per setting (default 3)")
