@@ -47,6 +47,13 @@ from .sdpa import attend_lse, side_stream
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
 # less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
 KEY_BLOCK = 128
+#: Plan densities (keys read / keys attended) past which a layer's sparse call costs more than the
+#: dense one it replaces, planning included: at TempCache's budgets the sparse call's rate is then the
+#: dense call's, and planning is the loss (bench/NOTES.md, "FlashAttention-4 on Hopper"). A layer turns
+#: dense above ``DENSE_ABOVE`` and sparse again below ``SPARSE_BELOW``: the gap keeps a density near
+#: the edge from switching (and re-capturing the chunk's CUDA graph) every chunk.
+DENSE_ABOVE = 0.8
+SPARSE_BELOW = 0.75
 #: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
 #: 128-query rate, so pairs of 64-query plans are read as their union.
 FA4_BLOCK_Q = 128
@@ -81,6 +88,10 @@ class AnnSA:
         self.attended: list = [0] * cache.num_layers
         self.reps: list = [None] * cache.num_layers   # each layer's ``_block_means``
         self.fixed: list = [None] * cache.num_layers  # top-p: ``_fixed_blocks``
+        # whether each layer's sparse call pays (``review``); a layer where it does not runs dense and
+        # plans only in the clean pass, to keep its density known
+        self.pays: list = [True] * cache.num_layers
+        self._review = None  # the last chunk's densities: (their host copy, its CUDA event or None)
 
     @torch.no_grad()
     def index_history(self, layer: int) -> None:
@@ -133,6 +144,32 @@ class AnnSA:
                                 reads=self._reads(layer, q))
         self.attended[layer] = layout.attended
         return plan
+
+    def review(self) -> None:
+        """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
+        chunk earlier. The densities are copied to the host as this chunk's work ends, without a
+        sync, and read at the next review (waiting, if need be, for that chunk's end): the decisions
+        are the same however far the host runs ahead, and the host runs at most a chunk ahead."""
+        pending = self._review
+        if pending is not None:
+            host, event = pending
+            if event is not None:
+                event.synchronize()
+            self._decide(host.tolist())
+        density = self.density
+        if density.is_cuda:
+            host = torch.empty(density.shape, dtype=density.dtype, pin_memory=True)
+            host.copy_(density, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._review = (host, event)
+        else:
+            self._review = (density, None)
+
+    def _decide(self, densities: list[float]) -> None:
+        for layer, d in enumerate(densities):
+            if self.reads[layer] is not None:  # a layer that has planned
+                self.pays[layer] = d < SPARSE_BELOW if not self.pays[layer] else d <= DENSE_ABOVE
 
     def _reads(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The layer's keys-read buffer for plans over q [B, n, H, D], made anew when the query

@@ -96,9 +96,11 @@ class FastARAttention:
 
     def graph_key(self):
         """The cache's ``graph_key`` plus AnnSA's written layers (a layer's first plan over
-        history has no key blocks yet): equal keys, equal kernels."""
-        reps = tuple(r is None for r in self.annsa.reps) if self.annsa is not None else None
-        return self.cache.graph_key(), reps
+        history has no key blocks yet) and the layers where its sparse calls pay: equal keys, equal
+        kernels."""
+        if self.annsa is None:
+            return self.cache.graph_key(), None
+        return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays)
 
     def _sparse(self, layer: int) -> bool:
         return self.ann.sparse_at(layer, self.step, self.num_steps)
@@ -107,12 +109,14 @@ class FastARAttention:
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.attend(layer, k, v)
-        if self.annsa is not None and self._sparse(layer):
+        sparse = self.annsa is not None and self._sparse(layer)
+        if sparse and self.annsa.pays[layer]:
             out = self.annsa.attention(layer, q, keys, values, bias)
-        elif bias is not None:
-            out = attend_biased(q, keys, values, bias, self.cache.layout.bias)
         else:
-            out = attend(q, keys, values)
+            if sparse and self.cache.clean_pass:  # where sparsity does not pay, the clean pass still plans:
+                self.annsa.plan(layer, q)         # the layer's density stays known (``AnnSA.review``)
+            out = attend_biased(q, keys, values, bias, self.cache.layout.bias) if bias is not None else \
+                attend(q, keys, values)
         if self.cache.clean_pass:
             self._write_history(layer, q)
         return out
@@ -123,6 +127,8 @@ class FastARAttention:
         if self.cache is None or not self.cache.clean_pass:
             raise FastARError("FastARAttention.fill_cache is for the clean pass of a cached rollout")
         self.cache.attend(layer, k, v)
+        if self.annsa is not None and self._sparse(layer) and not self.annsa.pays[layer]:
+            self.annsa.plan(layer, q)  # the layer's density stays known, as in ``self_attention``
         self._write_history(layer, q)
 
     def _write_history(self, layer: int, q) -> None:

@@ -70,6 +70,9 @@ class ChunkReport:
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
     annsa: AnnSA | None = field(default=None, repr=False)
     prompt: int = 0  # the prompt this chunk was generated with (0: ``context``, i: the i-th switch)
+    # the share of AnnSA's layers that ran sparse in this chunk, the rest dense where sparsity did not
+    # pay (``AnnSA.review``; None: no AnnSA)
+    annsa_sparse: float | None = None
 
     @cached_property
     def annsa_density(self) -> float | None:
@@ -339,6 +342,13 @@ class Rollout:
         self.attention = self._attention()
         CleanPasses(self).run(done)
 
+    def _sparse_share(self) -> float | None:
+        annsa = self.attention.annsa
+        if annsa is None:
+            return None
+        layers = [i for i in range(len(annsa.pays)) if i not in self.ann.dense_layers]
+        return sum(annsa.pays[i] for i in layers) / max(len(layers), 1)
+
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
         b, ch, _, h, w = self.chunk_shape
         out = torch.empty(b, ch, self.frames, h, w, device=self.device)
@@ -351,13 +361,16 @@ class Rollout:
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
             self.cache.commit()
+            sparse = self._sparse_share()  # this chunk's, before the review decides the next ones'
+            if self.attention.annsa is not None:
+                self.attention.annsa.review()
             out[:, :, start:start + self.chunk_frames] = x0
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
                                      time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa,
-                                     self.prompt))
+                                     self.prompt, sparse))
         return out
 
 
