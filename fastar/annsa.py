@@ -145,18 +145,20 @@ class AnnSA:
         self.attended[layer] = layout.attended
         return plan
 
-    def review(self) -> None:
+    def review(self, average=None) -> None:
         """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
         chunk earlier. The densities are copied to the host as this chunk's work ends, without a
         sync, and read at the next review (waiting, if need be, for that chunk's end): the decisions
-        are the same however far the host runs ahead, and the host runs at most a chunk ahead."""
+        are the same however far the host runs ahead, and the host runs at most a chunk ahead.
+        ``average``: where this AnnSA holds part of the heads (head parallelism), the densities'
+        mean over the ranks, so every rank decides as one process does."""
         pending = self._review
         if pending is not None:
             host, event = pending
             if event is not None:
                 event.synchronize()
             self._decide(host.tolist())
-        density = self.density
+        density = self.density if average is None else average(self.density)
         if density.is_cuda:
             host = torch.empty(density.shape, dtype=density.dtype, pin_memory=True)
             host.copy_(density, non_blocking=True)

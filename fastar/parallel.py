@@ -100,6 +100,10 @@ class HeadParallel:
         self._collective("an all-reduce", dist.all_reduce, t)
         return t
 
+    def average(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s mean over the ranks (a copy)."""
+        return self.all_reduce(t.clone()) / self.world
+
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         self._collective("an all-to-all", dist.all_to_all_single, out, x)

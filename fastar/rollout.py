@@ -363,7 +363,7 @@ class Rollout:
             self.cache.commit()
             sparse = self._sparse_share()  # this chunk's, before the review decides the next ones'
             if self.attention.annsa is not None:
-                self.attention.annsa.review()
+                self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)
             out[:, :, start:start + self.chunk_frames] = x0
             if on_chunk is not None:
                 if self.device.type == "cuda":

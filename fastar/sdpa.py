@@ -27,8 +27,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m);
     ``mask`` [Lq, Lk] is a boolean keep-mask (reference full-sequence forwards).
-    On Hopper with FlashAttention-4 installed, calls over many keys without a mask run there
-    (``kernels/flash4.py``: 1.15-1.2x cuDNN's rate on the history's shapes, bench/NOTES.md).
+    On Hopper with FlashAttention-4 installed, calls over many keys without a mask run there: faster
+    than cuDNN on the history's shapes (``kernels/flash4.py``, bench/NOTES.md).
     """
     if mask is None and flash4.runs(q, k):
         return flash4.attention(q, k, v, key_bias=key_bias)[0]
@@ -104,7 +104,7 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: t
                   bias_window: tuple[int, int]) -> torch.Tensor:
     """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
 
-    With FlashAttention-4 (Hopper): one call over all keys, the bias folded into the values
+    With FlashAttention-4 (Hopper): one call over all keys, the bias folded into the keys
     (``flash4.fold_bias_into_keys``). Else on a GPU: the block-sparse kernel (``attend_biased_kernel``).
     """
     if flash4.runs(q, k):
