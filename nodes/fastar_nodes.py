@@ -266,12 +266,13 @@ class AutoregressiveLongSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, length, timesteps):
+    def validate_inputs(cls, width, height, length, timesteps, frames_per_chunk):
         """What /prompt can refuse before anything runs, in the node's words. ComfyUI shows a message from
-        here on each input this function reads and skips its own min / max for them, so those are checked
-        here too (``_check_widget``); every other input keeps ComfyUI's checks (types, min / max,
-        frames_per_chunk's options where ComfyUI checks a V3 combo's)."""
+        here on each input this function reads and skips its own min / max (and combo options) for them, so
+        those are checked here too (``_check_widget``); every other input keeps ComfyUI's checks."""
         try:
+            if str(frames_per_chunk) not in FRAMES_PER_CHUNK:  # ComfyUI 0.3.64 checks no V3 combo's options
+                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
             for name, value in (("width", width), ("height", height)):
                 _check_widget(cls, name, value)
                 if int(value) % 16:
