@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -505,7 +506,9 @@ def test_convert_in_the_comfyui_python_refuses_a_pt_in_the_packs_words(server, t
 # -- example workflows ------------------------------------------------------------------------
 # core's autoregressive nodes (Empty AR Video Latent, SamplerCustom's AR graph) exist from 2026 on
 CORE_AR = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file()
-CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video graph.json"
+CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent).json"
+# the same graph on the stock Empty Hunyuan Latent Video: every ComfyUI runs it
+STOCK_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video).json"
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or p != CORE_AR_WORKFLOW]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
 FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
@@ -569,6 +572,7 @@ def test_example_workflow_validates(server, path):
     prompt = _to_api_prompt(workflow, info)
     types = {n["class_type"] for n in prompt.values()}
     sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if path == CORE_AR_WORKFLOW \
+        else {"SamplerCustom", "FastARARVideo", "EmptyHunyuanLatentVideo"} if path == STOCK_AR_WORKFLOW \
         else {"FastARAutoregressiveSampler"}
     output = {"FastARSaveVideo"} if "FastARSaveVideo" in types else {"VAEDecode", "SaveVideo"}
     assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode"} | sampler | output <= types
@@ -582,12 +586,11 @@ def test_example_workflow_validates(server, path):
             assert e["type"] == "value_not_in_list" and e["extra_info"]["input_name"] in FILE_INPUTS, (node_id, e)
 
 
-def _core_ar_workflow_runs_to_a_latent(server):
+def _core_ar_workflow_runs_to_a_latent(server, path=CORE_AR_WORKFLOW, latent="EmptyARVideoLatent"):
     """The core AR template as a prompt, on the test checkpoint that loads as WAN21_CausalAR: the
     text encoder is the test conditioning, and the LATENT is saved instead of decoded."""
     info = _get(server["url"] + "/object_info")
-    prompt = _to_api_prompt(json.loads(CORE_AR_WORKFLOW.read_text()),
-                            info)
+    prompt = _to_api_prompt(json.loads(path.read_text()), info)
     by_type = {n["class_type"]: k for k, n in prompt.items()}
     prompt[by_type["UNETLoader"]]["inputs"]["unet_name"] = "fastar_tiny_causal.safetensors"
     for node_id, node in list(prompt.items()):
@@ -596,7 +599,7 @@ def _core_ar_workflow_runs_to_a_latent(server):
         elif node["class_type"] == "CLIPTextEncode":
             prompt[node_id] = {"class_type": "FastARTestConditioning",
                                "inputs": {"seed": int(node_id), "tokens": 512, "width": 4096}}
-    prompt[by_type["EmptyARVideoLatent"]]["inputs"].update(width=32, height=32, length=21)
+    prompt[by_type[latent]]["inputs"].update(width=32, height=32, length=21)
     prompt[by_type["FastARTempCacheSettings"]]["inputs"].update(max_cache_frames=4, sink_frames=1)
     sampler = by_type["SamplerCustom"]
     prompt["99"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0],
@@ -672,6 +675,29 @@ def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
 
 if CORE_AR:  # only a ComfyUI with core's autoregressive nodes can run it (collected nowhere else)
     test_core_ar_workflow_runs_to_a_latent = _core_ar_workflow_runs_to_a_latent
+
+
+def test_the_stock_node_ar_graph_template_runs_on_every_comfyui(server):
+    """The AR graph on Empty Hunyuan Latent Video, for a ComfyUI without core's autoregressive nodes."""
+    _core_ar_workflow_runs_to_a_latent(server, STOCK_AR_WORKFLOW, "EmptyHunyuanLatentVideo")
+
+
+def test_the_readme_lists_the_templates_each_comfyui_serves(server):
+    """The README's template list is the example_workflows folder, which this ComfyUI lists; where it
+    serves none of the files the README says so and how to open them instead."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Templates.**", 1)[1].split("**Model files.**", 1)[0]
+    listed = set(re.findall(r"^- \*\*(FAST-AR - [^*]+)\*\*", section, re.M))
+    stems = {p.stem for p in (REPO / "example_workflows").glob("*.json")}
+    assert listed == stems, (listed ^ stems)
+    served = _get(server["url"] + "/workflow_templates")
+    pack = next(name for name, names in served.items() if set(names) == stems)
+    opens = {stem: _fetch(f"{server['url']}/api/workflow_templates/{pack}/{urllib.parse.quote(stem)}.json")
+             is not None for stem in stems}
+    assert len(set(opens.values())) == 1, opens  # all or none
+    if not all(opens.values()):
+        assert "pip-installable ComfyUI" in section and "example_workflows/" in section and "drag" in section
+    assert "needs Empty AR Video Latent" in section and "Empty Hunyuan Latent Video" in section
 
 
 # -- the cache widget in a real browser ---------------------------------------------------------
