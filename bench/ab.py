@@ -5,11 +5,12 @@ bench/ and tests/ left out) or a directory holding such a tree; B defaults to th
 imported as the packages ``fastar_a`` and ``fastar_b`` (``common.load_package``) and driven through the
 public API both have: ``fastar.Rollout(model, context, frames=, height=, width=, chunk_frames=, cache=, ann=)``.
 Both run the same sensitized random-weight Wan 2.1 model (``common.testbed_model``, built by A, its weights
-copied into B's model) on the same Gaussian prompt. For each setting, one untimed rollout per revision
+copied into B's model) on the same prompt (``--prompt``: the Gaussian stand-in or the clip's real one). For each setting, one untimed rollout per revision
 (Triton compiles, cuDNN plans), then ``--repeats`` rounds of A then B, each a fresh rollout of ``--chunks``
 chunks timed by its chunk reports; a rollout's time is the median of its last ``--steady`` chunks, where the
 cache is full and repeating chunks replay from their CUDA graph. Settings: ``fastar``, the FAST-AR defaults
-(``TempCacheConfig()`` with ``AnnConfig()``), and ``window``, the dense sink 3 + window 12 cache. Printed per
+(``TempCacheConfig()`` with ``AnnConfig()``), ``window``, the dense sink 3 + window 12 cache, and
+``tempcache`` / ``tempcache12``, TempCache alone at its default budget and at 12 frames. Printed per
 setting: A ms and B ms (medians over rounds), B/A (the median of each round's ratio: a drift of the clock
 cancels within a round) and how far B's latents lie from A's (relative, last round). Writes ab.json.
 
@@ -32,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, header, load_package, parser, random_prompt, shapes, testbed_model, write_json  # noqa: E402
+from testbed import prompt_context  # noqa: E402
 
 CHUNK = 3
 EXPORTS = os.path.join(ROOT, ".scratch", "ab")
@@ -39,6 +41,8 @@ EXPORTS = os.path.join(ROOT, ".scratch", "ab")
 SETTINGS = {
     "fastar": lambda f: {"cache": f.TempCacheConfig(), "ann": f.AnnConfig()},
     "window": lambda f: {"cache": f.CacheConfig("window", sink_frames=3, window_frames=12), "ann": None},
+    "tempcache": lambda f: {"cache": f.TempCacheConfig(), "ann": None},
+    "tempcache12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": None},
 }
 
 
@@ -122,11 +126,15 @@ def main():
     ap = parser(__doc__, smoke=True)
     ap.add_argument("a", help="revision A: a git revision or a folder holding an exported tree")
     ap.add_argument("b", nargs="?", help="revision B, as A (default: this working tree)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default="fastar,window",
+                    help=f"comma-separated, of {', '.join(SETTINGS)} (default fastar,window)")
     ap.add_argument("--chunks", type=int, default=14, help="chunks per rollout (default 14)")
     ap.add_argument("--steady", type=int, default=5, help="last chunks of each rollout timed, at least 5 (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of A then B per setting (default 3)")
     ap.add_argument("--export-only", action="store_true", help="export the revisions and print their folders")
+    ap.add_argument("--prompt", choices=("random", "wan"), default="random",
+                    help="text context: the Gaussian stand-in, or the real clip's prompt (testbed.prompt_context); "
+                         "wan writes ab_wan.json")
     args = ap.parse_args()
     names = args.settings.split(",")
     if any(n not in SETTINGS for n in names):
@@ -151,13 +159,16 @@ def main():
     models = {"a": testbed_model(packages["a"], size, device)}
     models["b"] = packages["b"].models.build_model(size, device=device, dtype=models["a"].dtype)
     models["b"].load_state_dict(models["a"].state_dict())
-    context = random_prompt(models["a"].text_dim, device, models["a"].dtype)
+    if args.prompt == "wan":
+        context = prompt_context(models["a"].text_dim, device=device, dtype=models["a"].dtype)
+    else:
+        context = random_prompt(models["a"].text_dim, device, models["a"].dtype)
 
     result = {**header(device), **{key: {"tree": what, "code_sha256": digest(folder)} for key, (folder, what) in trees.items()},
               "shapes": {"model": size, "height": hw[0], "width": hw[1], "chunk_frames": CHUNK,
                          "dtype": str(models["a"].dtype).replace("torch.", "")},
               "weights": "bench/common.testbed_model (sensitized random weights), the same in A and B; "
-                         "Gaussian prompt", "chunks": args.chunks, "steady": args.steady, "repeats": args.repeats,
+                         + ("the clip's real prompt" if args.prompt == "wan" else "Gaussian prompt"), "chunks": args.chunks, "steady": args.steady, "repeats": args.repeats,
               "settings": {}}
     for name in names:
         for key in "ab":  # warm-up
@@ -188,7 +199,8 @@ def main():
         rounds = " ".join(f"{r:.3f}" for r in row["b_over_a_per_round"])
         print(f"{name:10s} {row['a_ms']:9.1f} {row['b_ms']:9.1f} {row['b_over_a']:7.3f}  {rounds:24s} "
               f"{row['b_vs_a_latents_rel']:14.2e}")
-    print("wrote", write_json(args.out, "ab_smoke.json" if args.smoke else "ab.json", result))
+    name = "ab_smoke.json" if args.smoke else "ab_wan.json" if args.prompt == "wan" else "ab.json"
+    print("wrote", write_json(args.out, name, result))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ diffuse one many. Why a floor: a mean key underestimates a block that mixes unli
 so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
 kernels, nothing syncs with the host: every shape comes from Python integers the schedule knows.
 Where the kernel runs, cuDNN attends the keys every plan reads (``Layout.fixed``: the sink and the
-open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax.
+open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax. On
+Hopper with FlashAttention-4 its block sparsity reads the plan's history instead, joined to that softmax.
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ import math
 
 import torch
 
-from ..kernels import use_kernel
+from ..kernels import flash4, use_kernel
 from ..kernels.block_means import block_means_auto
 from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_block_scores import quant_block_scores_auto
 from ..kernels.quant_block_shares import quant_block_shares_auto
-from ..kernels.plan import range_reads, runs_to_ranges
+from ..kernels.plan import range_blocks, range_reads, runs_to_ranges
 from ..kernels.quant_select import quant_select_auto
 from .config import AnnConfig
 from .errors import FastARError
@@ -46,6 +47,16 @@ from .sdpa import attend_lse, side_stream
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
 # less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
 KEY_BLOCK = 128
+#: Plan densities (keys read / keys attended) past which a layer's sparse call costs more than the
+#: dense one it replaces, planning included: at TempCache's budgets the sparse call's rate is then the
+#: dense call's, and planning is the loss (bench/NOTES.md, "FlashAttention-4 on Hopper"). A layer turns
+#: dense above ``DENSE_ABOVE`` and sparse again below ``SPARSE_BELOW``: the gap keeps a density near
+#: the edge from switching (and re-capturing the chunk's CUDA graph) every chunk.
+DENSE_ABOVE = 0.8
+SPARSE_BELOW = 0.75
+#: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
+#: 128-query rate, so pairs of 64-query plans are read as their union.
+FA4_BLOCK_Q = 128
 
 
 def _int8(x: torch.Tensor):
@@ -77,6 +88,10 @@ class AnnSA:
         self.attended: list = [0] * cache.num_layers
         self.reps: list = [None] * cache.num_layers   # each layer's ``_block_means``
         self.fixed: list = [None] * cache.num_layers  # top-p: ``_fixed_blocks``
+        # whether each layer's sparse call pays (``review``); a layer where it does not runs dense and
+        # plans only in the clean pass, to keep its density known
+        self.pays: list = [True] * cache.num_layers
+        self._review = None  # the last chunk's densities: (their host copy, its CUDA event or None)
 
     @torch.no_grad()
     def index_history(self, layer: int) -> None:
@@ -129,6 +144,32 @@ class AnnSA:
                                 reads=self._reads(layer, q))
         self.attended[layer] = layout.attended
         return plan
+
+    def review(self) -> None:
+        """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
+        chunk earlier. The densities are copied to the host as this chunk's work ends, without a
+        sync, and read at the next review (waiting, if need be, for that chunk's end): the decisions
+        are the same however far the host runs ahead, and the host runs at most a chunk ahead."""
+        pending = self._review
+        if pending is not None:
+            host, event = pending
+            if event is not None:
+                event.synchronize()
+            self._decide(host.tolist())
+        density = self.density
+        if density.is_cuda:
+            host = torch.empty(density.shape, dtype=density.dtype, pin_memory=True)
+            host.copy_(density, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._review = (host, event)
+        else:
+            self._review = (density, None)
+
+    def _decide(self, densities: list[float]) -> None:
+        for layer, d in enumerate(densities):
+            if self.reads[layer] is not None:  # a layer that has planned
+                self.pays[layer] = d < SPARSE_BELOW if not self.pays[layer] else d <= DENSE_ABOVE
 
     def _reads(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The layer's keys-read buffer for plans over q [B, n, H, D], made anew when the query
@@ -231,7 +272,8 @@ class AnnSA:
         """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
         layout = self.cache.layout
         prior, side = None, None
-        if layout.fixed is not None and use_kernel(q, kernel_supports(q, self.config.block_q)):  # the kernel runs
+        fa4 = layout.fixed is not None and flash4.runs(q, keys)
+        if layout.fixed is not None and (fa4 or use_kernel(q, kernel_supports(q, self.config.block_q))):  # a kernel runs
             if q.is_cuda:
                 # the side stream waits for this layer's K/V, and waits again before its next call,
                 # which orders its reuse of the memory it allocates after the kernel that reads it
@@ -244,10 +286,31 @@ class AnnSA:
             torch.cuda.current_stream(q.device).wait_stream(side)
         if prior is not None:
             ranges, counts = ranges[:, :, :, 2:], counts - 2
+            if fa4:
+                return self._attend_blocks(q, keys, values, bias, ranges, counts, prior)
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, block_q=self.config.block_q, prior=prior,
                                           bias_window=layout.bias)
         return out.transpose(1, 2)
+
+    def _attend_blocks(self, q, keys, values, bias, ranges, counts, prior):
+        """``attention``'s history on FlashAttention-4's block sparsity (Hopper): the plan's history
+        ranges as lists of its ``KEY_BLOCK`` blocks, ``FA4_BLOCK_Q`` queries a list, read over the
+        history's view with TempCache's bias, joined to the prior (cuDNN's softmax over the keys every
+        query reads)."""
+        hist = self.cache.layout.history
+        if hist.stop <= hist.start:
+            return prior[0].transpose(1, 2)
+        blocks = range_blocks(ranges, counts, hist.start, hist.stop - hist.start, KEY_BLOCK,
+                              FA4_BLOCK_Q // self.config.block_q)
+        window = None
+        if bias is not None:  # the bias window, in the history's rows
+            lo, hi = self.cache.layout.bias
+            window = (min(max(lo - hist.start, 0), hist.stop - hist.start), max(min(hi, hist.stop) - hist.start, 0))
+            bias = bias[..., hist]
+        out, lse = flash4.attention(q, keys[:, hist], values[:, hist], key_bias=bias, bias_window=window,
+                                    blocks=blocks, block_size=(FA4_BLOCK_Q, KEY_BLOCK))
+        return flash4.join(prior[0].transpose(1, 2), prior[1], out, lse)
 
 
 def plan_density(ranges: torch.Tensor, counts: torch.Tensor, num_keys: int) -> torch.Tensor:

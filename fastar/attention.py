@@ -34,8 +34,10 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def build_ann(config: AnnConfig, cache) -> tuple[AnnSA | None, AnnCA | None]:
-    """AnnSA / AnnCA over a KV cache, as ``config`` switches them on (one shared LSH)."""
+def build_ann(config: AnnConfig, cache, heads: tuple[slice, int] | None = None) -> tuple[AnnSA | None, AnnCA | None]:
+    """AnnSA / AnnCA over a KV cache, as ``config`` switches them on (one shared LSH). ``heads``: where
+    the cache holds part of the model's heads (head parallelism), (those heads, how many the model has):
+    the LSH draws every head's planes and keeps those, so each head hashes as it does in one process."""
     global _warned
     bad = [i for i in config.dense_layers if i >= cache.num_layers]
     if bad:
@@ -45,8 +47,11 @@ def build_ann(config: AnnConfig, cache) -> tuple[AnnSA | None, AnnCA | None]:
         _warned = True
         log.warning("FAST-AR: Triton cannot run on %s; AnnSA/AnnCA use the torch twin of the "
                     "block-sparse kernel (correct, slow)", cache.device)
-    lsh = LSH(config.bits, config.probes, num_layers=cache.num_layers, num_heads=cache.num_heads,
-              head_dim=cache.head_dim, seed=config.seed, device=cache.device)
+    lsh = LSH(config.bits, config.probes, num_layers=cache.num_layers,
+              num_heads=heads[1] if heads is not None else cache.num_heads, head_dim=cache.head_dim,
+              seed=config.seed, device=cache.device)
+    if heads is not None:
+        lsh.planes = lsh.planes[:, heads[0]].contiguous()
     annsa = AnnSA(config, cache, lsh) if config.annsa else None
     annca = AnnCA(config, lsh, cache.tokens_per_frame, cache.num_layers, cache.device) if config.annca else None
     return annsa, annca
@@ -65,6 +70,9 @@ class FastARAttention:
     # chunk of them from a CUDA graph (see ``graph_key``). Subclasses that read results on the
     # host (probes, recorders) set False.
     graph_safe = True
+    # (the model's heads the cache holds, the model's head count) where it holds part of them
+    # (``fastar.parallel``); None: all
+    lsh_heads: tuple[slice, int] | None = None
 
     def __init__(self, cache=None, mask: torch.Tensor | None = None, ann: AnnConfig | None = None):
         if cache is not None and mask is not None:
@@ -79,7 +87,7 @@ class FastARAttention:
         if ann is not None:
             if cache is None:
                 raise FastARError("FastARAttention: AnnSA/AnnCA need a KV cache (ann given without one)")
-            self.annsa, self.annca = build_ann(ann, cache)
+            self.annsa, self.annca = build_ann(ann, cache, self.lsh_heads)
 
     def kv_rows(self, layer: int):
         """Where a self-attention call's K/V end up (the cache's rows of the open chunk,
@@ -88,9 +96,11 @@ class FastARAttention:
 
     def graph_key(self):
         """The cache's ``graph_key`` plus AnnSA's written layers (a layer's first plan over
-        history has no key blocks yet): equal keys, equal kernels."""
-        reps = tuple(r is None for r in self.annsa.reps) if self.annsa is not None else None
-        return self.cache.graph_key(), reps
+        history has no key blocks yet) and the layers where its sparse calls pay: equal keys, equal
+        kernels."""
+        if self.annsa is None:
+            return self.cache.graph_key(), None
+        return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays)
 
     def _sparse(self, layer: int) -> bool:
         return self.ann.sparse_at(layer, self.step, self.num_steps)
@@ -99,12 +109,14 @@ class FastARAttention:
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.attend(layer, k, v)
-        if self.annsa is not None and self._sparse(layer):
+        sparse = self.annsa is not None and self._sparse(layer)
+        if sparse and self.annsa.pays[layer]:
             out = self.annsa.attention(layer, q, keys, values, bias)
-        elif bias is not None:
-            out = attend_biased(q, keys, values, bias, self.cache.layout.bias)
         else:
-            out = attend(q, keys, values)
+            if sparse and self.cache.clean_pass:  # where sparsity does not pay, the clean pass still plans:
+                self.annsa.plan(layer, q)         # the layer's density stays known (``AnnSA.review``)
+            out = attend_biased(q, keys, values, bias, self.cache.layout.bias) if bias is not None else \
+                attend(q, keys, values)
         if self.cache.clean_pass:
             self._write_history(layer, q)
         return out
@@ -115,6 +127,8 @@ class FastARAttention:
         if self.cache is None or not self.cache.clean_pass:
             raise FastARError("FastARAttention.fill_cache is for the clean pass of a cached rollout")
         self.cache.attend(layer, k, v)
+        if self.annsa is not None and self._sparse(layer) and not self.annsa.pays[layer]:
+            self.annsa.plan(layer, q)  # the layer's density stays known, as in ``self_attention``
         self._write_history(layer, q)
 
     def _write_history(self, layer: int, q) -> None:

@@ -4,17 +4,23 @@ With no arguments it runs an embedded default, all of FAST-AR (TempCache + AnnSA
 random Wan model on the CPU, or on the Wan 2.1 1.3B shapes (480x832, bf16, random weights) when
 a GPU is present. ``fastar convert SRC.pt DST.safetensors`` turns a causal model's training
 checkpoint into the file ComfyUI and ``--checkpoint`` load.
+
+Under torchrun (``torchrun --nproc-per-node N -m comfyui_fastar.fastar ...``) the N processes run one
+rollout head-parallel (``fastar.parallel``): each holds 1/N of the attention heads and of the KV
+cache (NCCL on GPUs, one GPU per process; gloo on the CPU); rank 0 prints, plots and writes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
+from .parallel import group_size, init_group
 from .models import WAN_CONFIGS, build_model, convert_checkpoint, fp8_linears, load_wan
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
@@ -68,6 +74,8 @@ def parse_args(argv):
     p.add_argument("--fp8-linears", action="store_true",
                    help="the blocks' linear layers as fp8 matmuls (faster at the 14B's shapes, slower at the 1.3B's; "
                         "bf16 / fp16 on a GPU with fp8 tensor cores)")
+    p.add_argument("--dist-timeout", type=float, default=120.0,
+                   help="under torchrun: seconds a rank waits for the others before the run fails (default 120)")
     p.add_argument("--plot", default="fastar_rollout.png", help="PNG plot path (default fastar_rollout.png)")
     p.add_argument("--json", help="also write the per-chunk table as JSON here")
     p.add_argument("--save-latents", help="write the generated latent video to this .safetensors file")
@@ -91,11 +99,25 @@ def load_context(path, text_dim, device, dtype):
 
 
 def run(args) -> list[dict]:
-    from tqdm import tqdm
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastARError(f"--device {args.device}: no CUDA device is available")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: a GPU per process
+        torch.cuda.set_device(device)
+    group = init_group(timeout_s=args.dist_timeout, device=device)  # under torchrun: head parallelism
+    try:
+        return _run(args, device, group)
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _run(args, device, group) -> list[dict]:
+    from tqdm import tqdm
+
+    world, rank = (1, 0) if group is None else (group_size(group), torch.distributed.get_rank(group))
+    say = print if rank == 0 else (lambda *a, **k: None)
     size, height, width, frames, dtype = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     dtype = getattr(torch, args.dtype or dtype)
     if args.checkpoint:
@@ -134,16 +156,18 @@ def run(args) -> list[dict]:
     ann = None if args.ann == "none" else AnnConfig(**keep)
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
-                     cuda_graphs=not args.eager)
-    print(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
+                     cuda_graphs=not args.eager, group=group)
+    say(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
           + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
              if args.cache == "tempcache" else "")
           + (", AnnSA sparse attention" if ann is not None else "")
-          + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else ""))
+          + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else "")
+          + (f", head-parallel over {world} ranks ({model.num_heads // world} of {model.num_heads} heads per rank; "
+             f"cache sizes per rank)" if world > 1 else ""))
     rows = []
-    bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr)
+    bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr, disable=rank != 0)
 
     def on_chunk(r):
         rows.append({"chunk": r.chunk, "frames": r.frames_done, "latency_ms": 1e3 * r.latency_s,
@@ -153,14 +177,17 @@ def run(args) -> list[dict]:
         if r.annsa_density is not None:
             rows[-1]["annsa_density"] = r.annsa_density
         bar.update(r.latent.shape[2])
-        tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
-                   f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
-                   f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)"
-                   + (f" | AnnSA reads {r.annsa_density:4.0%}" if r.annsa_density is not None else ""))
+        if rank == 0:
+            tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
+                       f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
+                       f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)"
+                       + (f" | AnnSA reads {r.annsa_density:4.0%}" if r.annsa_density is not None else ""))
 
     with torch.inference_mode():
         latents = engine.run(on_chunk)
     bar.close()
+    if rank != 0:
+        return rows
     plot_rollout({args.cache + (f" + AnnSA {args.ann}" if ann is not None else ""): rows}, args.plot,
                  f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
                  f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
@@ -168,7 +195,8 @@ def run(args) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "model": label, "frames": frames, "height": height, "width": width,
-                       "chunk_frames": args.chunk_frames, "cache": args.cache, "ann": args.ann, "chunks": rows}, f,
+                       "chunk_frames": args.chunk_frames, "cache": args.cache, "ann": args.ann, "ranks": world,
+                       "chunks": rows}, f,
                       indent=1)
     if args.save_latents:
         from safetensors.torch import save_file

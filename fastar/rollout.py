@@ -70,6 +70,9 @@ class ChunkReport:
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
     annsa: AnnSA | None = field(default=None, repr=False)
     prompt: int = 0  # the prompt this chunk was generated with (0: ``context``, i: the i-th switch)
+    # the share of AnnSA's layers that ran sparse in this chunk, the rest dense where sparsity did not
+    # pay (``AnnSA.review``; None: no AnnSA)
+    annsa_sparse: float | None = None
 
     @cached_property
     def annsa_density(self) -> float | None:
@@ -81,9 +84,14 @@ class ChunkReport:
 
 def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
     """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
-    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype)."""
+    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype; under
+    head parallelism ``parallel``, the rank's ``fastar.parallel.HeadParallel``, num_heads its heads)."""
+    parallel = geometry.pop("parallel", None)
     if isinstance(config, TempCacheConfig):
         geometry.pop("max_frames", None)
+        if parallel is not None:
+            from .parallel import HeadParallelTempCache
+            return HeadParallelTempCache(config, parallel=parallel, **geometry)
         return TempCache(config, **geometry)
     return FrameCache(config, **geometry)
 
@@ -202,8 +210,18 @@ class Rollout:
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
                  cuda_graphs: bool = True, noise: Callable | None = None,
-                 prompts: Sequence[tuple[int, torch.Tensor]] = ()):
+                 prompts: Sequence[tuple[int, torch.Tensor]] = (), group=None):
         h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
+        # head parallelism over a torch.distributed process group of more than one rank (fastar.parallel):
+        # every rank runs this rollout with the same arguments and holds 1/world of the heads
+        self.parallel = None
+        if group is not None:
+            from .parallel import HeadParallel, group_size
+            if group_size(group) > 1:
+                if not getattr(model, "head_parallel", False):
+                    raise FastARError(f"{type(model).__name__} does not run head-parallel over several processes; "
+                                      f"the library's WanModel does (fastar.models)")
+                self.parallel = HeadParallel(group, num_heads=model.num_heads, tokens_per_frame=tokens_per_frame)
         self.switches = check_prompts(prompts, context, frames // chunk_frames)
         self.negative_context = negative_context
         self.guided = cfg != 1.0
@@ -224,16 +242,27 @@ class Rollout:
         batch = context.shape[0] // (2 if self.guided else 1)
         self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
         self._cache_args = dict(config=cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
-                                num_heads=model.num_heads, head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
+                                num_heads=model.num_heads if self.parallel is None else self.parallel.local_heads,
+                                head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                                 chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
+        if self.parallel is not None:
+            self._cache_args["parallel"] = self.parallel
         self.ann = ann
         self.cache = make_cache(**self._cache_args)
-        self.attention = FastARAttention(self.cache, ann=ann)
+        self.attention = self._attention()
         self.prompt = 0
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
+        self.cuda_graphs = (cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
+                            and self.parallel is None)
         self.graph_replays = 0
         self._last_key = None  # the previous chunk's graph key
         self._graph = ReplayGraph()
+
+    def _attention(self) -> FastARAttention:
+        """The attention state over ``self.cache``: the rank's heads' under head parallelism."""
+        if self.parallel is None:
+            return FastARAttention(self.cache, ann=self.ann)
+        from .parallel import HeadParallelAttention
+        return HeadParallelAttention(self.cache, parallel=self.parallel, ann=self.ann)
 
     @property
     def num_chunks(self) -> int:
@@ -310,8 +339,15 @@ class Rollout:
         self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = make_cache(**self._cache_args)
-        self.attention = FastARAttention(self.cache, ann=self.ann)
+        self.attention = self._attention()
         CleanPasses(self).run(done)
+
+    def _sparse_share(self) -> float | None:
+        annsa = self.attention.annsa
+        if annsa is None:
+            return None
+        layers = [i for i in range(len(annsa.pays)) if i not in self.ann.dense_layers]
+        return sum(annsa.pays[i] for i in layers) / max(len(layers), 1)
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
         b, ch, _, h, w = self.chunk_shape
@@ -325,13 +361,16 @@ class Rollout:
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
             self.cache.commit()
+            sparse = self._sparse_share()  # this chunk's, before the review decides the next ones'
+            if self.attention.annsa is not None:
+                self.attention.annsa.review()
             out[:, :, start:start + self.chunk_frames] = x0
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
                                      time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa,
-                                     self.prompt))
+                                     self.prompt, sparse))
         return out
 
 
@@ -352,7 +391,9 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
     context_noise (0), negative_context, cfg (1: off), ann (an ``AnnConfig``; None: dense) and
     cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it) and
-    prompts ((chunk, context) pairs: the prompt from that chunk on, the history re-encoded with it).
+    prompts ((chunk, context) pairs: the prompt from that chunk on, the history re-encoded with it) and
+    group (a torch.distributed process group: every rank calls ``rollout`` alike and holds 1/world of
+    the heads, ``fastar.parallel``; None or one rank: this process alone).
     ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
     ``context`` and ``negative_context`` are padded to the model's ``text_len`` where it has one.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).

@@ -1,6 +1,7 @@
-"""Dense attention primitives on PyTorch's SDPA and cuDNN, shared by ``FastARAttention`` and
-AnnSA: plain attention, attention with its log-sum-exp (the block-sparse kernel's prior),
-attention with TempCache's key bias, and the side streams the clean pass's writes use.
+"""Dense attention primitives on PyTorch's SDPA and cuDNN, or FlashAttention-4 where installed on
+Hopper (``kernels/flash4.py``), shared by ``FastARAttention`` and AnnSA: plain attention, attention
+with its log-sum-exp (the block-sparse kernel's prior), attention with TempCache's key bias, and the
+side streams the clean pass's writes use.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import use_kernel
+from ..kernels import flash4, use_kernel
 from ..kernels.block_sparse_attention import block_sparse_attention, kernel_supports
 from ..kernels.plan import dense_ranges
 
@@ -26,7 +27,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m);
     ``mask`` [Lq, Lk] is a boolean keep-mask (reference full-sequence forwards).
+    On Hopper with FlashAttention-4 installed, calls over many keys without a mask run there
+    (``kernels/flash4.py``: 1.15-1.2x cuDNN's rate on the history's shapes, bench/NOTES.md).
     """
+    if mask is None and flash4.runs(q, k):
+        return flash4.attention(q, k, v, key_bias=key_bias)[0]
+    return attend_sdpa(q, k, v, key_bias=key_bias, mask=mask)
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                key_bias: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``attend`` on PyTorch's SDPA (cuDNN first)."""
     attn_mask = None
     if key_bias is not None:
         attn_mask = key_bias.to(q.dtype).unsqueeze(2)
@@ -93,14 +104,24 @@ def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: t
                   bias_window: tuple[int, int]) -> torch.Tensor:
     """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
 
-    On a GPU this is the block-sparse kernel on the all-keys plan: cuDNN takes the bias as a full
+    With FlashAttention-4 (Hopper): one call over all keys, the bias folded into the values
+    (``flash4.fold_bias_into_keys``). Else on a GPU: the block-sparse kernel (``attend_biased_kernel``).
+    """
+    if flash4.runs(q, k):
+        return flash4.attention(q, k, v, key_bias=key_bias, bias_window=bias_window)[0]
+    if not use_kernel(q, kernel_supports(q, 64), interpreted=False):
+        return attend(q, k, v, key_bias=key_bias)
+    return attend_biased_kernel(q, k, v, key_bias, bias_window)
+
+
+def attend_biased_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
+                         bias_window: tuple[int, int]) -> torch.Tensor:
+    """``attend_biased`` on the block-sparse kernel's all-keys plan: cuDNN takes the bias as a full
     mask tensor and runs ~1.5x slower than without it, while the kernel adds it per key tile and
     skips it outside the history (bench/NOTES.md, "Key splits"). Where the unbiased keys are one span
     before the history (TempCache's committed sink and the open chunk), cuDNN attends them and the
     kernel only the history, starting from that softmax; else the kernel reads all, split in two.
     """
-    if not use_kernel(q, kernel_supports(q, 64), interpreted=False):
-        return attend(q, k, v, key_bias=key_bias)
     B, Lq, H, _ = q.shape
     lo, hi = bias_window
     prior = attend_lse(q, k[:, :lo], v[:, :lo]) if 0 < lo and hi == k.shape[1] else None

@@ -14,6 +14,9 @@ By paper component:
   (the plan), ``block_sparse_attention`` (the attention), with the plan format in ``plan.py``
   and the launch model in ``launch.py``; ``rows`` re-sorts the history.
 - The Wan forward: ``adaln``, ``qk_norm_rope``, ``fp8_linear`` (the blocks' linear layers in fp8, opt-in).
+- On Hopper, where FlashAttention-4 is installed: ``flash4`` (dense attention, TempCache's bias folded
+  into the keys, AnnSA's block plans), a library's kernels rather than one of ours, with no twin of its
+  own: the attention math it replaces is the twin.
 
 Triton is optional (absent on macOS, Windows and CPU-only installs): the twins run there.
 """

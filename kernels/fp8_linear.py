@@ -116,7 +116,10 @@ if HAS_TRITON:
         bits = q.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
         sub = (tl.abs(q) + 24576.0) - 24576.0
-        return tl.where(tl.abs(q) < 0.015625, tl.where(bits < 0, -sub, sub), normal)
+        # q's sign bit set on the subnormal, not ``-sub``: negation compiles as 0 - sub, which
+        # makes -0 of a negative q that rounds to zero +0
+        sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(q) < 0.015625, sub, normal)
 
     @triton.jit
     def _quantize(x, scale, q_ptrs, ok):

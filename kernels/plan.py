@@ -22,8 +22,8 @@ import operator
 import torch
 from torch import Tensor
 
-__all__ = ["check_block_q", "check_plan", "dense_ranges", "n_query_blocks", "range_reads", "runs_to_ranges",
-           "validate_plan"]
+__all__ = ["check_block_q", "check_plan", "dense_ranges", "n_query_blocks", "range_blocks", "range_reads",
+           "runs_to_ranges", "validate_plan"]
 
 
 def n_query_blocks(Lq: int, block_q: int) -> int:
@@ -132,3 +132,29 @@ def range_reads(ranges: Tensor, counts: Tensor) -> Tensor:
     """Keys each query block of a plan reads: its first ``counts`` ranges' lengths summed (int32 [B, H, nqb])."""
     used = torch.arange(ranges.shape[-2], device=ranges.device) < counts[..., None]
     return ((ranges[..., 1] - ranges[..., 0]).clamp_min(0) * used).sum(-1, dtype=torch.int32)
+
+
+def range_blocks(ranges: Tensor, counts: Tensor, start: int, n_keys: int, key_block: int,
+                 merge: int = 1) -> tuple[Tensor, Tensor]:
+    """A plan as lists of key blocks, the form FlashAttention-4's block sparsity reads: keys
+    ``[start, start + n_keys)`` cut into blocks of ``key_block``; each query block's ranges (which
+    lie on those blocks' bounds, a partial last block included) give the blocks they cover, and
+    ``merge`` consecutive query blocks share one list, the union of theirs (a coarser query tile).
+    Returns (block counts [B, H, ceil(nqb / merge)], block indices [B, H, ceil(nqb / merge), nkb]),
+    int32, each list ascending (FA4 masks the sequence's end on the last one only), slots past a
+    count holding the last block. No host sync."""
+    b, h, nqb, r, _ = ranges.shape
+    nkb = -(-n_keys // key_block)
+    used = torch.arange(r, device=ranges.device) < counts[..., None]
+    first = ((ranges[..., 0] - start).clamp(0, n_keys) // key_block).long()
+    last = (-(-(ranges[..., 1] - start).clamp(0, n_keys) // key_block)).long()
+    live = used & (last > first)
+    edges = torch.zeros(b, h, nqb, nkb + 1, dtype=torch.int32, device=ranges.device)
+    one = live.to(torch.int32)
+    edges.scatter_add_(-1, torch.where(live, first, nkb), one).scatter_add_(-1, torch.where(live, last, nkb), -one)
+    covered = edges[..., :nkb].cumsum(-1) > 0
+    if merge > 1:
+        pad = -nqb % merge
+        covered = torch.nn.functional.pad(covered, (0, 0, 0, pad)).view(b, h, -1, merge, nkb).any(-2)
+    idx = torch.where(covered, torch.arange(nkb, device=ranges.device), nkb).sort(-1).values
+    return covered.sum(-1, dtype=torch.int32), idx.clamp_max(nkb - 1).to(torch.int32)

@@ -318,6 +318,7 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
         return auto(*args, **kw)
 
     monkeypatch.setattr(annsa_mod, "block_sparse_attention_auto", spy)
+    monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", 1.0)  # every sparse call pays: the count below is the schedule's
     densities = []
     sparse = Rollout(model, ctx, ann=AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.5,
                                                annca=True), **settings).run(lambda r: densities.append(r.annsa_density))
@@ -327,6 +328,45 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
     # sparse, yet nearer dense than a rollout that forgets the history beyond one frame
     forgetful = rollout(model, ctx, **{**settings, "cache": CacheConfig("window", sink_frames=0, window_frames=1)})
     assert 1e-5 < rel(sparse, dense) < rel(forgetful, dense)
+
+
+def test_layers_run_dense_where_sparsity_does_not_pay(model, monkeypatch):
+    """A layer whose plans read more than ``DENSE_ABOVE`` of its keys runs dense two chunks later (its
+    densities are read a chunk late), planning only in the clean pass so its density stays known; it
+    turns sparse again below ``SPARSE_BELOW``."""
+    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
+    settings = dict(frames=6, height=H_PX, width=W_PX, chunk_frames=1, cache=TempCacheConfig(max_cache_frames=8,
+                    sink_frames=1), seed=3, schedule=FlowMatchSchedule((1000.0, 500.0)))
+    cfg = AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.0)
+    calls, plans = [], []
+    attention, plan = AnnSA.attention, AnnSA.plan
+    monkeypatch.setattr(AnnSA, "attention", lambda self, *a, **k: calls.append(1) or attention(self, *a, **k))
+    monkeypatch.setattr(AnnSA, "plan", lambda self, *a, **k: plans.append(1) or plan(self, *a, **k))
+    monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", -1.0)  # no plan pays
+    monkeypatch.setattr(annsa_mod, "SPARSE_BELOW", -1.0)
+    reports = []
+    r = Rollout(model, ctx, ann=cfg, **settings)
+    out = r.run(reports.append)
+    assert r.attention.annsa.pays == [False] * model.num_layers
+    # two chunks sparse (the decision reads the densities a chunk late; 2 steps x 2 layers + the clean pass's
+    # first layer: the last one only writes its K/V), then the clean passes' plans alone, the last layer's too
+    assert len(calls) == 2 * 5 and len(plans) == 2 * 5 + (6 - 2) * 2
+    assert all(0 < rep.annsa_density <= 1 for rep in reports)  # still measured
+    assert [rep.annsa_sparse for rep in reports] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert torch.isfinite(out).all()
+    key = r.attention.graph_key()
+    assert key[-1] == tuple(r.attention.annsa.pays)  # a change of mind is a new CUDA graph
+    annsa = r.attention.annsa
+    monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", 0.8)
+    monkeypatch.setattr(annsa_mod, "SPARSE_BELOW", 0.75)
+    annsa._decide([0.78] * model.num_layers)  # between the two bounds: a dense layer stays dense
+    assert annsa.pays == [False] * model.num_layers
+    annsa._decide([0.7] * model.num_layers)
+    assert annsa.pays == [True] * model.num_layers
+    annsa._decide([0.78] * model.num_layers)  # and a sparse one sparse
+    assert annsa.pays == [True] * model.num_layers
+    annsa._decide([0.9] * model.num_layers)
+    assert annsa.pays == [False] * model.num_layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

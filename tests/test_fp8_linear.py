@@ -126,6 +126,19 @@ def test_kernel_matches_twin(dtype, gelu, device):
             assert (g != w).double().mean().item() <= 0.01
 
 
+def test_kernel_keeps_the_sign_of_values_that_round_to_zero(device):
+    """Negative values far below a row's scale round to -0 in the twin (e4m3 0x80); the kernel's
+    subnormal rounding must keep that sign bit."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    x[:, 1:17] = -torch.logspace(-9, -4, 16)
+    x[:, 17:33] = torch.logspace(-9, -4, 16)
+    x = x.to(device)
+    got, want = quantize_rows(x), quantize_rows_torch(x)
+    assert (want[0].view(torch.uint8)[:, 1:17].cpu() == 0x80).any()  # -0 where the value rounds away
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
 def test_auto_equals_the_twin_and_bad_rows_are_named(device):
     x = torch.randn(5, 48).to(device, torch.bfloat16)
     got = quantize_rows_auto(x)

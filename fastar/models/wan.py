@@ -286,6 +286,9 @@ class WanModel(nn.Module):
     graph_safe = True
     # The clean pass may stop at the last block's K/V (``forward(fill_cache=True)``).
     fills_cache = True
+    # Under an attention state with ``parallel`` (``fastar.parallel``) a forward runs the rank's share
+    # of every frame's tokens and gathers the output.
+    head_parallel = True
 
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -387,6 +390,9 @@ class WanModel(nn.Module):
         e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
         text_kv = attention.cross_kv(context, self.cross_kv)
         freqs = rope_frequencies(cfg.head_dim, (f, h, w), frame_offset, device=x.device)
+        parallel = getattr(attention, "parallel", None)
+        if parallel is not None:  # head parallelism: this rank's part of every frame's tokens
+            tokens, freqs = parallel.shard_tokens(tokens, freqs)
 
         residual = None
         last = len(self.blocks) - 1
@@ -395,6 +401,8 @@ class WanModel(nn.Module):
                 return block.fill_cache(tokens, e0, freqs, attention, i, residual)
             tokens, residual = block(tokens, e0, freqs, text_kv[i], attention, i, residual)
         out = self.head(tokens, e, residual)  # [B, F, S, pt*ph*pw*C]
+        if parallel is not None:
+            out = parallel.gather_tokens(out)
         return self.unpatchify(out, (f, h, w))
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
