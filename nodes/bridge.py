@@ -39,6 +39,7 @@ import comfy.samplers
 import comfy.utils
 
 from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
+from ..fastar.config import video_frames
 from ..kernels.fp8_linear import scaled_mm_runs
 
 WRAPPER_KEY = "fastar"            # key of our DIFFUSION_MODEL wrapper
@@ -492,14 +493,15 @@ def _match_tokens(*contexts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def video_frame(latent: int) -> int:
-    """The first video frame a latent frame decodes to (Wan's causal VAE: 1, then 4 per latent frame)."""
-    return 0 if latent == 0 else 4 * latent - 3
+    """The first video frame a latent frame decodes to: the count of video frames the ones before it
+    decode to (Wan's causal VAE: 1, then 4 per latent frame)."""
+    return video_frames(latent)
 
 
 def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str) -> list[int]:
     """The chunk each scheduled prompt after the first starts at: the first chunk all of whose video
     frames come at or after the prompt's start frame, so every frame before it keeps the earlier prompt."""
-    last_frame = video_frame(frames - 1) + 3  # the last video frame of ``frames`` latent frames
+    last_frame = video_frames(frames) - 1  # the last video frame of ``frames`` latent frames
     chunks = []
     for i, start in enumerate(starts[1:], 2):
         if start > last_frame:
@@ -624,11 +626,6 @@ class SampleSettings:
     prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
 
 
-def latent_frames(video_frames: int) -> int:
-    """Wan's causal VAE: 1 + 4k video frames become 1 + k latent frames."""
-    return (video_frames - 1) // 4 + 1
-
-
 def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
            preview: bool = True, on_engine: Callable[[Engine], None] | None = None,
            node: str = "Autoregressive Long Sampler") -> dict:
@@ -751,7 +748,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         frames = noise.shape[2]
         if frames % self.chunk_frames:
             lo, hi = (frames // self.chunk_frames) * self.chunk_frames, (frames // self.chunk_frames + 1) * self.chunk_frames
-            lengths = [(n - 1) * 4 + 1 for n in (lo, hi) if n >= 1]
+            lengths = [video_frames(n) for n in (lo, hi) if n >= 1]
             raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
                               f"{self.chunk_frames}; set Empty AR Video Latent's length to "
                               f"{' or '.join(map(str, lengths))}")

@@ -10,7 +10,7 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io, ui
 
-from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig
+from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig, latent_frames
 from ..fastar.config import AnnConfig
 from . import bridge, video
 
@@ -192,7 +192,7 @@ def _check_length(length: int) -> int:
     if (length - 1) % 4:
         lo, hi = length - (length - 1) % 4, length - (length - 1) % 4 + 4
         raise FastARError(f"length {length} is not 1 + 4k video frames (what Wan's VAE decodes to); use {lo} or {hi}")
-    return bridge.latent_frames(length)
+    return latent_frames(length)
 
 
 def _check_widget(node, name: str, value) -> None:
