@@ -10,7 +10,7 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io, ui
 
-from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig, latent_frames
+from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig, latent_frames, video_frames
 from ..fastar.config import AnnConfig
 from . import bridge, video
 
@@ -296,7 +296,8 @@ class AutoregressiveLongSampler(io.ComfyNode):
         settings.ann, settings.prompts = fastar.get("ann"), prompts
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
-        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1)  # a last chunk whole
+        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk whole,
+                     length=int(length))                                                   # cut to length
         try:
             latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:
@@ -462,7 +463,7 @@ class CacheEvents:
 
     def __init__(self, node):
         self.node = None if node is None else str(node)
-        self.total, self.chunks = 0, 0
+        self.total, self.chunks, self.video_total = 0, 0, 0
         self.t0 = time.perf_counter()
         self.last = None
         self.engine_name, self.engine_reason = None, None
@@ -472,11 +473,21 @@ class CacheEvents:
         bridge.send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name,
                                         "engine_reason": self.engine_reason, **data})
 
-    def start(self, total_frames: int, chunks: int, prompts: int = 1) -> None:
+    def start(self, total_frames: int, chunks: int, prompts: int = 1, length: int | None = None) -> None:
+        """``total_frames`` latent frames in ``chunks`` chunks; ``length``: the video frames asked for,
+        where whole chunks overshoot them and the latent is cut to them (default: all the chunks decode to)."""
         self.total, self.chunks, self.prompts, self.last = total_frames, chunks, prompts, None
+        self.video_total = video_frames(total_frames) if length is None else min(length, video_frames(total_frames))
         self.t0 = time.perf_counter()
-        self._send({"status": "running", "frames_done": 0, "total_frames": self.total, "chunk": 0,
+        self._send({"status": "running", **self._frames(0, self.total), "chunk": 0,
                     "chunks": self.chunks, "prompt": 1, "prompts": prompts})
+
+    def _frames(self, done: int, total: int) -> dict:
+        """Frames done / total in latent frames (what the rollout counts) and in video frames (what
+        ``length`` counts: the widget shows these)."""
+        video_total = self.video_total if total == self.total else video_frames(total)
+        return {"frames_done": done, "total_frames": total,
+                "video_frames_done": min(video_frames(done), video_total), "video_total_frames": video_total}
 
     def engine(self, engine) -> None:
         self.engine_name, self.engine_reason = engine.name, engine.reason
@@ -486,18 +497,19 @@ class CacheEvents:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         self.last = {
             "status": "running", "chunk": r.chunk + 1, "chunks": r.num_chunks,
-            "frames_done": r.frames_done, "total_frames": r.total_frames,
+            **self._frames(r.frames_done, r.total_frames),
             "tokens": s.tokens_held, "dense_tokens": s.dense_tokens, "capacity_tokens": s.capacity_tokens,
             "gb": s.gb, "held_gb": s.held_gb, "dense_gb": s.dense_gb,
             "relative": (s.tokens_held / s.dense_tokens) if s.dense_tokens else 1.0,
             "latency_s": r.latency_s, "chunks_per_s": (r.chunk + 1) / elapsed,
             "annsa_density": r.annsa_density,  # None without AnnSA
+            "annsa_sparse": r.annsa_sparse,    # share of AnnSA's layers that ran sparse; None without AnnSA
             "prompt": r.prompt + 1, "prompts": self.prompts,
         }
         self._send(self.last)
 
     def finish(self, status: str) -> None:
-        self._send({**(self.last or {"frames_done": 0, "total_frames": self.total}), "status": status})
+        self._send({**(self.last or self._frames(0, self.total)), "status": status})
 
 
 NODES = [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,

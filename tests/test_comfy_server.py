@@ -299,8 +299,11 @@ def test_prompt_runs_and_streams_cache_events(server):
     running = [c for c in cache if c["status"] == "running" and c.get("chunk")]
     assert [c["chunk"] for c in running] == [1, 2, 3]
     assert [c["frames_done"] for c in running] == [1, 2, 3] and running[-1]["total_frames"] == 3
+    # video frames beside them, what length counts (Wan: 1, then 4 per latent frame)
+    assert [c["video_frames_done"] for c in running] == [1 + 4 * (c["frames_done"] - 1) for c in running]
+    assert {c["video_total_frames"] for c in cache} == {9}  # the graph's length, from the first event on
     assert all(isinstance(c["gb"], float) and isinstance(c["tokens"], int) for c in running)
-    assert all(c["annsa_density"] is None for c in running)  # no AnnSA in this graph
+    assert all(c["annsa_density"] is None and c["annsa_sparse"] is None for c in running)  # no AnnSA here
     assert cache[-1]["status"] == "done" and cache[0]["node"] == "4"
     progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "4"]
     assert progress and progress[-1]["value"] == progress[-1]["max"] == 3
@@ -322,6 +325,7 @@ def test_all_of_fastar_prompt_runs_and_reports_annsa_density(server):
     running = [e["data"] for e in events if e["type"] == "fastar.cache" and e["data"]["status"] == "running"
                and e["data"].get("chunk")]
     assert len(running) == 2 and all(0 < c["annsa_density"] <= 1 for c in running)
+    assert all(0 <= c["annsa_sparse"] <= 1 for c in running)  # the share of AnnSA's layers that ran sparse
 
 
 def test_ann_sparsity_at_its_defaults_runs_with_the_default_cache(server):
@@ -344,8 +348,13 @@ def test_settings_that_cannot_run_together_fail_in_the_nodes_words(server):
 
 
 def test_a_length_of_part_chunks_runs_whole_chunks_cut_to_it(server):
-    prompt_id, _ = asyncio.run(_run(server["url"], server["port"], _graph(length=13, chunk="3")))
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _graph(length=13, chunk="3")))
     assert _latent_of(server, prompt_id).shape == (1, 16, 4, 4, 4)  # 6 latent frames generated, 4 kept
+    cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
+    # the widget counts the video asked for, not the whole chunks' overshoot (6 latent frames: 21 video)
+    assert [(c["frames_done"], c["total_frames"]) for c in cache if c.get("chunk")][-1] == (6, 6)
+    assert {c["video_total_frames"] for c in cache} == {13} and cache[-1]["video_frames_done"] == 13
+    assert [c["video_frames_done"] for c in cache if c["status"] == "running"] == [0, 9, 13]
 
 
 @pytest.mark.parametrize("name, value, expected", [
