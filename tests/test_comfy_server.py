@@ -781,6 +781,17 @@ def test_templates_open_in_the_frontend_with_no_node_over_another(server):
             browser.close()
     assert overlaps == {stem: [] for stem in overlaps}, overlaps
 
+# the fastar.cache payloads the page's api delivers (what the widget got), kept in window.__fastarEvents
+CAPTURE_EVENTS = """async () => { const { api } = await import('/scripts/api.js');
+    window.__fastarEvents = [];
+    api.addEventListener('fastar.cache', (e) => window.__fastarEvents.push(e.detail)); }"""
+
+
+def _kb(n_bytes):
+    """The widget's formatGB below 1 MB."""
+    return f"{n_bytes / 1e3:.1f} KB"
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
 def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -807,10 +818,12 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
                 };
                 new MutationObserver(record).observe(root, {subtree: true, childList: true, characterData: true});
                 record(); }""")
+            page.evaluate(CAPTURE_EVENTS)
             page.evaluate("() => window.app.queuePrompt(0)")
             page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
                                    ".textContent.endsWith('done')", timeout=240000)
             seen = [tuple(x) for x in page.evaluate("() => window.__fastarSeen")]
+            last = [e for e in page.evaluate("() => window.__fastarEvents") if e.get("chunk")][-1]
             page.keyboard.press("Escape")
             page.evaluate("""() => { document.querySelectorAll('.p-dialog-close-button, .p-dialog [aria-label=Close]')
                                         .forEach((b) => b.click());
@@ -823,7 +836,13 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             if os.environ.get("FASTAR_WIDGET_SCREENSHOT"):  # for the README
                 page.screenshot(path=os.environ["FASTAR_WIDGET_SCREENSHOT"])
             texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
-                     ("tokens", "gb", "relative", "frames", "rate", "annsa", "prompt")}
+                     ("tokens", "gb", "relative", "frames", "latent", "rate", "annsa", "annsa_sparse", "prompt", "legend",
+                      "y_max", "y_min", "x_min", "x_max", "x_title")}
+            # how far the widget's last line (the graph's x axis) runs past the widget's own box (px)
+            overflow = page.evaluate("""() => { const root = document.querySelector('.fastar-cache');
+                const axis = root.querySelector('[data-field=x_title]').parentElement;
+                return [axis.getBoundingClientRect().bottom - root.getBoundingClientRect().bottom,
+                        root.scrollHeight - root.clientHeight]; }""")
             canvas_ink = page.evaluate("""() => {
                 const c = document.querySelector('.fastar-cache canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -832,11 +851,58 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             browser.close()
     running = [f for f, s in seen if s.endswith("running")]
     assert len(set(running)) >= 3, seen          # the numbers changed while the rollout ran
-    assert seen[-1] == ("12 / 12", "FAST-AR cache: done"), seen
-    assert ("0 / 12", "FAST-AR cache: waiting for the first chunk") in seen, seen
+    # frames in video frames, what the sampler's length counts, latent frames beside them
+    length = graph["4"]["inputs"]["length"]
+    latent = 1 + (length - 1) // 4
+    assert seen[-1] == (f"{length} / {length} video", "FAST-AR cache: done"), seen
+    assert (f"0 / {length} video", "FAST-AR cache: waiting for the first chunk") in seen, seen
+    assert f"{1 + 4} / {length} video" in running, seen  # chunk 2 of 1 latent frame each
+    assert texts["latent"] == f"{latent} / {latent}"
     assert texts["tokens"] == "12"                # (1 sink + 2 window) frames x 4 tokens, formatted here
     assert texts["prompt"] == "1 of 1"            # no prompt schedule
     assert texts["relative"].startswith("25 %")   # of the 48 tokens a dense cache would hold
-    assert texts["rate"].endswith("chunks/s") and texts["gb"] == "49.2 KB (alloc 65.8 KB)"
-    assert texts["annsa"] == "off"                # a window cache without AnnSA
+    assert texts["rate"].endswith("chunks/s")
+    # 12 tokens x K+V of 256 fp32 channels x 2 layers held; the allocation as the last event reported it
+    assert texts["gb"] == f"{_kb(12 * 2 * 256 * 4 * 2)} (alloc {_kb(last['gb'] * 1e9)})", (texts, last)
+    assert texts["annsa"] == "off" and texts["annsa_sparse"] == "off"  # a window cache without AnnSA
     assert canvas_ink > 0                         # the history graph was drawn
+    assert max(overflow) <= 1, overflow           # all of it inside the widget: nothing spills over the node
+    # its legend names both lines; its x axis runs over the video frames done, its y axis up to the largest size
+    assert texts["legend"] == "helddense"  # two swatches, each with its name (and a tooltip)
+    assert (texts["x_title"], texts["x_min"], texts["x_max"]) == ("video frames", "0", str(length))
+    assert texts["y_min"] == "0" and texts["y_max"] == texts["relative"].split(" of ")[1]  # the dense size at the end
+
+
+def _percent(x):
+    """The widget's formatPercent."""
+    return f"{100 * x:.{1 if x < 0.1 else 0}f} %"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_cache_widget_shows_annsa_sparse_layers_in_the_frontend(server):
+    """With AnnSA on, the widget says which share of its layers ran sparse in the last chunk: the event's
+    annsa_sparse, in words, and the frames in video frames of the sampler's length."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    graph = _graph(length=21, chunk="3", tempcache=True, ann=True)  # 6 latent frames: 2 chunks of 3
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(g) => window.app.loadApiJson(g, 'fastar_widget_annsa')", graph)
+            page.wait_for_selector(".fastar-cache", state="attached", timeout=20000)
+            page.evaluate(CAPTURE_EVENTS)
+            page.evaluate("() => window.app.queuePrompt(0)")
+            page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
+                                   ".textContent.endsWith('done')", timeout=240000)
+            events = page.evaluate("() => window.__fastarEvents")
+            texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
+                     ("annsa", "annsa_sparse", "frames", "latent", "x_max")}
+        finally:
+            browser.close()
+    last = [e for e in events if e.get("chunk")][-1]
+    assert isinstance(last["annsa_sparse"], (int, float)) and 0 <= last["annsa_sparse"] <= 1, last
+    assert texts["annsa_sparse"] == _percent(last["annsa_sparse"]) + " of layers"
+    assert texts["annsa"] == _percent(last["annsa_density"])
+    length = graph["4"]["inputs"]["length"]
+    latent = 1 + (length - 1) // 4
+    assert (texts["frames"], texts["latent"]) == (f"{length} / {length} video", f"{latent} / {latent}")
+    assert texts["x_max"] == str(length)
