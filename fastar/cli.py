@@ -34,8 +34,8 @@ TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with (a rando
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="fastar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frames", type=int, help="latent frames to generate (1 latent frame = 4 video frames); "
-                                              "default 96 on CPU, 120 on GPU")
+    p.add_argument("--frames", type=int, help="latent frames to generate (N of them decode to 1 + 4 (N - 1) video "
+                                              "frames); default 96 on CPU, 120 on GPU")
     p.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (1 or 3; default 3)")
     p.add_argument("--cache", choices=CACHE_MODES + ("tempcache",), default="tempcache",
                    help="KV cache: every frame (unbounded, the dense baseline), a sink + sliding window, or "
