@@ -6,7 +6,7 @@ comfyui_fastar.fastar`` or ``fastar``) are thin layers over this package.
 from .annca import AnnCA
 from .annsa import AnnSA
 from .attention import FastARAttention
-from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
+from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig, latent_frames, video_frames
 from .errors import FastARError
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
 from .rollout import ChunkModel, ChunkReport, Rollout, make_cache, pad_context, rollout
@@ -17,5 +17,5 @@ from .tempcache import TempCache
 __all__ = [
     "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport",
     "FastARAttention", "FastARError", "FlowMatchSchedule", "FrameCache", "KVCache", "Layout", "Rollout", "TempCache",
-    "TempCacheConfig", "attend", "make_cache", "pad_context", "rollout",
+    "TempCacheConfig", "attend", "latent_frames", "make_cache", "pad_context", "rollout", "video_frames",
 ]

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
+from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig, video_frames
 from .errors import FastARError
 from .parallel import group_size, init_group
 from .models import WAN_CONFIGS, build_model, convert_checkpoint, fp8_linears, load_wan
@@ -34,8 +34,8 @@ TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with (a rando
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="fastar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frames", type=int, help="latent frames to generate (1 latent frame = 4 video frames); "
-                                              "default 96 on CPU, 120 on GPU")
+    p.add_argument("--frames", type=int, help="latent frames to generate (N of them decode to 1 + 4 (N - 1) video "
+                                              "frames); default 96 on CPU, 120 on GPU")
     p.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (1 or 3; default 3)")
     p.add_argument("--cache", choices=CACHE_MODES + ("tempcache",), default="tempcache",
                    help="KV cache: every frame (unbounded, the dense baseline), a sink + sliding window, or "
@@ -157,7 +157,8 @@ def _run(args, device, group) -> list[dict]:
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
                      cuda_graphs=not args.eager, group=group)
-    say(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {frames} latent frames at "
+    say(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {video_frames(frames)} video frames "
+          f"({frames} latent) at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
           + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
@@ -167,21 +168,27 @@ def _run(args, device, group) -> list[dict]:
           + (f", head-parallel over {world} ranks ({model.num_heads // world} of {model.num_heads} heads per rank; "
              f"cache sizes per rank)" if world > 1 else ""))
     rows = []
-    bar = tqdm(total=frames, unit="frame", desc="rollout", file=sys.stderr, disable=rank != 0)
+    bar = tqdm(total=video_frames(frames), unit="frame", desc="rollout (video frames)", file=sys.stderr,
+               disable=rank != 0)
 
     def on_chunk(r):
-        rows.append({"chunk": r.chunk, "frames": r.frames_done, "latency_ms": 1e3 * r.latency_s,
+        rows.append({"chunk": r.chunk, "frames": r.frames_done, "video_frames": video_frames(r.frames_done),
+                     "latency_ms": 1e3 * r.latency_s,
                      "cache_tokens": r.cache.tokens_held, "cache_gb": r.cache.held_gb,
                      "allocated_gb": r.cache.gb, "dense_gb": r.cache.dense_gb, "merged": r.cache.merged,
                      "evicted": r.cache.evicted})
         if r.annsa_density is not None:
             rows[-1]["annsa_density"] = r.annsa_density
-        bar.update(r.latent.shape[2])
+        if r.annsa_sparse is not None:
+            rows[-1]["annsa_sparse"] = r.annsa_sparse
+        bar.update(video_frames(r.frames_done) - bar.n)
         if rank == 0:
-            tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {r.frames_done:5d}/{r.total_frames} | "
+            tqdm.write(f"chunk {r.chunk + 1:4d}/{r.num_chunks} | frames {video_frames(r.frames_done):5d}/"
+                       f"{video_frames(r.total_frames)} video ({r.frames_done}/{r.total_frames} latent) | "
                        f"{1e3 * r.latency_s:9.1f} ms | cache {r.cache.tokens_held:8d} tok {r.cache.held_gb:7.3f} GB "
                        f"(allocated {r.cache.gb:7.3f}, dense {r.cache.dense_gb:7.3f} GB)"
-                       + (f" | AnnSA reads {r.annsa_density:4.0%}" if r.annsa_density is not None else ""))
+                       + (f" | AnnSA reads {r.annsa_density:4.0%}" if r.annsa_density is not None else "")
+                       + (f", sparse in {r.annsa_sparse:4.0%} of layers" if r.annsa_sparse is not None else ""))
 
     with torch.inference_mode():
         latents = engine.run(on_chunk)
@@ -194,7 +201,8 @@ def _run(args, device, group) -> list[dict]:
     print(f"fastar: plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "model": label, "frames": frames, "height": height, "width": width,
+            json.dump({"device": str(device), "model": label, "frames": frames, "video_frames": video_frames(frames),
+                       "height": height, "width": width,
                        "chunk_frames": args.chunk_frames, "cache": args.cache, "ann": args.ann, "ranks": world,
                        "chunks": rows}, f,
                       indent=1)

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 from .errors import FastARError
 
 CACHE_MODES = ("unbounded", "window")
+VIDEO_FRAMES_PER_LATENT = 4  # Wan's causal VAE: the first latent frame is 1 video frame, every later one 4
+
+
+def video_frames(latent_frames: int) -> int:
+    """Video frames Wan's causal VAE decodes ``latent_frames`` to: 1 + 4 (latent - 1); none for none."""
+    return 0 if latent_frames <= 0 else 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)
+
+
+def latent_frames(video_frames: int) -> int:
+    """Latent frames that decode to ``video_frames`` (1 + 4k video frames: 1 + k latent frames)."""
+    return 0 if video_frames <= 0 else (video_frames - 1) // VIDEO_FRAMES_PER_LATENT + 1
 
 
 def _is_int(x) -> bool:

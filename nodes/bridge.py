@@ -4,7 +4,7 @@ into ComfyUI's model internals (``video`` reaches into its VAE).
 A rollout runs on one of two engines (``choose_engine``):
 
 - ``fused``: the library's Wan forward (``fastar.models.WanModel``) over the ComfyUI model's own
-  parameter tensors, with per-chunk CUDA graphs: the library's speed, no second copy of the weights,
+  parameter tensors, with per-chunk CUDA graphs on a GPU: the library's speed, no second copy of the weights,
   weight patches as ComfyUI applied them. Taken wherever it computes what ComfyUI's forward would;
   ``_fused_blocker`` names what stands in the way otherwise.
 - ``comfy``: ComfyUI's own forward through ``BaseModel.apply_model`` (``ComfyChunkModel``), its
@@ -39,6 +39,7 @@ import comfy.samplers
 import comfy.utils
 
 from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
+from ..fastar.config import video_frames
 from ..kernels.fp8_linear import scaled_mm_runs
 
 WRAPPER_KEY = "fastar"            # key of our DIFFUSION_MODEL wrapper
@@ -426,14 +427,17 @@ def choose_engine(patcher, options: dict, model_options: dict, node: str) -> Eng
 _last_engine_message = None
 
 
-def log_engine(engine: Engine, node: str) -> None:
-    """Say which engine runs, once for each change (not once per run)."""
+def log_engine(engine: Engine, node: str, device, cuda_graphs: bool) -> None:
+    """Say which engine runs and how on ``device`` (CUDA graphs only where the rollout replays them),
+    once for each change (not once per run)."""
     global _last_engine_message
+    where = f"on {torch.device(device)}"
     if engine.name == "fused":
-        message, level = f"{node}: engine fused (FAST-AR's forward and CUDA graphs over the model's weights)", \
+        how = "repeating chunks replayed from CUDA graphs" if cuda_graphs else "op by op, no CUDA graphs"
+        message, level = f"{node}: engine fused (FAST-AR's forward over the model's weights {where}, {how})", \
             logging.INFO
     else:
-        message, level = f"{node}: engine comfy (ComfyUI's forward, FAST-AR attention): {engine.reason}", \
+        message, level = f"{node}: engine comfy (ComfyUI's forward, FAST-AR attention, {where}): {engine.reason}", \
             logging.WARNING
     if message != _last_engine_message:
         _last_engine_message = message
@@ -489,14 +493,15 @@ def _match_tokens(*contexts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def video_frame(latent: int) -> int:
-    """The first video frame a latent frame decodes to (Wan's causal VAE: 1, then 4 per latent frame)."""
-    return 0 if latent == 0 else 4 * latent - 3
+    """The first video frame a latent frame decodes to: the count of video frames the ones before it
+    decode to (Wan's causal VAE: 1, then 4 per latent frame)."""
+    return video_frames(latent)
 
 
 def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str) -> list[int]:
     """The chunk each scheduled prompt after the first starts at: the first chunk all of whose video
     frames come at or after the prompt's start frame, so every frame before it keeps the earlier prompt."""
-    last_frame = video_frame(frames - 1) + 3  # the last video frame of ``frames`` latent frames
+    last_frame = video_frames(frames) - 1  # the last video frame of ``frames`` latent frames
     chunks = []
     for i, start in enumerate(starts[1:], 2):
         if start > last_frame:
@@ -551,15 +556,43 @@ def _rollout(patcher, options: dict, model_options: dict, texts, device, node: s
     rest of ``Rollout``'s keywords, which differ between the two samplers."""
     context, switches, negative = texts
     engine = choose_engine(patcher, options, model_options, node)
-    log_engine(engine, node)
     if on_engine is not None:
         on_engine(engine)
     if engine.name == "comfy":
         engine.model.cond_or_uncond = [0, 1] if negative is not None else [0]
-    return Rollout(engine.model, context.to(device),
-                   negative_context=None if negative is None else negative.to(device),
-                   prompts=[(c, t.to(device)) for c, t in switches],
-                   ann=ann, **settings)
+    rollout = Rollout(engine.model, context.to(device),
+                      negative_context=None if negative is None else negative.to(device),
+                      prompts=[(c, t.to(device)) for c, t in switches],
+                      ann=ann, **settings)
+    log_engine(engine, node, rollout.device, rollout.cuda_graphs)
+    return rollout
+
+
+def causal_checkpoint(patcher) -> bool | None:
+    """Whether the MODEL was loaded as a causal checkpoint: True for core's causal Wan model (a file
+    carrying the causal metadata ``fastar convert`` writes, on a ComfyUI with core's autoregressive
+    nodes), False for the bidirectional WanModel on such a ComfyUI, None where this ComfyUI has no
+    causal model class (every Wan 2.1 T2V file loads as WanModel, so nothing tells them apart)."""
+    try:
+        from comfy.ldm.wan.ar_model import CausalWanModel
+    except ImportError:
+        return None
+    return isinstance(getattr(getattr(patcher, "model", None), "diffusion_model", None), CausalWanModel)
+
+
+def warn_if_not_causal(patcher, node: str) -> None:
+    """A log warning where the model may not be a causal checkpoint (an autoregressive rollout of a
+    bidirectional Wan 2.1 T2V model runs, but its video falls apart)."""
+    causal = causal_checkpoint(patcher)
+    if causal is False:
+        logging.warning("%s: the model carries no causal metadata (ComfyUI loaded it as the bidirectional Wan 2.1 "
+                        "WanModel): if it is a plain Wan 2.1 T2V file, chunk-by-chunk sampling gives a broken video; "
+                        "the causal checkpoints (Causal-Forcing's ComfyUI files, or a .pt converted with "
+                        "fastar convert) carry it", node)
+    elif causal is None:
+        logging.info("%s: this ComfyUI loads every Wan 2.1 T2V file as WanModel, so it cannot tell a causal "
+                     "checkpoint from a plain T2V one; the video holds together only with a causal checkpoint "
+                     "(Self-Forcing, CausVid, Causal-Forcing)", node)
 
 
 def check_cache(cache, ann, chunk_frames: int, node: str) -> None:
@@ -593,11 +626,6 @@ class SampleSettings:
     prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
 
 
-def latent_frames(video_frames: int) -> int:
-    """Wan's causal VAE: 1 + 4k video frames become 1 + k latent frames."""
-    return (video_frames - 1) // 4 + 1
-
-
 def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
            preview: bool = True, on_engine: Callable[[Engine], None] | None = None,
            node: str = "Autoregressive Long Sampler") -> dict:
@@ -618,6 +646,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     if guided and negative is None:
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     check_cache(settings.cache, settings.ann, settings.chunk_frames, node)
+    warn_if_not_causal(model, node)
     whole = -(-settings.frames // settings.chunk_frames) * settings.chunk_frames
     latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
@@ -719,7 +748,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         frames = noise.shape[2]
         if frames % self.chunk_frames:
             lo, hi = (frames // self.chunk_frames) * self.chunk_frames, (frames // self.chunk_frames + 1) * self.chunk_frames
-            lengths = [(n - 1) * 4 + 1 for n in (lo, hi) if n >= 1]
+            lengths = [video_frames(n) for n in (lo, hi) if n >= 1]
             raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
                               f"{self.chunk_frames}; set Empty AR Video Latent's length to "
                               f"{' or '.join(map(str, lengths))}")
@@ -733,6 +762,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         settings = patcher.model_options.get(SETTINGS_KEY, {})
         cache = settings.get("cache") or TempCacheConfig()
         check_cache(cache, settings.get("ann"), self.chunk_frames, node)
+        warn_if_not_causal(patcher, node)
         device, batch, seed = patcher.load_device, noise.shape[0], int(extra_args.get("seed", 0))
         if latent_image is None:
             latent_image = torch.zeros_like(noise)

@@ -10,7 +10,7 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io, ui
 
-from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig
+from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, TempCacheConfig, latent_frames, video_frames
 from ..fastar.config import AnnConfig
 from . import bridge, video
 
@@ -19,6 +19,7 @@ CacheType = io.Custom("FASTAR_CACHE")
 AnnType = io.Custom("FASTAR_ANN")
 PromptsType = io.Custom("FASTAR_PROMPTS")
 SCHEDULE_SLOTS = 4
+_UNCONNECTED = object()  # an optional input left unconnected (validate_inputs' default)
 CACHE_EVENT = "fastar.cache"
 
 
@@ -191,7 +192,17 @@ def _check_length(length: int) -> int:
     if (length - 1) % 4:
         lo, hi = length - (length - 1) % 4, length - (length - 1) % 4 + 4
         raise FastARError(f"length {length} is not 1 + 4k video frames (what Wan's VAE decodes to); use {lo} or {hi}")
-    return bridge.latent_frames(length)
+    return latent_frames(length)
+
+
+def _check_widget(node, name: str, value) -> None:
+    """ComfyUI's own min / max check of a number input, which it skips for the inputs a node's
+    validate_inputs reads (the same bounds, from the node's schema)."""
+    spec = next(i for i in node.define_schema().inputs if i.id == name)
+    if spec.min is not None and value < spec.min:
+        raise FastARError(f"{name} {value} is smaller than its minimum {spec.min}")
+    if spec.max is not None and value > spec.max:
+        raise FastARError(f"{name} {value} is bigger than its maximum {spec.max}")
 
 
 def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise, cfg,
@@ -255,14 +266,20 @@ class AutoregressiveLongSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, length):
-        """The one check ComfyUI cannot make before a run, on the one input it reads (ComfyUI shows the
-        message on every input named here and skips its own checks for them). The rest is ComfyUI's
-        (types, min / max, frames_per_chunk's options where ComfyUI checks a V3 combo's) or raised by
-        execute before the rollout starts (timesteps, a width or height off the 16-pixel grid, and
-        frames_per_chunk on ComfyUI 0.3.64)."""
+    def validate_inputs(cls, width, height, length, timesteps, frames_per_chunk):
+        """What /prompt can refuse before anything runs, in the node's words. ComfyUI shows a message from
+        here on each input this function reads and skips its own min / max (and combo options) for them, so
+        those are checked here too (``_check_widget``); every other input keeps ComfyUI's checks."""
         try:
+            if str(frames_per_chunk) not in FRAMES_PER_CHUNK:  # ComfyUI 0.3.64 checks no V3 combo's options
+                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
+            for name, value in (("width", width), ("height", height)):
+                _check_widget(cls, name, value)
+                if int(value) % 16:
+                    raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+            _check_widget(cls, "length", length)
             _check_length(int(length))
+            FlowMatchSchedule.parse(str(timesteps))
         except FastARError as exc:
             return f"Autoregressive Long Sampler: {exc}"
         return True
@@ -279,7 +296,8 @@ class AutoregressiveLongSampler(io.ComfyNode):
         settings.ann, settings.prompts = fastar.get("ann"), prompts
         events = CacheEvents(_node_id(cls))
         chunks = -(-settings.frames // settings.chunk_frames)
-        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1)  # a last chunk whole
+        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk whole,
+                     length=int(length))                                                   # cut to length
         try:
             latent = bridge.sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:
@@ -306,13 +324,30 @@ class ARVideo(io.ComfyNode):
                         "cache that grows with the video.",
             inputs=[
                 io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
-                             tooltip="Latent frames per autoregressive block (chunk). 1 = framewise, 3 = chunkwise; "
-                                     "must match the checkpoint."),
+                             tooltip="Latent frames per autoregressive block (chunk): 1 = framewise (Causal-Forcing "
+                                     "framewise), 3 = chunkwise (Self-Forcing, CausVid); the checkpoint's own. "
+                                     "Other sizes are refused."),
                 _prompts_input("SamplerCustom's positive"),
             ],
             outputs=[io.Sampler.Output()],
             hidden=[io.Hidden.unique_id],
         )
+
+    @classmethod
+    def validate_inputs(cls, num_frame_per_block):
+        """Block sizes the causal Wan 2.1 checkpoints are trained with, refused by /prompt otherwise
+        (ComfyUI skips its own min / max for the input read here: checked here too). No checkpoint file
+        records its block size (ComfyUI keeps no such metadata), so the known sizes are the check."""
+        try:
+            _check_widget(cls, "num_frame_per_block", num_frame_per_block)
+            if str(num_frame_per_block) not in FRAMES_PER_CHUNK:
+                raise FastARError(f"num_frame_per_block {num_frame_per_block} is not a block size a causal Wan 2.1 "
+                                  f"checkpoint is trained with: 1 (framewise: Causal-Forcing framewise) or 3 "
+                                  f"(chunkwise: Self-Forcing, CausVid, Causal-Forcing chunkwise); use the "
+                                  f"checkpoint's own")
+        except FastARError as exc:
+            return f"FAST-AR AR Video: {exc}"
+        return True
 
     @classmethod
     def execute(cls, num_frame_per_block, prompts=None) -> io.NodeOutput:
@@ -344,18 +379,38 @@ class PromptSchedule(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, start_2, start_3, start_4, prompt_2=_UNCONNECTED, prompt_3=_UNCONNECTED,
+                        prompt_4=_UNCONNECTED):
+        """Starts out of order, refused by /prompt. While ComfyUI validates, a connected prompt arrives as
+        None and an unconnected one not at all (the default here): only connected slots count. ComfyUI
+        skips its own min / max for the starts read here, so they are checked here too."""
+        slots = {2: (start_2, prompt_2), 3: (start_3, prompt_3), 4: (start_4, prompt_4)}
+        try:
+            for i, (start, _) in slots.items():
+                _check_widget(cls, f"start_{i}", start)
+            _ordered_starts({i: int(start) for i, (start, prompt) in slots.items() if prompt is not _UNCONNECTED})
+        except FastARError as exc:
+            return f"FAST-AR Prompt Schedule: {exc}"
+        return True
+
+    @classmethod
     def execute(cls, prompt_1, **slots) -> io.NodeOutput:
-        schedule, last = [(0, prompt_1)], ("the first frame", 0)
-        for i in range(2, SCHEDULE_SLOTS + 1):
-            if slots.get(f"prompt_{i}") is None:
-                continue
-            start = int(slots[f"start_{i}"])
-            if start <= last[1]:
-                raise FastARError(f"FAST-AR Prompt Schedule: start_{i} ({start}) must come after {last[0]} "
-                                  f"({last[1]}); the prompts start in order")
-            schedule.append((start, slots[f"prompt_{i}"]))
-            last = (f"start_{i}", start)
-        return io.NodeOutput(schedule)
+        used = {i: int(slots[f"start_{i}"]) for i in range(2, SCHEDULE_SLOTS + 1)
+                if slots.get(f"prompt_{i}") is not None}
+        with _in_words("FAST-AR Prompt Schedule"):
+            _ordered_starts(used)
+        return io.NodeOutput([(0, prompt_1)] + [(start, slots[f"prompt_{i}"]) for i, start in used.items()])
+
+
+def _ordered_starts(starts: dict[int, int]) -> None:
+    """The starts of the connected slots (slot number -> video frame), or one error naming the first
+    start that does not come after the one before it."""
+    last = ("the first frame", 0)
+    for i, start in sorted(starts.items()):
+        if start <= last[1]:
+            raise FastARError(f"start_{i} ({start}) must come after {last[0]} ({last[1]}); the prompts start "
+                              f"in order")
+        last = (f"start_{i}", start)
 
 
 class SaveVideo(io.ComfyNode):
@@ -408,7 +463,7 @@ class CacheEvents:
 
     def __init__(self, node):
         self.node = None if node is None else str(node)
-        self.total, self.chunks = 0, 0
+        self.total, self.chunks, self.video_total = 0, 0, 0
         self.t0 = time.perf_counter()
         self.last = None
         self.engine_name, self.engine_reason = None, None
@@ -418,11 +473,21 @@ class CacheEvents:
         bridge.send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name,
                                         "engine_reason": self.engine_reason, **data})
 
-    def start(self, total_frames: int, chunks: int, prompts: int = 1) -> None:
+    def start(self, total_frames: int, chunks: int, prompts: int = 1, length: int | None = None) -> None:
+        """``total_frames`` latent frames in ``chunks`` chunks; ``length``: the video frames asked for,
+        where whole chunks overshoot them and the latent is cut to them (default: all the chunks decode to)."""
         self.total, self.chunks, self.prompts, self.last = total_frames, chunks, prompts, None
+        self.video_total = video_frames(total_frames) if length is None else min(length, video_frames(total_frames))
         self.t0 = time.perf_counter()
-        self._send({"status": "running", "frames_done": 0, "total_frames": self.total, "chunk": 0,
+        self._send({"status": "running", **self._frames(0, self.total), "chunk": 0,
                     "chunks": self.chunks, "prompt": 1, "prompts": prompts})
+
+    def _frames(self, done: int, total: int) -> dict:
+        """Frames done / total in latent frames (what the rollout counts) and in video frames (what
+        ``length`` counts: the widget shows these)."""
+        video_total = self.video_total if total == self.total else video_frames(total)
+        return {"frames_done": done, "total_frames": total,
+                "video_frames_done": min(video_frames(done), video_total), "video_total_frames": video_total}
 
     def engine(self, engine) -> None:
         self.engine_name, self.engine_reason = engine.name, engine.reason
@@ -432,18 +497,19 @@ class CacheEvents:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         self.last = {
             "status": "running", "chunk": r.chunk + 1, "chunks": r.num_chunks,
-            "frames_done": r.frames_done, "total_frames": r.total_frames,
+            **self._frames(r.frames_done, r.total_frames),
             "tokens": s.tokens_held, "dense_tokens": s.dense_tokens, "capacity_tokens": s.capacity_tokens,
             "gb": s.gb, "held_gb": s.held_gb, "dense_gb": s.dense_gb,
             "relative": (s.tokens_held / s.dense_tokens) if s.dense_tokens else 1.0,
             "latency_s": r.latency_s, "chunks_per_s": (r.chunk + 1) / elapsed,
             "annsa_density": r.annsa_density,  # None without AnnSA
+            "annsa_sparse": r.annsa_sparse,    # share of AnnSA's layers that ran sparse; None without AnnSA
             "prompt": r.prompt + 1, "prompts": self.prompts,
         }
         self._send(self.last)
 
     def finish(self, status: str) -> None:
-        self._send({**(self.last or {"frames_done": 0, "total_frames": self.total}), "status": status})
+        self._send({**(self.last or self._frames(0, self.total)), "status": status})
 
 
 NODES = [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,

@@ -120,9 +120,14 @@ def test_conversion_refuses_what_it_cannot_write_and_runs_no_code(model, tmp_pat
 
     src, dst = tmp_path / "evil.pt", tmp_path / "out.safetensors"
     _training_checkpoint(model, src, extra=Payload())
-    with pytest.raises(FastARError, match="weights_only=True"):
+    with pytest.raises(FastARError) as refused:
         convert_checkpoint(src, dst, num_heads=2)
     assert not marker.exists() and not dst.exists()
+    message = str(refused.value)
+    assert message.startswith("evil.pt carries code: loading it would call ")  # what the file holds
+    assert "pathlib.Path" in message and "Nothing in the file ran and nothing was written" in message
+    assert "python -c" not in message and "add_safe_globals" not in message  # no way to let it in
+    assert "weights_only=False" not in message and "weights_only set to False" not in message
 
     lora = tmp_path / "longlive_lora.pt"
     torch.save({"generator_ema": {"model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(2, 2)}}, lora)
@@ -157,3 +162,36 @@ def test_the_pack_folders_convert_script_needs_no_install(model, tmp_path):
     bad = subprocess.run([sys.executable, str(script), str(tmp_path / "missing.pt"), str(dst)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "checkpoint not found" in bad.stderr
+
+
+def test_a_trusted_checkpoint_holding_a_config_object_gets_a_line_that_resaves_it(model, tmp_path):
+    """A training checkpoint with a config object beside its weights (argparse.Namespace here) is refused,
+    and the one line of Python the message gives, run as it stands, writes a weights file that converts."""
+    import argparse
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    src, dst = tmp_path / "trained.pt", tmp_path / "trained.safetensors"
+    _training_checkpoint(model, src, config=argparse.Namespace(lr=2e-6, num_frame_per_block=3))
+    with pytest.raises(FastARError) as refused:
+        convert_checkpoint(src, dst, num_heads=2)
+    message = str(refused.value)
+    assert "argparse.Namespace" in message and not dst.exists() and "weights_only=False" not in message
+    line = re.search(r'python -c "[^"]+"', message).group(0)
+    subprocess.run([sys.executable, *shlex.split(line)[1:]], check=True, cwd=tmp_path)
+    weights = tmp_path / "trained_weights.pt"
+    assert f"fastar convert {weights} {dst}" in message
+    convert_checkpoint(weights, dst, num_heads=2)
+    converted = load_wan(dst).state_dict()
+    assert all(torch.equal(converted[k], v.bfloat16()) for k, v in model.state_dict().items())
+
+
+def test_a_file_that_is_no_checkpoint_is_refused_in_the_converters_words(tmp_path):
+    src, dst = tmp_path / "notes.pt", tmp_path / "out.safetensors"
+    src.write_text("not a checkpoint")
+    with pytest.raises(FastARError, match=r"^notes.pt is not a torch checkpoint this converter can read .*"
+                                          r"nothing was written$"):
+        convert_checkpoint(src, dst)
+    assert not dst.exists()

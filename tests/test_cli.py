@@ -7,18 +7,48 @@ import torch
 from comfyui_fastar.fastar.cli import main
 
 
-def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys):
+def _wan_video(latent):
+    """Wan's causal VAE: the first latent frame decodes to 1 video frame, every later one to 4."""
+    return 1 + 4 * (latent - 1)
+
+
+def test_video_and_latent_frames_follow_wans_vae():
+    from comfyui_fastar.fastar import latent_frames, video_frames
+
+    assert [video_frames(n) for n in range(1, 8)] == [_wan_video(n) for n in range(1, 8)]
+    assert all(latent_frames(video_frames(n)) == n for n in range(0, 300))
+    assert video_frames(0) == 0 and latent_frames(0) == 0
+
+
+def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    figures = []  # the plot as written: its axes' labels and lines
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **kw: (figures.append(fig), save(fig, *a, **kw))[1])
     plot, table = tmp_path / "run.png", tmp_path / "run.json"
     rc = main(["--frames", "6", "--chunk-frames", "3", "--height", "64", "--width", "64",
                "--cache", "window", "--sink-frames", "1", "--window-frames", "2",
                "--plot", str(plot), "--json", str(table)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "chunk    2/2 | frames     6/6" in out and "plot written" in out
+    # the per-chunk lines count video frames (what a sampler's length counts), latent frames beside them
+    assert f"chunk    1/2 | frames {_wan_video(3):5d}/{_wan_video(6)} video (3/6 latent) |" in out
+    assert f"chunk    2/2 | frames {_wan_video(6):5d}/{_wan_video(6)} video (6/6 latent) |" in out
+    assert f"{_wan_video(6)} video frames (6 latent)" in out and "plot written" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = json.loads(table.read_text())["chunks"]
-    assert [r["frames"] for r in rows] == [3, 6]
+    written = json.loads(table.read_text())
+    rows = written["chunks"]
+    assert [r["frames"] for r in rows] == [3, 6] and written["frames"] == 6
+    assert [r["video_frames"] for r in rows] == [_wan_video(3), _wan_video(6)]
+    assert written["video_frames"] == _wan_video(6)
     assert rows[1]["cache_tokens"] == 3 * 16  # sink 1 + window 2 frames of 4x4 tokens
+    (fig,) = figures
+    for ax in fig.axes:  # both panels: x in video frames, each line's points at the chunks' video frames
+        assert ax.get_xlabel().startswith("video frames")
+        assert ax.get_lines() and all(list(line.get_xdata()) == [_wan_video(3), _wan_video(6)]
+                                      for line in ax.get_lines())
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -94,12 +124,17 @@ def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys,
     assert seen[-1] == AnnConfig() and json.loads(table.read_text())["ann"] == "quant"
     rows = json.loads(table.read_text())["chunks"]
     assert all(0 < r["annsa_density"] <= 1 for r in rows) and rows[-1]["annsa_density"] < 1  # sparse at the end
+    assert all(0 <= r["annsa_sparse"] <= 1 for r in rows)  # the share of AnnSA's layers that ran sparse
     out = capsys.readouterr().out
     assert "AnnSA sparse attention" in out and "AnnSA reads" in out
+    lines = [line for line in out.splitlines() if line.startswith("chunk ")]
+    assert len(lines) == len(rows) and all(f"sparse in {r['annsa_sparse']:4.0%} of layers" in line
+                                           for line, r in zip(lines, rows))
     for cache in ("unbounded", "window"):
         assert main(args + ["--cache", cache]) == 0
         assert seen[-1] is None
-    assert "AnnSA reads" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "AnnSA reads" not in out and "of layers" not in out
     assert main(args + ["--ann", "none"]) == 0 and seen[-1] is None
     assert main(args + ["--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9  # the default cache's quant plan
 

@@ -355,9 +355,10 @@ def test_nodes(comfy, models, bridge):
     assert latent["samples"].shape[2] == 4
     assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)[:, :, :4]) <= TOL
 
-    assert AutoregressiveLongSampler.validate_inputs(length=22) == (
+    valid = dict(width=W, height=H, timesteps="1000,750,500,250", frames_per_chunk="3")  # all it reads
+    assert AutoregressiveLongSampler.validate_inputs(length=22, **valid) == (
         "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25")
-    assert AutoregressiveLongSampler.validate_inputs(length=13) is True
+    assert AutoregressiveLongSampler.validate_inputs(length=13, **valid) is True
     for i, value, message in ((7, "250,500", "timesteps must be strictly decreasing"),
                               (2, 40, "width 40 is not a multiple of 16 pixels"),
                               (9, "2", "frames_per_chunk '2' is not one of 3, 1")):

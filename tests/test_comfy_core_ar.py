@@ -98,7 +98,7 @@ def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, en
     core = _sample_custom(causal, SamplerARVideo.execute(block).result[0])
     dense = PatchModel.execute(causal, WindowCache.execute(3, 12, True).result[0]).result[0]  # every frame kept
     seen = []
-    monkeypatch.setattr(bridge, "log_engine", lambda e, node: seen.append(e.name))
+    monkeypatch.setattr(bridge, "log_engine", lambda e, node, *how: seen.append(e.name))
     if engine == "comfy":
         monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
     ours = _sample_custom(dense, ARVideo.execute(block).result[0])

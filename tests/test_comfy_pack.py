@@ -8,7 +8,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the template files: their names are the titles ComfyUI shows on the template cards
 FASTAR = "FAST-AR - long video (TempCache, ANN Sparsity)"
 DENSE = "FAST-AR - dense baseline (every frame kept)"
-CORE_AR = "FAST-AR - ComfyUI AR video graph"
+CORE_AR = "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent)"
+STOCK_AR = "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video)"
 NODE_TYPES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
 
 
@@ -47,11 +48,13 @@ def test_example_workflows_are_wired():
     assert modes[FASTAR]["FastARPatchModel"] == 0
     assert modes[CORE_AR]["FastARARVideo"] == 0
     assert "SamplerARVideo" not in modes[CORE_AR]  # ours in its place
+    # the stock-node variant: the same graph but for the latent node
+    assert {**modes[CORE_AR], "EmptyHunyuanLatentVideo": 0} == {**modes[STOCK_AR], "EmptyARVideoLatent": 0}
 
 
 def test_fastar_workflow_runs_all_of_fastar_at_the_defaults():
     """The FAST-AR templates feed TempCache and ANN Sparsity, at the library's defaults, into the patch."""
-    for name in (FASTAR, CORE_AR):
+    for name in (FASTAR, CORE_AR, STOCK_AR):
         _check_all_of_fastar_at_the_defaults(json.loads((REPO / "example_workflows" / f"{name}.json").read_text()))
 
 

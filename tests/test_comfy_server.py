@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,10 +25,6 @@ import pytest
 import torch
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-# ComfyUI 0.3.64 checks a combo's options only for V1 nodes; later versions check V3 combos too
-CHECKS_V3_COMBOS = bool(COMFYUI_PATH) and any(
-    p.is_file() and "io.Combo.io_type" in p.read_text()
-    for p in (Path(COMFYUI_PATH, "execution.py"), Path(COMFYUI_PATH, "comfy", "cmd", "execution.py")))
 pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "main.py").is_file(),
                                 reason="COMFYUI_PATH does not name a ComfyUI checkout with main.py")
 
@@ -302,8 +299,11 @@ def test_prompt_runs_and_streams_cache_events(server):
     running = [c for c in cache if c["status"] == "running" and c.get("chunk")]
     assert [c["chunk"] for c in running] == [1, 2, 3]
     assert [c["frames_done"] for c in running] == [1, 2, 3] and running[-1]["total_frames"] == 3
+    # video frames beside them, what length counts (Wan: 1, then 4 per latent frame)
+    assert [c["video_frames_done"] for c in running] == [1 + 4 * (c["frames_done"] - 1) for c in running]
+    assert {c["video_total_frames"] for c in cache} == {9}  # the graph's length, from the first event on
     assert all(isinstance(c["gb"], float) and isinstance(c["tokens"], int) for c in running)
-    assert all(c["annsa_density"] is None for c in running)  # no AnnSA in this graph
+    assert all(c["annsa_density"] is None and c["annsa_sparse"] is None for c in running)  # no AnnSA here
     assert cache[-1]["status"] == "done" and cache[0]["node"] == "4"
     progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "4"]
     assert progress and progress[-1]["value"] == progress[-1]["max"] == 3
@@ -325,6 +325,7 @@ def test_all_of_fastar_prompt_runs_and_reports_annsa_density(server):
     running = [e["data"] for e in events if e["type"] == "fastar.cache" and e["data"]["status"] == "running"
                and e["data"].get("chunk")]
     assert len(running) == 2 and all(0 < c["annsa_density"] <= 1 for c in running)
+    assert all(0 <= c["annsa_sparse"] <= 1 for c in running)  # the share of AnnSA's layers that ran sparse
 
 
 def test_ann_sparsity_at_its_defaults_runs_with_the_default_cache(server):
@@ -347,52 +348,176 @@ def test_settings_that_cannot_run_together_fail_in_the_nodes_words(server):
 
 
 def test_a_length_of_part_chunks_runs_whole_chunks_cut_to_it(server):
-    prompt_id, _ = asyncio.run(_run(server["url"], server["port"], _graph(length=13, chunk="3")))
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _graph(length=13, chunk="3")))
     assert _latent_of(server, prompt_id).shape == (1, 16, 4, 4, 4)  # 6 latent frames generated, 4 kept
+    cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
+    # the widget counts the video asked for, not the whole chunks' overshoot (6 latent frames: 21 video)
+    assert [(c["frames_done"], c["total_frames"]) for c in cache if c.get("chunk")][-1] == (6, 6)
+    assert {c["video_total_frames"] for c in cache} == {13} and cache[-1]["video_frames_done"] == 13
+    assert [c["video_frames_done"] for c in cache if c["status"] == "running"] == [0, 9, 13]
 
 
 @pytest.mark.parametrize("name, value, expected", [
-    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on
-    ("width", -32, "value_smaller_than_min"),
+    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for the other inputs
     ("cfg", 0.5, "value_smaller_than_min"),
-    *([("frames_per_chunk", "2", "value_not_in_list"), ("frames_per_chunk", "x", "value_not_in_list")]
-      if CHECKS_V3_COMBOS else []),
-    ("length", 22, "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes "
-                   "to); use 21 or 25"),               # the pack's one check
+    ("seed", -1, "value_smaller_than_min"),
 ])
-def test_a_bad_value_gets_one_error_on_its_input_before_anything_runs(server, name, value, expected):
+def test_comfyuis_own_checks_give_one_error_on_the_input(server, name, value, expected):
     graph = _graph(length=9, chunk="1")
     graph["4"]["inputs"][name] = value
     status, body = _post(server["url"] + "/prompt", {"prompt": graph})
     assert status == 400, body
     errors = body["node_errors"]["4"]["errors"]
-    assert [e["extra_info"]["input_name"] for e in errors] == [name], errors
-    if expected.startswith("value_"):
-        assert errors[0]["type"] == expected
-    else:
-        assert errors[0]["type"] == "custom_validation_failed" and errors[0]["details"] == f"{name} - {expected}"
+    assert [(e["extra_info"]["input_name"], e["type"]) for e in errors] == [(name, expected)], errors
 
 
-@pytest.mark.parametrize("name, value, expected", [
-    ("timesteps", "250,500", "timesteps must be strictly decreasing, got [250.0, 500.0]"),
-    ("width", 40, "width 40 is not a multiple of 16 pixels"),
-    *([] if CHECKS_V3_COMBOS else [("frames_per_chunk", "2", "frames_per_chunk '2' is not one of 3, 1"),
-                                   ("frames_per_chunk", "x", "frames_per_chunk 'x' is not one of 3, 1")]),
-])
-def test_a_value_only_the_run_can_check_fails_before_the_rollout(server, name, value, expected):
+# the values a user typed that the pack refuses at /prompt, and the message that names the input
+BAD_VALUES = [
+    ("4", "length", 22, "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE "
+                        "decodes to); use 21 or 25"),
+    ("4", "width", 100, "Autoregressive Long Sampler: width 100 is not a multiple of 16 pixels"),
+    ("4", "height", 40, "Autoregressive Long Sampler: height 40 is not a multiple of 16 pixels"),
+    ("4", "width", -32, "Autoregressive Long Sampler: width -32 is smaller than its minimum 16"),
+    ("4", "timesteps", "1000,1000", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got "
+                                    "[1000.0, 1000.0]"),
+    ("4", "timesteps", "250,500", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got "
+                                  "[250.0, 500.0]"),
+    ("4", "timesteps", "abc", "Autoregressive Long Sampler: timesteps must be comma-separated numbers, got 'abc'"),
+    ("4", "timesteps", "1200,500", "Autoregressive Long Sampler: timesteps must lie in (0, 1000], got "
+                                   "[1200.0, 500.0]"),
+    ("4", "timesteps", "", "Autoregressive Long Sampler: timesteps: at least one denoising step is needed"),
+    ("4", "frames_per_chunk", "2", "Autoregressive Long Sampler: frames_per_chunk '2' is not one of 3, 1"),
+]
+
+
+def _refused(server, graph, node):
+    """The errors /prompt returns for ``node`` of ``graph``: refused with a 400, nothing queued, no other
+    node marked."""
+    status, body = _post(server["url"] + "/prompt", {"prompt": graph})
+    assert status == 400, body
+    assert set(body["node_errors"]) == {node}, body["node_errors"]
+    return body["node_errors"][node]["errors"]
+
+
+def _custom_errors(errors, name, message):
+    """ComfyUI puts a node's validate_inputs message on each input that function reads: the bad input
+    is among them, and every error is that one message (no second, unrelated one)."""
+    assert name in [e["extra_info"]["input_name"] for e in errors], errors
+    assert {e["type"] for e in errors} == {"custom_validation_failed"}, errors
+    assert {e["details"].split(" - ", 1)[1] for e in errors} == {message}, errors
+
+
+@pytest.mark.parametrize("node, name, value, message", BAD_VALUES, ids=[f"{n}={v!r}" for _, n, v, _ in BAD_VALUES])
+def test_a_bad_widget_value_is_refused_at_prompt_in_the_nodes_words(server, node, name, value, message):
     graph = _graph(length=9, chunk="1")
-    graph["4"]["inputs"][name] = value
-    prompt_id, events = asyncio.run(_run(server["url"], server["port"], graph))
-    error = next(e["data"] for e in events if e["type"] == "execution_error")
-    assert (error["node_type"], error["exception_message"]) == (
-        "FastARAutoregressiveSampler", f"Autoregressive Long Sampler: {expected}\n")
-    assert not [e for e in events if e["type"] == "fastar.cache"]  # no chunk started
+    graph[node]["inputs"][name] = value
+    _custom_errors(_refused(server, graph, node), name, message)
+
+
+def _schedule_graph(starts: dict, connected=(2, 3)):
+    graph = _graph(length=45, chunk="3")
+    graph["8"] = {"class_type": "FastARPromptSchedule", "inputs": {"prompt_1": ["2", 0]}}
+    for i in (2, 3, 4):
+        graph["8"]["inputs"][f"start_{i}"] = starts.get(i, 80 * (i - 1))
+        if i in connected:
+            graph[f"9{i}"] = {"class_type": "FastARTestConditioning", "inputs": {"seed": i, "tokens": 16, "width": 4096}}
+            graph["8"]["inputs"][f"prompt_{i}"] = [f"9{i}", 0]
+    graph["4"]["inputs"]["prompts"] = ["8", 0]
+    return graph
+
+
+def test_prompt_schedule_starts_that_decrease_are_refused_at_prompt(server):
+    errors = _refused(server, _schedule_graph({2: 21, 3: 9}), "8")
+    _custom_errors(errors, "start_3", "FAST-AR Prompt Schedule: start_3 (9) must come after start_2 (21); the "
+                                      "prompts start in order")
+    # the start of a slot whose prompt is not connected is not part of the schedule: nothing refused
+    status, body = _post(server["url"] + "/prompt", {"prompt": _schedule_graph({2: 21, 3: 9}, connected=(2,))})
+    assert status == 200, body
+
+
+def _ar_video_graph(block):
+    """FAST-AR AR Video as SamplerCustom's sampler on the tiny model (stock nodes only around it)."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "fastar_tiny.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "FastARTestConditioning", "inputs": {"seed": 1, "tokens": 16, "width": 4096}},
+        "3": {"class_type": "FastARPatchModel", "inputs": {"model": ["1", 0]}},
+        "4": {"class_type": "FastARARVideo", "inputs": {"num_frame_per_block": block}},
+        "5": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 9,
+                                                                  "batch_size": 1}},
+        "6": {"class_type": "BasicScheduler", "inputs": {"model": ["3", 0], "scheduler": "simple", "steps": 4,
+                                                         "denoise": 1.0}},
+        "7": {"class_type": "SamplerCustom", "inputs": {
+            "model": ["3", 0], "add_noise": True, "noise_seed": 0, "cfg": 1.0, "positive": ["2", 0],
+            "negative": ["2", 0], "sampler": ["4", 0], "sigmas": ["6", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"fastar_{uuid.uuid4().hex[:8]}"}},
+    }
+
+
+@pytest.mark.parametrize("block", [2, 4, 64])
+def test_ar_video_refuses_a_block_size_no_causal_checkpoint_has_at_prompt(server, block):
+    errors = _refused(server, _ar_video_graph(block), "4")
+    assert [(e["extra_info"]["input_name"], e["type"]) for e in errors] == [
+        ("num_frame_per_block", "custom_validation_failed")], errors  # its one input: one error
+    assert errors[0]["details"].startswith(f"num_frame_per_block - FAST-AR AR Video: num_frame_per_block {block} "
+                                           f"is not a block size a causal Wan 2.1 checkpoint is trained with: 1 "
+                                           f"(framewise")
+
+
+def test_ar_video_runs_a_trained_block_size_and_warns_of_a_model_without_causal_metadata(server):
+    """Block 1 over a stock-latent graph runs; the log says the model is not known to be causal (a plain
+    Wan 2.1 file here), and on a CPU server the engine line speaks of no CUDA graphs."""
+    log = server["base"] / "server.log"
+    before = len(log.read_text())
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _ar_video_graph(1)))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 3, 4, 4)
+    said = log.read_text()[before:]
+    if CORE_AR:  # a ComfyUI that loads marked files as its causal model: this file carries no mark
+        assert "FAST-AR AR Video: the model carries no causal metadata" in said, said[-3000:]
+    else:
+        assert "FAST-AR AR Video: this ComfyUI loads every Wan 2.1 T2V file as WanModel" in said, said[-3000:]
+
+
+def test_the_engine_line_on_a_cpu_server_names_the_cpu_and_no_cuda_graphs(server):
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _graph(length=9, chunk="1")))
+    _latent_of(server, prompt_id)
+    lines = [line for line in (server["base"] / "server.log").read_text().splitlines() if ": engine " in line]
+    assert lines, "no engine line in the log"
+    assert all("CUDA graphs" not in line or "no CUDA graphs" in line for line in lines), lines
+    assert any("engine fused (FAST-AR's forward over the model's weights on cpu, op by op, no CUDA graphs)" in line
+               for line in lines), lines
+
+
+def test_convert_in_the_comfyui_python_refuses_a_pt_in_the_packs_words(server, tmp_path):
+    """The README's convert line, run with ComfyUI's Python in the ComfyUI folder on a .pt carrying code and
+    on one carrying a config object: refused, nothing written, no advice to switch the check off."""
+    import argparse
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    for name, extra in (("evil.pt", Payload()), ("trained.pt", argparse.Namespace(lr=1e-5))):
+        src, dst = tmp_path / name, server["base"] / "models" / "diffusion_models" / f"{name}.safetensors"
+        torch.save({"generator_ema": {"blocks.0.self_attn.q.weight": torch.zeros(4, 4)}, "extra": extra}, src)
+        run = subprocess.run([sys.executable, str(server["base"] / "custom_nodes" / "ComfyUI-FastAR" / "convert.py"),
+                              str(src), str(dst)], cwd=server["base"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and not dst.exists() and not (tmp_path / "ran").exists(), run
+        said = run.stderr
+        assert said.startswith(f"fastar: error: {name} ") and "Traceback" not in said, said
+        assert "weights_only=False" not in said and "weights_only set to False" not in said, said
+        if name == "evil.pt":
+            assert "carries code: loading it would call" in said and "python -c" not in said, said
+        else:
+            assert "holds an object of argparse.Namespace" in said and "nothing in the file ran" in said, said
+            assert "torch.serialization.add_safe_globals([argparse.Namespace])" in said, said
 
 
 # -- example workflows ------------------------------------------------------------------------
 # core's autoregressive nodes (Empty AR Video Latent, SamplerCustom's AR graph) exist from 2026 on
 CORE_AR = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file()
-CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video graph.json"
+CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent).json"
+# the same graph on the stock Empty Hunyuan Latent Video: every ComfyUI runs it
+STOCK_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video).json"
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or p != CORE_AR_WORKFLOW]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
 FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
@@ -456,6 +581,7 @@ def test_example_workflow_validates(server, path):
     prompt = _to_api_prompt(workflow, info)
     types = {n["class_type"] for n in prompt.values()}
     sampler = {"SamplerCustom", "FastARARVideo", "EmptyARVideoLatent"} if path == CORE_AR_WORKFLOW \
+        else {"SamplerCustom", "FastARARVideo", "EmptyHunyuanLatentVideo"} if path == STOCK_AR_WORKFLOW \
         else {"FastARAutoregressiveSampler"}
     output = {"FastARSaveVideo"} if "FastARSaveVideo" in types else {"VAEDecode", "SaveVideo"}
     assert {"UNETLoader", "CLIPLoader", "CLIPTextEncode"} | sampler | output <= types
@@ -469,12 +595,11 @@ def test_example_workflow_validates(server, path):
             assert e["type"] == "value_not_in_list" and e["extra_info"]["input_name"] in FILE_INPUTS, (node_id, e)
 
 
-def _core_ar_workflow_runs_to_a_latent(server):
+def _core_ar_workflow_runs_to_a_latent(server, path=CORE_AR_WORKFLOW, latent="EmptyARVideoLatent"):
     """The core AR template as a prompt, on the test checkpoint that loads as WAN21_CausalAR: the
     text encoder is the test conditioning, and the LATENT is saved instead of decoded."""
     info = _get(server["url"] + "/object_info")
-    prompt = _to_api_prompt(json.loads(CORE_AR_WORKFLOW.read_text()),
-                            info)
+    prompt = _to_api_prompt(json.loads(path.read_text()), info)
     by_type = {n["class_type"]: k for k, n in prompt.items()}
     prompt[by_type["UNETLoader"]]["inputs"]["unet_name"] = "fastar_tiny_causal.safetensors"
     for node_id, node in list(prompt.items()):
@@ -483,7 +608,7 @@ def _core_ar_workflow_runs_to_a_latent(server):
         elif node["class_type"] == "CLIPTextEncode":
             prompt[node_id] = {"class_type": "FastARTestConditioning",
                                "inputs": {"seed": int(node_id), "tokens": 512, "width": 4096}}
-    prompt[by_type["EmptyARVideoLatent"]]["inputs"].update(width=32, height=32, length=21)
+    prompt[by_type[latent]]["inputs"].update(width=32, height=32, length=21)
     prompt[by_type["FastARTempCacheSettings"]]["inputs"].update(max_cache_frames=4, sink_frames=1)
     sampler = by_type["SamplerCustom"]
     prompt["99"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0],
@@ -561,6 +686,29 @@ if CORE_AR:  # only a ComfyUI with core's autoregressive nodes can run it (colle
     test_core_ar_workflow_runs_to_a_latent = _core_ar_workflow_runs_to_a_latent
 
 
+def test_the_stock_node_ar_graph_template_runs_on_every_comfyui(server):
+    """The AR graph on Empty Hunyuan Latent Video, for a ComfyUI without core's autoregressive nodes."""
+    _core_ar_workflow_runs_to_a_latent(server, STOCK_AR_WORKFLOW, "EmptyHunyuanLatentVideo")
+
+
+def test_the_readme_lists_the_templates_each_comfyui_serves(server):
+    """The README's template list is the example_workflows folder, which this ComfyUI lists; where it
+    serves none of the files the README says so and how to open them instead."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Templates.**", 1)[1].split("**Model files.**", 1)[0]
+    listed = set(re.findall(r"^- \*\*(FAST-AR - [^*]+)\*\*", section, re.M))
+    stems = {p.stem for p in (REPO / "example_workflows").glob("*.json")}
+    assert listed == stems, (listed ^ stems)
+    served = _get(server["url"] + "/workflow_templates")
+    pack = next(name for name, names in served.items() if set(names) == stems)
+    opens = {stem: _fetch(f"{server['url']}/api/workflow_templates/{pack}/{urllib.parse.quote(stem)}.json")
+             is not None for stem in stems}
+    assert len(set(opens.values())) == 1, opens  # all or none
+    if not all(opens.values()):
+        assert "pip-installable ComfyUI" in section and "example_workflows/" in section and "drag" in section
+    assert "needs Empty AR Video Latent" in section and "Empty Hunyuan Latent Video" in section
+
+
 # -- the cache widget in a real browser ---------------------------------------------------------
 def _chromium():
     for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
@@ -633,6 +781,17 @@ def test_templates_open_in_the_frontend_with_no_node_over_another(server):
             browser.close()
     assert overlaps == {stem: [] for stem in overlaps}, overlaps
 
+# the fastar.cache payloads the page's api delivers (what the widget got), kept in window.__fastarEvents
+CAPTURE_EVENTS = """async () => { const { api } = await import('/scripts/api.js');
+    window.__fastarEvents = [];
+    api.addEventListener('fastar.cache', (e) => window.__fastarEvents.push(e.detail)); }"""
+
+
+def _kb(n_bytes):
+    """The widget's formatGB below 1 MB."""
+    return f"{n_bytes / 1e3:.1f} KB"
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
 def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -659,10 +818,12 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
                 };
                 new MutationObserver(record).observe(root, {subtree: true, childList: true, characterData: true});
                 record(); }""")
+            page.evaluate(CAPTURE_EVENTS)
             page.evaluate("() => window.app.queuePrompt(0)")
             page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
                                    ".textContent.endsWith('done')", timeout=240000)
             seen = [tuple(x) for x in page.evaluate("() => window.__fastarSeen")]
+            last = [e for e in page.evaluate("() => window.__fastarEvents") if e.get("chunk")][-1]
             page.keyboard.press("Escape")
             page.evaluate("""() => { document.querySelectorAll('.p-dialog-close-button, .p-dialog [aria-label=Close]')
                                         .forEach((b) => b.click());
@@ -675,7 +836,13 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             if os.environ.get("FASTAR_WIDGET_SCREENSHOT"):  # for the README
                 page.screenshot(path=os.environ["FASTAR_WIDGET_SCREENSHOT"])
             texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
-                     ("tokens", "gb", "relative", "frames", "rate", "annsa", "prompt")}
+                     ("tokens", "gb", "relative", "frames", "latent", "rate", "annsa", "annsa_sparse", "prompt", "legend",
+                      "y_max", "y_min", "x_min", "x_max", "x_title")}
+            # how far the widget's last line (the graph's x axis) runs past the widget's own box (px)
+            overflow = page.evaluate("""() => { const root = document.querySelector('.fastar-cache');
+                const axis = root.querySelector('[data-field=x_title]').parentElement;
+                return [axis.getBoundingClientRect().bottom - root.getBoundingClientRect().bottom,
+                        root.scrollHeight - root.clientHeight]; }""")
             canvas_ink = page.evaluate("""() => {
                 const c = document.querySelector('.fastar-cache canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -684,11 +851,58 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             browser.close()
     running = [f for f, s in seen if s.endswith("running")]
     assert len(set(running)) >= 3, seen          # the numbers changed while the rollout ran
-    assert seen[-1] == ("12 / 12", "FAST-AR cache: done"), seen
-    assert ("0 / 12", "FAST-AR cache: waiting for the first chunk") in seen, seen
+    # frames in video frames, what the sampler's length counts, latent frames beside them
+    length = graph["4"]["inputs"]["length"]
+    latent = 1 + (length - 1) // 4
+    assert seen[-1] == (f"{length} / {length} video", "FAST-AR cache: done"), seen
+    assert (f"0 / {length} video", "FAST-AR cache: waiting for the first chunk") in seen, seen
+    assert f"{1 + 4} / {length} video" in running, seen  # chunk 2 of 1 latent frame each
+    assert texts["latent"] == f"{latent} / {latent}"
     assert texts["tokens"] == "12"                # (1 sink + 2 window) frames x 4 tokens, formatted here
     assert texts["prompt"] == "1 of 1"            # no prompt schedule
     assert texts["relative"].startswith("25 %")   # of the 48 tokens a dense cache would hold
-    assert texts["rate"].endswith("chunks/s") and texts["gb"] == "49.2 KB (alloc 65.8 KB)"
-    assert texts["annsa"] == "off"                # a window cache without AnnSA
+    assert texts["rate"].endswith("chunks/s")
+    # 12 tokens x K+V of 256 fp32 channels x 2 layers held; the allocation as the last event reported it
+    assert texts["gb"] == f"{_kb(12 * 2 * 256 * 4 * 2)} (alloc {_kb(last['gb'] * 1e9)})", (texts, last)
+    assert texts["annsa"] == "off" and texts["annsa_sparse"] == "off"  # a window cache without AnnSA
     assert canvas_ink > 0                         # the history graph was drawn
+    assert max(overflow) <= 1, overflow           # all of it inside the widget: nothing spills over the node
+    # its legend names both lines; its x axis runs over the video frames done, its y axis up to the largest size
+    assert texts["legend"] == "helddense"  # two swatches, each with its name (and a tooltip)
+    assert (texts["x_title"], texts["x_min"], texts["x_max"]) == ("video frames", "0", str(length))
+    assert texts["y_min"] == "0" and texts["y_max"] == texts["relative"].split(" of ")[1]  # the dense size at the end
+
+
+def _percent(x):
+    """The widget's formatPercent."""
+    return f"{100 * x:.{1 if x < 0.1 else 0}f} %"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_cache_widget_shows_annsa_sparse_layers_in_the_frontend(server):
+    """With AnnSA on, the widget says which share of its layers ran sparse in the last chunk: the event's
+    annsa_sparse, in words, and the frames in video frames of the sampler's length."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    graph = _graph(length=21, chunk="3", tempcache=True, ann=True)  # 6 latent frames: 2 chunks of 3
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(g) => window.app.loadApiJson(g, 'fastar_widget_annsa')", graph)
+            page.wait_for_selector(".fastar-cache", state="attached", timeout=20000)
+            page.evaluate(CAPTURE_EVENTS)
+            page.evaluate("() => window.app.queuePrompt(0)")
+            page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
+                                   ".textContent.endsWith('done')", timeout=240000)
+            events = page.evaluate("() => window.__fastarEvents")
+            texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
+                     ("annsa", "annsa_sparse", "frames", "latent", "x_max")}
+        finally:
+            browser.close()
+    last = [e for e in events if e.get("chunk")][-1]
+    assert isinstance(last["annsa_sparse"], (int, float)) and 0 <= last["annsa_sparse"] <= 1, last
+    assert texts["annsa_sparse"] == _percent(last["annsa_sparse"]) + " of layers"
+    assert texts["annsa"] == _percent(last["annsa_density"])
+    length = graph["4"]["inputs"]["length"]
+    latent = 1 + (length - 1) // 4
+    assert (texts["frames"], texts["latent"]) == (f"{length} / {length} video", f"{latent} / {latent}")
+    assert texts["x_max"] == str(length)

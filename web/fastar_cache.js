@@ -1,9 +1,10 @@
 // FAST-AR cache widget: live KV-cache size on the Autoregressive Long Sampler and FAST-AR AR Video nodes.
 //
 // The sampler sends `fastar.cache` events (PromptServer.send_sync) after every chunk with plain
-// numbers: tokens, GB, dense-equivalent size, frames done / total, chunk latency, AnnSA's density (the
-// share of the cached keys its plans read; null without AnnSA), which prompt of a prompt schedule is
-// active, and which engine runs the forwards
+// numbers: tokens, GB, dense-equivalent size, frames done / total (in video frames, what the sampler's
+// `length` counts, and in latent frames), chunk latency, AnnSA's density (the share of the cached keys
+// its plans read) and the share of its layers that ran sparse (both null without AnnSA), which prompt of
+// a prompt schedule is active, and which engine runs the forwards
 // ("fused" or "comfy", with the reason as the row's tooltip). Everything shown is formatted here from
 // numbers or picked from known words; no string from the server is ever inserted as HTML.
 import { app } from "../../scripts/app.js";
@@ -43,6 +44,14 @@ export function formatRate(x) {
   return Number.isFinite(x) ? x.toFixed(x >= 10 ? 1 : 2) + " chunks/s" : "–";
 }
 
+// "321 / 801": frames done / total
+export function formatFrames(done, total) {
+  const n = (v) => (Number.isFinite(num(v)) ? String(num(v)) : "–");
+  return n(done) + " / " + n(total);
+}
+
+const HELD_COLOR = "#4fc3f7", DENSE_COLOR = "rgba(200,200,200,0.6)";
+
 function el(tag, style, text) {
   const e = document.createElement(tag);
   if (style) e.style.cssText = style;
@@ -61,8 +70,8 @@ class CacheView {
     const grid = el("div", "display: grid; grid-template-columns: auto 1fr; column-gap: 8px;");
     this.fields = {};
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
-                                ["frames", "frames"], ["rate", "speed"], ["annsa", "AnnSA reads"],
-                                ["prompt", "prompt"], ["engine", "engine"]]) {
+                                ["frames", "frames"], ["latent", "latent"], ["rate", "speed"], ["annsa", "AnnSA reads"],
+                                ["annsa_sparse", "AnnSA sparse"], ["prompt", "prompt"], ["engine", "engine"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -70,33 +79,75 @@ class CacheView {
       this.fields[key] = v;
     }
     this.root.appendChild(grid);
-    this.canvas = el("canvas", "width: 100%; height: 48px; display: block; margin-top: 4px;");
+    // the history graph: cache size (y, GB) against video frames done (x); its legend over the top left,
+    // where the lines (growing from the bottom left) leave room
+    const legend = el("div", "position: absolute; left: 4px; top: 0; display: flex; gap: 8px; font-size: 9px;" +
+                             "line-height: 11px; opacity: 0.85;");
+    legend.dataset.field = "legend";
+    for (const [color, text, tip] of [[HELD_COLOR, "held", "the KV cache this rollout holds"],
+                                      [DENSE_COLOR, "dense", "the KV cache a dense rollout would hold: every frame kept"]]) {
+      const item = el("span", "white-space: nowrap;");
+      item.title = tip;
+      item.appendChild(el("span", "display: inline-block; width: 10px; height: 2px; vertical-align: middle;" +
+                              "margin-right: 3px; background: " + color + ";"));
+      item.appendChild(document.createTextNode(text));
+      legend.appendChild(item);
+    }
+    const plot = el("div", "display: grid; grid-template-columns: auto 1fr; column-gap: 3px; margin-top: 4px;");
+    const yAxis = el("div", "display: flex; flex-direction: column; justify-content: space-between;" +
+                            "text-align: right; opacity: 0.7; font-size: 9px;");
+    this.axis = { yMax: el("span", "", ""), yMin: el("span", "", "") };
+    yAxis.append(this.axis.yMax, this.axis.yMin);
+    this.axis.yMax.dataset.field = "y_max";
+    this.axis.yMin.dataset.field = "y_min";
+    plot.appendChild(yAxis);
+    const area = el("div", "position: relative;");
+    this.canvas = el("canvas", "width: 100%; height: 44px; display: block;");
     this.canvas.width = 240;
-    this.canvas.height = 48;
-    this.root.appendChild(this.canvas);
-    this.history = [];  // {held, dense} in GB
+    this.canvas.height = 44;
+    area.append(this.canvas, legend);
+    plot.appendChild(area);
+    plot.appendChild(el("span"));
+    const xAxis = el("div", "display: flex; justify-content: space-between; opacity: 0.7; font-size: 9px;" +
+                            "line-height: 11px;");
+    this.axis.xMin = el("span", "", "");
+    this.axis.xMax = el("span", "", "");
+    this.axis.xMin.dataset.field = "x_min";
+    this.axis.xMax.dataset.field = "x_max";
+    const xTitle = el("span", "", "video frames");
+    xTitle.dataset.field = "x_title";
+    xAxis.append(this.axis.xMin, xTitle, this.axis.xMax);
+    plot.appendChild(xAxis);
+    this.root.appendChild(plot);
+    this.history = [];  // {x: video frames done, held, dense in GB}
     this.updates = 0;
   }
 
   update(d) {
     const status = d.status === "running" || d.status === "done" || d.status === "stopped" ? d.status : "running";
-    const done = num(d.frames_done), total = num(d.total_frames);
     const waiting = status === "running" && !(num(d.chunk) >= 1);  // started, no chunk reported yet
     this.status.textContent = "FAST-AR cache: " + (waiting ? "waiting for the first chunk" : status);
     this.fields.tokens.textContent = formatTokens(d.tokens);
     this.fields.gb.textContent = waiting ? "–" : formatGB(d.held_gb) + " (alloc " + formatGB(d.gb) + ")";
     this.fields.relative.textContent = formatPercent(d.relative) + " of " + formatGB(d.dense_gb);
-    this.fields.frames.textContent = (Number.isFinite(done) ? done : "–") + " / " + (Number.isFinite(total) ? total : "–");
+    // video frames (what the sampler's length counts), the latent frames the model generates below them
+    this.fields.frames.textContent = formatFrames(d.video_frames_done, d.video_total_frames) + " video";
+    this.fields.latent.textContent = formatFrames(d.frames_done, d.total_frames);
+    this.fields.latent.title = "latent frames: the first decodes to 1 video frame, every later one to 4";
     this.fields.rate.textContent = formatRate(d.chunks_per_s);
     // null: the rollout runs without AnnSA; absent: no chunk reported yet
     this.fields.annsa.textContent = d.annsa_density === null ? "off" : formatPercent(d.annsa_density);
+    this.fields.annsa_sparse.textContent = d.annsa_sparse === null ? "off"
+      : Number.isFinite(num(d.annsa_sparse)) ? formatPercent(d.annsa_sparse) + " of layers" : "–";
     const prompt = num(d.prompt), prompts = num(d.prompts);
     this.fields.prompt.textContent = Number.isFinite(prompt) && Number.isFinite(prompts) ? prompt + " of " + prompts : "–";
     this.fields.engine.textContent = d.engine === "fused" || d.engine === "comfy" ? d.engine : "–";
     this.fields.engine.title = typeof d.engine_reason === "string" ? d.engine_reason : "";
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
       if (num(d.chunk) === 1) this.history = [];
-      this.history.push({ held: num(d.held_gb), dense: Number.isFinite(num(d.dense_gb)) ? num(d.dense_gb) : 0 });
+      const x = num(d.video_frames_done);
+      this.history.push({ x: Number.isFinite(x) ? x : this.history.length + 1, held: num(d.held_gb),
+                          dense: Number.isFinite(num(d.dense_gb)) ? num(d.dense_gb) : 0 });
       if (this.history.length > HISTORY) this.history.shift();
     }
     this.updates += 1;
@@ -106,22 +157,39 @@ class CacheView {
 
   draw() {
     const c = this.canvas, g = c.getContext("2d");
+    const h = this.history, a = this.axis;
+    if (h.length === 0) {
+      for (const k of ["yMax", "yMin", "xMin", "xMax"]) a[k].textContent = "";
+      g?.clearRect(0, 0, c.width, c.height);
+      return;
+    }
+    const top = Math.max(1e-12, ...h.map((p) => Math.max(p.held, p.dense)));
+    const x0 = h.length === HISTORY ? h[0].x : 0, x1 = Math.max(h[h.length - 1].x, x0 + 1);
+    a.yMax.textContent = formatGB(top);
+    a.yMin.textContent = "0";
+    a.xMin.textContent = String(x0);
+    a.xMax.textContent = String(h[h.length - 1].x);
     if (!g) return;
     g.clearRect(0, 0, c.width, c.height);
-    const h = this.history;
-    if (h.length === 0) return;
-    const top = Math.max(1e-12, ...h.map((p) => Math.max(p.held, p.dense)));
-    const x = (i) => (h.length === 1 ? c.width - 2 : 2 + (i * (c.width - 4)) / (h.length - 1));
+    g.strokeStyle = "rgba(200,200,200,0.35)";  // the axes: y at the left, x at the bottom
+    g.lineWidth = 1;
+    g.beginPath();
+    g.moveTo(0.5, 0);
+    g.lineTo(0.5, c.height - 0.5);
+    g.lineTo(c.width, c.height - 0.5);
+    g.stroke();
+    const x = (v) => 2 + ((v - x0) * (c.width - 4)) / (x1 - x0);
     const y = (v) => c.height - 2 - (v / top) * (c.height - 4);
     const line = (key, color) => {
       g.strokeStyle = color;
       g.lineWidth = 1.5;
       g.beginPath();
-      h.forEach((p, i) => (i ? g.lineTo(x(i), y(p[key])) : g.moveTo(x(i), y(p[key]))));
+      h.forEach((p, i) => (i ? g.lineTo(x(p.x), y(p[key])) : g.moveTo(x(p.x), y(p[key]))));
+      if (h.length === 1) g.lineTo(x(h[0].x) - 3, y(h[0][key]));  // one point: a short tick, still visible
       g.stroke();
     };
-    line("dense", "rgba(200,200,200,0.5)");  // what a dense cache would hold
-    line("held", "#4fc3f7");                 // what this cache holds
+    line("dense", DENSE_COLOR);  // what a dense cache would hold
+    line("held", HELD_COLOR);    // what this cache holds
   }
 }
 
@@ -137,7 +205,7 @@ app.registerExtension({
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 184 });
+                                       { serialize: false, getMinHeight: () => 232 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);

@@ -159,8 +159,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, key: s
                        dtype: torch.dtype = torch.bfloat16, num_heads: int | None = None) -> WanConfig:
     """Write a training checkpoint's Wan weights as a ``.safetensors`` file ComfyUI's Load Diffusion
     Model and ``load_wan`` read (marked causal, so ComfyUI with core's autoregressive nodes loads it as
-    its causal Wan model). The ``.pt`` file is read with ``weights_only=True``: tensors and plain
-    containers only, no code runs."""
+    its causal Wan model). The ``.pt`` file is read with torch's tensors-only unpickler
+    (``weights_only=True``): tensors and plain containers only, no code runs; a file holding other
+    objects is refused in ``_read_tensors_only``'s words."""
     from safetensors.torch import save_file
 
     src, dst = os.fspath(src), os.fspath(dst)
@@ -169,16 +170,79 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, key: s
         raise FastARError(f"checkpoint not found: {src}")
     if not dst.endswith(".safetensors"):
         raise FastARError(f"{dst}: the output must be a .safetensors file")
-    try:
-        try:
-            obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
-            obj = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise FastARError(f"{name} is not a checkpoint torch reads with weights_only=True: {exc}") from None
+    obj = _read_tensors_only(src, name, key, dst)
     state = _generator_state(obj, key, name)
     config = infer_config(state, num_heads)
     _matching_model(state, config, name)
     save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, dst,
               metadata={CONFIG_METADATA_KEY: json.dumps(config.to_dict()), **COMFY_CAUSAL_METADATA})
     return config
+
+
+def _read_tensors_only(src: str, name: str, key: str | None, dst: str):
+    """``torch.load`` of a training checkpoint with the tensors-only unpickler, or one FastARError that
+    says what the file holds, that nothing in it ran, and how its owner re-saves the weights as tensors."""
+    import pickle
+
+    try:
+        try:
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+            return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _objects_in(src, str(exc))
+        if not found:  # not a class the unpickler refused: a damaged or foreign file
+            raise FastARError(f"{name} is not a torch checkpoint this converter can read ({_first_line(exc)}); "
+                              f"nothing was written") from None
+        raise FastARError(_refusal(src, name, found, key, dst)) from None
+    except Exception as exc:
+        raise FastARError(f"{name} is not a torch checkpoint this converter can read ({type(exc).__name__}: "
+                          f"{_first_line(exc)}); nothing was written") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+def _objects_in(src: str, message: str) -> list[str]:
+    """The classes (``module.Name``) the tensors-only unpickler refuses in ``src``: all of them where
+    torch can list them without running anything, else the one its message names."""
+    listed = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if listed is not None:
+        try:
+            found = [g for g in listed(src) if re.fullmatch(r"[\w.]+", g)]
+            if found:
+                return sorted(found)
+        except Exception:  # a legacy file: fall back to the message
+            pass
+    return sorted(set(re.findall(r"GLOBAL ([\w.]+)", message)))
+
+
+# modules whose names in a pickle mean calls, not data: a file naming them would run code when loaded
+CODE_MODULES = ("builtins", "os", "posix", "nt", "sys", "subprocess", "shutil", "pathlib", "importlib", "runpy",
+                "operator", "functools", "codecs", "socket", "webbrowser", "pty", "code", "types", "io", "pickle",
+                "marshal", "ctypes", "multiprocessing", "threading", "signal", "inspect", "eval", "exec")
+
+
+def _refusal(src: str, name: str, found: list[str], key: str | None, dst: str) -> str:
+    """What a refused checkpoint holds and, for data objects (a config, an optimizer's state), the one
+    line of Python that re-saves its weights as tensors, run where the checkpoint was made (those classes
+    import there, and the file is the user's to trust). A file naming calls gets no such line."""
+    calls = [g for g in found if g.split(".", 1)[0] in CODE_MODULES]
+    if calls:
+        return (f"{name} carries code: loading it would call {', '.join(calls)}. Nothing in the file ran and "
+                f"nothing was written. A model checkpoint needs no such calls; get the weights from the "
+                f"checkpoint's authors (a .safetensors file or a plain state dict)")
+    modules = sorted({g.rsplit(".", 1)[0] for g in found if "." in g and not g.startswith("__main__.")})
+    weights = os.path.splitext(src)[0] + "_weights.pt"
+    entry = key or "generator_ema"
+    line = (f"python -c \"import torch{''.join(', ' + m for m in modules)}; "
+            f"torch.serialization.add_safe_globals([{', '.join(found)}]); "
+            f"ck = torch.load('{src}', map_location='cpu'); torch.save(ck['{entry}'], '{weights}')\"")
+    what = ", ".join(found)
+    return (f"{name} holds {'objects' if len(found) > 1 else 'an object'} of {what} beside its tensors, which the "
+            f"converter's tensors-only read does not build: nothing in the file ran and nothing was written. "
+            f"If the file is yours or from a source you trust, re-save the model's weights as tensors once, with "
+            f"the Python and packages the checkpoint was made with (where {what} "
+            f"{'import' if len(found) > 1 else 'imports'}), naming the entry that holds them (often generator_ema "
+            f"or generator): {line} ; then convert that file: fastar convert {weights} {dst}")
