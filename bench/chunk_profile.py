@@ -5,7 +5,8 @@ CUDA activity): the chunk's wall time, the sum of its kernels' GPU time (their r
 the host or the GPU sets the pace) and the kernels grouped by what they do. Writes chunk_profile.json.
 
     python bench/chunk_profile.py --out bench/results      # about 1 minute on an H200
-    python bench/chunk_profile.py --settings fastar        # only the named settings of bench/e2e_bench.py
+    python bench/chunk_profile.py --settings fastar        # only the named settings (e2e_bench's, window12, tempcache12)
+    python bench/chunk_profile.py --prompt wan             # the clip's real prompt -> chunk_profile_wan.json
     python bench/chunk_profile.py --smoke --out /tmp       # tiny model on the CPU: checks the script only
 """
 import collections
@@ -31,6 +32,11 @@ GROUPS = [("sparse attention", ("_block_sparse", "block_sparse", "combine_splits
           ("reduce", ("reduce",))]
 
 
+# the e2e settings and the 12-frame pair the defaults are chosen between
+SETTINGS = {**E.SETTINGS, "window12": E.SETTINGS["sink+window"],
+            "tempcache12": (E.TempCacheConfig(max_cache_frames=12), None)}
+
+
 def group(name: str) -> str:
     low = name.lower()
     for g, keys in GROUPS:
@@ -40,25 +46,24 @@ def group(name: str) -> str:
 
 
 def profile_chunk(model, ctx, hw, name, chunks, device):
-    """Profile the last of ``chunks`` chunks of a rollout of setting ``name``."""
-    run = E.make_run(model, ctx, chunks * E.CHUNK, hw, name)
+    """Profile the last of ``chunks`` chunks of a rollout of setting ``name``, run as ``Rollout.run`` runs
+    it (AnnSA's review between chunks included)."""
+    run = E.make_run(model, ctx, chunks * E.CHUNK, hw, name, settings=SETTINGS)
     cuda = device.type == "cuda"
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     wall = {}
+
+    last = {}
+
+    def on_chunk(r):
+        wall[r.chunk] = 1e3 * r.latency_s
+        last.update(annsa_sparse=r.annsa_sparse, annsa_density=r.annsa_density)
+        if r.chunk == chunks - 2:  # the report syncs: the profile holds the last chunk alone
+            prof.start()
+
     with torch.inference_mode():
-        for c in range(chunks):
-            if c == chunks - 1:
-                prof.start()
-            if cuda:
-                torch.cuda.synchronize()
-            tic = time.perf_counter()
-            run.cache.begin_chunk(c * E.CHUNK, E.CHUNK)
-            run.sample_chunk(c)
-            run.cache.commit()
-            if cuda:
-                torch.cuda.synchronize()
-            wall[c] = 1e3 * (time.perf_counter() - tic)
-        prof.stop()
+        run.run(on_chunk)
+    prof.stop()
     kernels = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -68,7 +73,7 @@ def profile_chunk(model, ctx, hw, name, chunks, device):
     for k, (ms, _) in kernels.items():
         groups[group(k)] += ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:60]
-    return {"wall_ms": wall[chunks - 1], "wall_previous_ms": wall[chunks - 2], "gpu_ms": sum(groups.values()),
+    return {"wall_ms": wall[chunks - 1], "wall_previous_ms": wall[chunks - 2], "gpu_ms": sum(groups.values()), **last,
             "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": k[:160], "ms": ms, "calls": n} for k, (ms, n) in top]}
 
@@ -76,27 +81,31 @@ def profile_chunk(model, ctx, hw, name, chunks, device):
 def main():
     ap = parser(__doc__, smoke=True)
     ap.add_argument("--settings", default="tempcache,fastar,sink+window",
-                    help=f"settings of bench/e2e_bench.py, comma-separated: {', '.join(E.SETTINGS)}")
+                    help=f"comma-separated: {', '.join(SETTINGS)}")
+    ap.add_argument("--prompt", choices=("random", "wan"), default="random",
+                    help="the Gaussian stand-in or the clip's real prompt (AnnSA's density depends on it)")
     args = ap.parse_args()
     names = args.settings.split(",")
-    unknown = [n for n in names if n not in E.SETTINGS]
+    unknown = [n for n in names if n not in SETTINGS]
     if unknown:
-        ap.error(f"unknown settings {', '.join(unknown)}; choose among {', '.join(E.SETTINGS)}")
+        ap.error(f"unknown settings {', '.join(unknown)}; choose among {', '.join(SETTINGS)}")
     device, size, hw = shapes(args.smoke)
-    model, ctx = testbed(size=size, device=str(device))
+    model, ctx = testbed(size=size, device=str(device), prompt=args.prompt)
     chunks = 3 if args.smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
-    out = {"device": device_name(device), "chunk": chunks - 1}
+    out = {"device": device_name(device), "chunk": chunks - 1, "prompt": args.prompt}
     E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
     for name in names:
         r = profile_chunk(model, ctx, hw, name, chunks, device)
         out[name] = r
         print(f"{name}: wall {r['wall_ms']:.1f} ms (previous chunk {r['wall_previous_ms']:.1f}), "
-              f"GPU kernels {r['gpu_ms']:.1f} ms", flush=True)
+              f"GPU kernels {r['gpu_ms']:.1f} ms, AnnSA sparse layers {r.get('annsa_sparse')}, "
+              f"density {r.get('annsa_density')}", flush=True)
         for g, ms in r["groups_ms"].items():
             print(f"   {g:24s} {ms:8.1f} ms")
         for k in r["top_kernels"][:12]:
             print(f"     {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name'][:100]}")
-    write_json(args.out, "chunk_profile_smoke.json" if args.smoke else "chunk_profile.json", out)
+    name = "chunk_profile" + ("_wan" if args.prompt == "wan" else "") + ("_smoke" if args.smoke else "")
+    write_json(args.out, name + ".json", out)
 
 
 if __name__ == "__main__":
