@@ -10,7 +10,8 @@ copied into B's model) on the same prompt (``--prompt``: the Gaussian stand-in o
 chunks timed by its chunk reports; a rollout's time is the median of its last ``--steady`` chunks, where the
 cache is full and repeating chunks replay from their CUDA graph. Settings: ``fastar``, the FAST-AR defaults
 (``TempCacheConfig()`` with ``AnnConfig()``), ``window``, the dense sink 3 + window 12 cache, and
-``tempcache`` / ``tempcache12``, TempCache alone at its default budget and at 12 frames. Printed per
+``tempcache`` / ``tempcache12`` / ``tempcache15``, TempCache alone at its default budget and at 12 / 15 frames,
+and ``fastar12``, TempCache 12 with AnnSA. Printed per
 setting: A ms and B ms (medians over rounds), B/A (the median of each round's ratio: a drift of the clock
 cancels within a round) and how far B's latents lie from A's (relative, last round). Writes ab.json.
 
@@ -43,6 +44,8 @@ SETTINGS = {
     "window": lambda f: {"cache": f.CacheConfig("window", sink_frames=3, window_frames=12), "ann": None},
     "tempcache": lambda f: {"cache": f.TempCacheConfig(), "ann": None},
     "tempcache12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": None},
+    "tempcache15": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=15), "ann": None},
+    "fastar12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": f.AnnConfig()},
 }
 
 

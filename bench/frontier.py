@@ -2,7 +2,7 @@
 FAST-AR (TempCache B with AnnSA's top-p mass 0.95 / 0.9, each with the dense first step and without), each per
 chunk at steady state against PSNR / SSIM after 81 and after 240 real cached frames.
 
-  grid      windows W in 6 / 12 / 21 / 36 / 60 (sink 3); TempCache budgets B in 12 / 21 / 42 / 81 frames, alone
+  grid      windows W in 6 / 12 / 21 / 36 / 60 (sink 3); TempCache budgets B in 12 / 15 / 21 / 42 / 81 frames, alone
             and with AnnSA (keep_mass 0.95 / 0.9 over the 0.2 floor, ``dense_steps_fraction`` 0.3 / 0); with
             ``--fp8 linears`` every setting also has a twin whose blocks' linear layers run as fp8 GEMMs
             (``fastar.models.fp8_linears``; attention stays bf16: 8 bits lost to cuDNN there, bench/NOTES.md).
@@ -51,10 +51,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench as E  # noqa: E402
 from common import SENSITIVE, fastar, header, parser, random_prompt, shapes, testbed_model, write_json  # noqa: E402
-from testbed import testbed  # noqa: E402
+from testbed import prompt_context, testbed  # noqa: E402
 
 CHUNK, SINK = E.CHUNK, 3
-GRID = {"windows": (6, 12, 21, 36, 60), "budgets": (12, 21, 42, 81), "masses": (0.95, 0.9), "horizons": "81,240",
+GRID = {"windows": (6, 12, 21, 36, 60), "budgets": (12, 15, 21, 42, 81), "masses": (0.95, 0.9), "horizons": "81,240",
         "floor": "81"}
 SMOKE = {"windows": (3, 6), "budgets": (6, 12), "masses": (0.95, 0.9), "horizons": "9,15", "floor": "9"}
 PRECISIONS = {"none": (), "linears": (("+fp8", "fp8-linears"),)}  # name suffix, label
@@ -294,6 +294,8 @@ def main():
     ap.add_argument("--merge", action="store_true",
                     help="keep the settings of the --out folder's frontier.json this run does not measure (a run in parts)")
     ap.add_argument("--replot", metavar="JSON", help="draw and print a frontier.json (a run's, complete or not)")
+    ap.add_argument("--prompt", choices=("random", "wan"), default="random",
+                    help="the Gaussian stand-in or the clip's real prompt, for speed and fidelity (-> frontier_wan.json)")
     args = ap.parse_args()
     if args.replot:
         with open(args.replot) as f:
@@ -308,7 +310,7 @@ def main():
     floor &= set(horizons)
     device, size, hw = shapes(args.smoke)
     tic = time.time()
-    model, ctx = testbed(size=size, device=str(device))
+    model, ctx = testbed(size=size, device=str(device), prompt=args.prompt)
     fp8_model = fastar.models.fp8_linears(model) if args.fp8 == "linears" else None
     settings, meta = grid(g, args.fp8, fp8_model)
     if args.twins_only:
@@ -322,7 +324,8 @@ def main():
             ap.error(f"--only {args.only}: no setting starts so; they are {', '.join(grid(g, args.fp8)[1])}")
     settings = {n: s for n, s in settings.items() if n == "dense" or n in meta}
     model32 = testbed_model(fastar, size, device, torch.float32) if floor else None
-    ctx32 = random_prompt(model.text_dim, device, torch.float32)  # the fp32 testbed's, as e2e_bench's fidelity
+    ctx32 = (prompt_context(model.text_dim, device=device) if args.prompt == "wan"  # the fp32 testbed's
+             else random_prompt(model.text_dim, device, torch.float32))
     fid = E.Fidelity(model, model32, ctx32.to(model.dtype), horizons, hw, GEN_FRAMES, settings, floor)
     groups = fid.groups()
     print(f"{len(meta)} settings in {len(groups)} cached histories; timed chunks: "
@@ -337,7 +340,7 @@ def main():
         estimate = estimate_s(settings, meta, horizons, floor, args.extra_chunks)
         print(f"this run on an H200, estimated: {estimate['total'] / 60:.1f} minutes ({estimate})", flush=True)
 
-    out_name = "frontier_smoke.json" if args.smoke else "frontier.json"
+    out_name = "frontier" + ("_wan" if args.prompt == "wan" else "") + ("_smoke" if args.smoke else "") + ".json"
     earlier = None
     if args.merge and os.path.exists(os.path.join(args.out, out_name)):
         with open(os.path.join(args.out, out_name)) as f:
@@ -350,7 +353,7 @@ def main():
     result = {**header(device), "runs": (earlier or {}).get("runs", []) + [this_run], "complete": False,
               "shapes": {"height": hw[0], "width": hw[1], "chunk_frames": CHUNK, "model": size, "dtype": "bfloat16"},
               "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)",
-                          "prompt": "random", "video": "bench/realvideo.py's clips"},
+                          "prompt": args.prompt, "video": "bench/realvideo.py's clips"},
               "horizons": horizons, "generated_frames": GEN_FRAMES, "fp8": args.fp8,
               "timing": "per chunk: the median of the last 5 chunks of a rollout whose cache is full for them; "
                         "CUDA graphs where chunks repeat (fastar.rollout)",

@@ -115,8 +115,8 @@ class FastARAttention:
         else:
             if sparse and self.cache.clean_pass:  # where sparsity does not pay, the clean pass still plans:
                 self.annsa.plan(layer, q)         # the layer's density stays known (``AnnSA.review``)
-            out = attend_biased(q, keys, values, bias, self.cache.layout.bias) if bias is not None else \
-                attend(q, keys, values)
+            out = attend_biased(q, keys, values, bias, self.cache.layout.bias, self.cache.folded_keys(layer)) \
+                if bias is not None else attend(q, keys, values)
         if self.cache.clean_pass:
             self._write_history(layer, q)
         return out

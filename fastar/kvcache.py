@@ -83,7 +83,7 @@ class KVCache:
 
     def __init__(self, config, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, capacity_frames: int, spare_tokens: int = 0,
-                 device=None, dtype=torch.float32):
+                 key_pad: int = 0, device=None, dtype=torch.float32):
         if chunk_frames < 1:
             raise FastARError(f"chunk_frames must be >= 1, got {chunk_frames}")
         self.config = config
@@ -94,15 +94,18 @@ class KVCache:
         tokens = capacity_frames * tokens_per_frame + spare_tokens
         shape = (num_layers, batch, tokens, num_heads, head_dim)
         try:
-            # zeros, not empty: masked (-inf) rows must still hold finite values (0 * NaN = NaN)
-            self.k = torch.zeros(shape, device=self.device, dtype=dtype)
+            # zeros, not empty: masked (-inf) rows must still hold finite values (0 * NaN = NaN).
+            # ``key_pad`` channels after each key hold its bias folded for FA4 (``folded_keys``)
+            self._keys = torch.zeros((*shape[:-1], head_dim + key_pad), device=self.device, dtype=dtype)
+            self.k = self._keys[..., :head_dim] if key_pad else self._keys
             self.v = torch.zeros(shape, device=self.device, dtype=dtype)
             self.log_count_bias = (torch.zeros(num_layers, batch, num_heads, tokens, device=self.device)
                                    if self.has_bias else None)
         except torch.OutOfMemoryError:
-            gb = 2 * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() / 1e9
+            gb = (2 * head_dim + key_pad) / head_dim * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() / 1e9
             raise FastARError(f"a KV cache of {capacity_frames} frames needs {gb:.1f} GB and does not fit on "
                               f"{self.device}; use the window cache mode or fewer frames") from None
+        self.key_pad = key_pad
         self.frames_cached = 0    # frames committed so far
         self.frames_held = 0      # committed frames in frame slots (TempCache: sink frames only)
         self.layout: Layout | None = None
@@ -147,6 +150,12 @@ class KVCache:
         stop = self.layout.attended
         bias = self.log_count_bias[layer, ..., :stop] if self.has_bias else None
         return self.k[layer, :, :stop], self.v[layer, :, :stop], bias
+
+    def folded_keys(self, layer: int) -> torch.Tensor | None:
+        """The keys ``attend`` returns with their bias folded into ``key_pad`` more channels ([B, attended,
+        H, D + key_pad], ``kernels.flash4.fold_bias_channels``), for FA4 without a copy; None where the
+        cache keeps no fold."""
+        return self._keys[layer, :, :self.layout.attended] if self.key_pad else None
 
     def begin_clean_pass(self) -> None:
         """The next forward runs on the clean chunk: its K/V become history."""
@@ -216,7 +225,7 @@ class KVCache:
             tokens_held=self.frames_held * self.tokens_per_frame,
             dense_tokens=self.frames_cached * self.tokens_per_frame,
             capacity_tokens=self.capacity_frames * self.tokens_per_frame,
-            bytes=sum(t.nbytes for t in (self.k, self.v, self.log_count_bias) if t is not None),
+            bytes=sum(t.nbytes for t in (self._keys, self.v, self.log_count_bias) if t is not None),
             bytes_per_token=2 * self.num_layers * self.batch * self.num_heads * self.head_dim * self.k.element_size(),
         )
 

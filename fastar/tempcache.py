@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import flash4
 from ..kernels.merge_rows import merge_rows_auto
 from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
@@ -65,7 +66,11 @@ class TempCache(KVCache):
     head, every history slot has its group size ``count`` (0 = empty), the frame of its newest
     member ``newest`` and that member's position in its write ``token``; ``canon[l, b, h, i]``
     is head h's slot of token i (every head holds the same tokens, each in its own slot order
-    once AnnSA sorts them)."""
+    once AnnSA sorts them).
+
+    Where attention runs on FlashAttention-4, every key carries its log m in ``key_pad`` more channels
+    (``KVCache.folded_keys``), rewritten wherever the bias changes: the biased call then reads the cache
+    as it is, where folding per call copied every key 150 times a chunk."""
 
     has_bias = True
     writes_history = True
@@ -77,7 +82,9 @@ class TempCache(KVCache):
             raise FastARError(f"TempCacheConfig.max_cache_frames={config.max_cache_frames} leaves "
                               f"{config.history_frames} history frames besides {config.sink_frames} sink "
                               f"frames; at least one chunk ({chunk_frames} frames) is needed")
-        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1, **geometry)
+        fold = flash4.folds(geometry.get("device") or "cpu", geometry.get("dtype", torch.float32), geometry["head_dim"])
+        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1,
+                         key_pad=flash4.KEY_PAD if fold else 0, **geometry)
         self.history = self._rows(config.sink_frames + chunk_frames, config.history_frames)
         self.dump = self.k.shape[2] - 1
         shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
@@ -96,6 +103,16 @@ class TempCache(KVCache):
         self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
         self.log_count_bias[..., self._rows(0, config.sink_frames)] = float("-inf")  # empty
         self.log_count_bias[..., self.history] = float("-inf")
+        self._fold_bias(slice(None), slice(0, self.history.stop))
+
+    def _fold_bias(self, layers, rows: slice) -> None:
+        """Rewrite the folded bias channels of ``rows`` in ``layers`` from log m. Every row outside the
+        layout's bias window (the filled sink, the open chunk) has log m = 0, so the fold of log m is the
+        fold of the bias as a call applies it."""
+        if self.key_pad:
+            d = self.head_dim
+            flash4.fold_bias_channels(self._keys[layers, :, rows, :, d:d + 2], self.log_count_bias[layers, ..., rows],
+                                      d ** -0.5)
 
     def _begin(self, frames: int) -> Layout:
         sink, tpf = self.config.sink_frames, self.tokens_per_frame
@@ -105,6 +122,7 @@ class TempCache(KVCache):
         scratch = self.log_count_bias[..., self._rows(sink, self.chunk_frames)]
         scratch.zero_()
         scratch[..., frames * tpf:] = float("-inf")
+        self._fold_bias(slice(None), self._rows(0, sink + self.chunk_frames))  # the committed sink, this chunk
         sink_in_chunk = max(0, min(frames, sink - self.frames_cached))  # the chunk's frames that join the sink
         self._new = self._rows(sink + sink_in_chunk, frames - sink_in_chunk)
         first_new = self.frames_cached + sink_in_chunk
@@ -221,6 +239,7 @@ class TempCache(KVCache):
             evicted_total = evicted_total + evicted.sum()
         self.merged[layer] = merged_total
         self.evicted[layer] = evicted_total
+        self._fold_bias(layer, hist)
 
     @torch.no_grad()
     def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
@@ -234,6 +253,7 @@ class TempCache(KVCache):
         last = self.last_slots[layer]
         last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
         self.canon[layer].copy_(new_slot.gather(-1, self.canon[layer]))
+        self._fold_bias(layer, rows)
 
     def filled_rows(self, layer: int) -> torch.Tensor:
         return self.count[layer] > 0

@@ -17,7 +17,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MIN_KEYS", "attention", "available", "fold_bias_into_keys", "join", "runs"]
+__all__ = ["KEY_PAD", "MIN_KEYS", "attention", "available", "fold_bias_channels", "fold_bias_into_keys", "fold_queries",
+           "folds", "join", "runs"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,48 +56,70 @@ def runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 #: Channels the key fold adds: the bias's bf16 head and tail, padded to 16 (wgmma's K step).
-_KEY_PAD = 16
+KEY_PAD = 16
 #: The logit an empty slot (bias -inf) gets in the key fold: exp of it is 0 in fp32.
 _EMPTY = -1e4
+
+
+def folds(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over keys of this device, dtype and head dim goes to FA4 (``runs`` at enough
+    keys): where it does, TempCache keeps its keys folded (``fold_bias_channels``)."""
+    if not (torch.device(device).type == "cuda" and head_dim in (64, 128)):
+        return False
+    return available(torch.empty(0, device=device, dtype=dtype))
+
+
+def fold_bias_channels(out: torch.Tensor, key_bias: torch.Tensor, scale: float) -> None:
+    """Write ``key_bias`` [..., H, L] into the key channels ``out`` [..., L, H, 2] as hi + lo = bias / scale,
+    two bf16 parts whose sum carries 16 bits (-inf, an empty slot: a logit of -1e4)."""
+    target = (key_bias.clamp_min(_EMPTY) / scale).transpose(-1, -2)  # [..., L, H]
+    head = target.to(out.dtype)
+    out[..., 0] = head
+    out[..., 1] = (target - head.float()).to(out.dtype)
+
+
+def fold_queries(q: torch.Tensor) -> torch.Tensor:
+    """q' = [q | 1 1 | 0...] [B, L, H, D + 16]: against folded keys, scale * q' . k' = scale * q . k + bias."""
+    d = q.shape[-1]
+    qp = torch.zeros(*q.shape[:3], d + KEY_PAD, dtype=q.dtype, device=q.device)
+    qp[..., :d] = q
+    qp[..., d:d + 2] = 1.0
+    return qp
 
 
 def fold_bias_into_keys(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor,
                         window: tuple[int, int] | None = None, scale: float | None = None):
     """(q', k') [B, L, H, D + 16] with ``scale * q' . k' = scale * q . k + bias``: q' = [q | 1 1 | 0...],
-    k' = [k | hi lo | 0...], hi + lo = bias / scale in two bf16 parts (their sum carries 16 bits).
+    k' = [k | hi lo | 0...] (``fold_bias_channels``).
 
     Why: attention without a bias over them is the biased attention, its output rounded once, as a
     dense call's; the bias costs 16 more channels of q . k. (A per-score ``score_mod`` load ran at
     ~0.7x FA4's dense rate; the bias folded into the values as weights, 8 more value channels, at
     1.07-1.09x cuDNN's time with 1.6x its error: bench/NOTES.md.) ``key_bias`` [B, H, Lk] applies to keys
-    ``window`` (None: all); -inf (an empty slot) becomes a logit of -1e4.
+    ``window`` (None: all). A cache that keeps its keys folded (TempCache) spares the copy of k.
     """
     b, lk, h, d = k.shape
     scale = d ** -0.5 if scale is None else scale
     if window is not None:
         lo, hi = window
         key_bias = torch.nn.functional.pad(key_bias[..., lo:hi], (lo, lk - hi))
-    target = (key_bias.clamp_min(_EMPTY) / scale).transpose(1, 2)  # [B, Lk, H]
-    head = target.to(k.dtype)
-    kp = torch.zeros(b, lk, h, d + _KEY_PAD, dtype=k.dtype, device=k.device)
+    kp = torch.zeros(b, lk, h, d + KEY_PAD, dtype=k.dtype, device=k.device)
     kp[..., :d] = k
-    kp[..., d] = head
-    kp[..., d + 1] = (target - head.float()).to(k.dtype)
-    qp = torch.zeros(*q.shape[:3], d + _KEY_PAD, dtype=q.dtype, device=q.device)
-    qp[..., :d] = q
-    qp[..., d:d + 2] = 1.0
-    return qp, kp
+    fold_bias_channels(kp[..., d:d + 2], key_bias, scale)
+    return fold_queries(q), kp
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: torch.Tensor | None = None,
-              bias_window: tuple[int, int] | None = None,
+              bias_window: tuple[int, int] | None = None, folded: torch.Tensor | None = None,
               blocks: tuple[torch.Tensor, torch.Tensor] | None = None, block_size: tuple[int, int] = (128, 128)):
     """Softmax attention of q [B, Lq, H, D] over k / v [B, Lk, H, D]: (out [B, Lq, H, D], lse [B, H, Lq]).
 
     ``key_bias`` [B, H, Lk] fp32: an additive logit per key on keys ``bias_window`` (TempCache's log m;
-    -inf: an empty slot), folded into the keys (:func:`fold_bias_into_keys`). ``blocks`` = (counts
-    [B, H, nqb], indices [B, H, nqb, N]) int32: query block i (``block_size[0]`` queries) reads only
-    key blocks ``indices[..., i, :counts[..., i]]`` of ``block_size[1]`` keys each.
+    -inf: an empty slot), folded into the keys (:func:`fold_bias_into_keys`); ``folded`` [B, Lk, H, D + 16]:
+    the keys with that bias folded already (the cache's own, ``KVCache.folded_keys``; ``k`` and ``key_bias``
+    are then not read). ``blocks`` = (counts [B, H, nqb], indices [B, H, nqb, N]) int32: query block i
+    (``block_size[0]`` queries) reads only key blocks ``indices[..., i, :counts[..., i]]`` of
+    ``block_size[1]`` keys each.
     """
     interface, sparse_tensors = _module()
     kwargs = {}
@@ -106,7 +129,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: to
             mask_block_cnt=torch.zeros_like(counts), mask_block_idx=torch.zeros_like(idx),
             full_block_cnt=counts, full_block_idx=idx, block_size=block_size)
     scale = q.shape[-1] ** -0.5
-    if key_bias is not None:
+    if folded is not None:
+        q, k = fold_queries(q), folded
+    elif key_bias is not None:
         q, k = fold_bias_into_keys(q, k, key_bias, bias_window, scale)
     return tuple(interface._flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True, **kwargs)[:2])
 

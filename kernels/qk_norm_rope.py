@@ -45,16 +45,16 @@ def _check(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int) -> i
 
 
 def _check_out(out: Tensor | None, x: Tensor, num_heads: int, d: int) -> None:
-    """``out``: where the result goes (e.g. the KV cache's rows), [B, L, H, D] in x's dtype with
-    each row's H x D channels contiguous."""
+    """``out``: where the result goes (e.g. the KV cache's rows), [B, L, H, D] in x's dtype with each
+    head's D channels contiguous (heads may lie further apart: TempCache's folded keys)."""
     if out is None:
         return
     want = (x.shape[0], x.shape[1], num_heads, d)
     if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must be {x.dtype} {list(want)} on {x.device}, got {out.dtype} {list(out.shape)} "
                          f"on {out.device}")
-    if out.stride(3) != 1 or out.stride(2) != d:
-        raise ValueError(f"out's heads and channels must be contiguous, got strides {out.stride()}")
+    if out.stride(3) != 1 or out.stride(2) < d:
+        raise ValueError(f"out's channels must be contiguous and its heads apart, got strides {out.stride()}")
 
 
 def qk_norm_rope_torch(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int, eps: float = 1e-6,
@@ -75,7 +75,8 @@ def qk_norm_rope_torch(x: Tensor, weight: Tensor | None, freqs: Tensor, num_head
 if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_rows", "L"])
-    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, n_rows, L, stride_xb, stride_xl, stride_ob, stride_ol, eps,
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, f_ptr, o_ptr, n_rows, L, stride_xb, stride_xl, stride_ob, stride_ol,
+                             stride_oh, eps,
                              C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
                              HAS_NORM: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -96,7 +97,8 @@ if HAS_TRITON:
         cos = tl.load(f_row, mask=ok_pair, other=0.0)
         sin = tl.load(f_row + 1, mask=ok_pair, other=0.0)
         out = tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (ROWS, BLOCK_C))
-        tl.store(o_ptr + (b * stride_ob + l * stride_ol)[:, None] + cols[None, :], out.to(o_ptr.dtype.element_ty),
+        out_cols = cols // (2 * HALF) * stride_oh + cols % (2 * HALF)
+        tl.store(o_ptr + (b * stride_ob + l * stride_ol)[:, None] + out_cols[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=ok)
 
 
@@ -118,7 +120,7 @@ def qk_norm_rope(x: Tensor, weight: Tensor | None, freqs: Tensor, num_heads: int
             x = x.contiguous()
         _qk_norm_rope_kernel[(triton.cdiv(b * length, ROWS),)](
             x, weight if weight is not None else x, freqs.contiguous(), out, b * length, length, x.stride(0),
-            x.stride(1), out.stride(0), out.stride(1), float(eps), C=c, HALF=d // 2,
+            x.stride(1), out.stride(0), out.stride(1), out.stride(2), float(eps), C=c, HALF=d // 2,
             BLOCK_C=triton.next_power_of_2(c), ROWS=ROWS,
             HAS_NORM=weight is not None, num_warps=8 if c >= 1024 else 4)
     return out

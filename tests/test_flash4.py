@@ -119,3 +119,25 @@ def test_range_blocks_lists_the_blocks_a_plan_covers(merge):
                                                                     indexing="ij")]):
         listed = got_idx[b, h, i, :got_counts[b, h, i]].tolist()
         assert listed == want[b, h, i].nonzero().flatten().tolist()  # ascending: the partial block last
+
+
+@pytest.mark.cuda
+@cuda_fa4
+def test_folded_cache_rollout_equals_folding_per_call(monkeypatch):
+    """TempCache's keys kept folded (the cache's bias channels rewritten at every change) give FA4 the
+    same keys per call folding builds: a TempCache + AnnSA rollout at FA4's shapes (2 heads of 128,
+    1560 tokens a frame) is bit-identical either way."""
+    from comfyui_fastar.fastar import AnnConfig, Rollout, TempCacheConfig
+    from comfyui_fastar.fastar.models import WanConfig, build_model
+    model = build_model(WanConfig(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=64, freq_dim=64),
+                        device="cuda", dtype=torch.bfloat16, seed=2)
+    ctx = torch.randn(1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    kw = dict(frames=15, height=480, width=832, chunk_frames=3, seed=1, ann=AnnConfig(),
+              cache=TempCacheConfig(max_cache_frames=9, sink_frames=3))
+    folded = Rollout(model, ctx, **kw)
+    assert folded.cache.key_pad == flash4.KEY_PAD
+    out = folded.run()
+    monkeypatch.setattr(flash4, "folds", lambda device, dtype, head_dim: False)
+    per_call = Rollout(model, ctx, **kw)
+    assert per_call.cache.key_pad == 0
+    assert torch.equal(per_call.run(), out)

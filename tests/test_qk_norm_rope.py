@@ -85,6 +85,20 @@ def test_kernel_and_twin_write_into_the_cache_rows_given(device):
         qk_norm_rope_torch(x, weight, freqs, 3, out=torch.empty(2, 5, 8, 3, device=device).transpose(2, 3))
 
 
+def test_kernel_and_twin_write_heads_apart(device):
+    """``out`` as TempCache's folded keys: each head's D channels followed by 16 the kernel must not
+    touch (the folded bias)."""
+    gen = torch.Generator().manual_seed(8)
+    x, weight, freqs = _case(gen, 2, 5, 3, 8, torch.float32, device=device)
+    want = qk_norm_rope_torch(x, weight, freqs, 3)
+    for fn in (qk_norm_rope, qk_norm_rope_torch):
+        folded = torch.full((2, 5, 3, 24), 7.0, device=device)
+        rows = folded[..., :8]
+        assert fn(x, weight, freqs, 3, out=rows) is rows
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+        assert folded[..., 8:].eq(7).all()
+
+
 def test_kernel_takes_any_even_head_dim(device):
     gen = torch.Generator().manual_seed(4)
     x, weight, freqs = _case(gen, 1, 9, 3, 12, torch.float32, device=device)  # D/2 = 6, C = 36: neither a power of two

@@ -248,3 +248,70 @@ def test_a_short_chunk_attends_no_stale_scratch_rows():
         kv.attend(0, k, v)
         kv.write_history(0, k)
         kv.commit()
+
+
+def _fold_forced(monkeypatch):
+    """TempCache keeps its keys folded as it does where FlashAttention-4 runs (attention itself
+    stays on this machine's paths, which read the keys' first D channels)."""
+    from comfyui_fastar.kernels import flash4
+    monkeypatch.setattr(flash4, "folds", lambda device, dtype, head_dim: True)
+    return flash4
+
+
+@pytest.mark.parametrize("sink_frames,chunk_frames", [(1, 1), (2, 2), (0, 2)])
+def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames, chunk_frames):
+    """At every forward of every chunk (merges, AnnSA-style row permutations and a short chunk
+    included) the cache's folded keys are the per-call fold of ``attend``'s keys and bias over the
+    layout's bias window, and the cache's K, V and bias equal an unfolded cache's fed alike."""
+    flash4 = _fold_forced(monkeypatch)
+    cfg = TempCacheConfig(merge_threshold=0.5, max_cache_frames=sink_frames + 4, sink_frames=sink_frames)
+    folded = cache(cfg, chunk_frames=chunk_frames)
+    monkeypatch.undo()
+    plain = cache(cfg, chunk_frames=chunk_frames)
+    assert folded.key_pad == flash4.KEY_PAD and plain.key_pad == 0
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randn(1, chunk_frames * TPF, H, D, generator=gen)
+    for i in range(9):
+        frames = 1 if i == 6 else chunk_frames
+        for kv in (folded, plain):
+            kv.begin_chunk(kv.frames_cached, frames)
+        for clean in (False, True):
+            k = base[:, :frames * TPF] + 0.2 * torch.randn(1, frames * TPF, H, D, generator=gen)
+            v = torch.randn_like(k)
+            for kv in (folded, plain):
+                if clean:
+                    kv.begin_clean_pass()
+                keys, values, bias = kv.attend(0, k, v)
+            want = flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1]
+            assert torch.equal(folded.folded_keys(0), want)
+            assert folded.k.data_ptr() == folded.folded_keys(0).data_ptr()
+            if clean:
+                for kv in (folded, plain):
+                    kv.write_history(0, k)
+                perm = torch.stack([torch.randperm(folded.history.stop - folded.history.start, generator=gen)
+                                    for _ in range(H)])[None]
+                for kv in (folded, plain):
+                    kv.permute_rows(0, kv.history, perm)
+                keys, _, bias = folded.attend(0, k, v)
+                assert torch.equal(folded.folded_keys(0), flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1])
+        for kv in (folded, plain):
+            kv.commit()
+        assert torch.equal(folded.k, plain.k) and torch.equal(folded.v, plain.v)
+        assert torch.equal(folded.log_count_bias, plain.log_count_bias)
+    assert int(folded.count.max()) > 1  # keys merged: log m > 0 was folded
+
+
+def test_folded_rollout_equals_the_unfolded_one(monkeypatch):
+    """The folded layout changes where keys lie, not what is computed: a TempCache + AnnSA rollout
+    (the model writing its keys into the folded rows) is bit-identical to the unfolded one."""
+    from comfyui_fastar.fastar import AnnConfig
+    model = build_model("tiny", seed=3)
+    ctx = torch.randn(1, 5, model.text_dim)
+    kw = dict(frames=9, height=64, width=96, chunk_frames=3, seed=4,
+              cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=6, sink_frames=1), ann=AnnConfig())
+    plain = Rollout(model, ctx, **kw)
+    _fold_forced(monkeypatch)
+    folded = Rollout(model, ctx, **kw)
+    assert folded.cache.key_pad and not plain.cache.key_pad
+    assert torch.equal(folded.run(), plain.run())
+    assert torch.equal(folded.cache.k, plain.cache.k) and int(folded.cache.count.max()) > 1
