@@ -123,21 +123,26 @@ def test_range_blocks_lists_the_blocks_a_plan_covers(merge):
 
 @pytest.mark.cuda
 @cuda_fa4
-def test_folded_cache_rollout_equals_folding_per_call(monkeypatch):
-    """TempCache's keys kept folded (the cache's bias channels rewritten at every change) give FA4 the
-    same keys per call folding builds: a TempCache + AnnSA rollout at FA4's shapes (2 heads of 128,
-    1560 tokens a frame) is bit-identical either way."""
+def test_folded_cache_keeps_the_fold_of_its_bias_on_the_gpu():
+    """After a TempCache + AnnSA rollout at FA4's shapes (2 heads of 128, 1560 tokens a frame; merges on
+    the side stream, AnnSA's permutations), every layer's folded keys are the per-call fold of its keys
+    and bias, and the biased call on them equals the call that folds."""
     from comfyui_fastar.fastar import AnnConfig, Rollout, TempCacheConfig
     from comfyui_fastar.fastar.models import WanConfig, build_model
     model = build_model(WanConfig(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=64, freq_dim=64),
                         device="cuda", dtype=torch.bfloat16, seed=2)
     ctx = torch.randn(1, 8, 64, device="cuda", dtype=torch.bfloat16)
-    kw = dict(frames=15, height=480, width=832, chunk_frames=3, seed=1, ann=AnnConfig(),
-              cache=TempCacheConfig(max_cache_frames=9, sink_frames=3))
-    folded = Rollout(model, ctx, **kw)
-    assert folded.cache.key_pad == flash4.KEY_PAD
-    out = folded.run()
-    monkeypatch.setattr(flash4, "folds", lambda device, dtype, head_dim: False)
-    per_call = Rollout(model, ctx, **kw)
-    assert per_call.cache.key_pad == 0
-    assert torch.equal(per_call.run(), out)
+    run = Rollout(model, ctx, frames=15, height=480, width=832, chunk_frames=3, seed=1, ann=AnnConfig(),
+                  cache=TempCacheConfig(max_cache_frames=9, sink_frames=3, merge_threshold=0.3))
+    cache = run.cache
+    assert cache.key_pad == flash4.KEY_PAD
+    run.run()
+    cache.begin_chunk(cache.frames_cached, 3)
+    q = torch.randn(1, 3 * 1560, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for layer in range(2):
+        keys, values, bias = cache.k[layer, :, :cache.layout.attended], cache.v[layer, :, :cache.layout.attended], \
+            cache.log_count_bias[layer, ..., :cache.layout.attended]
+        want = flash4.fold_bias_into_keys(q, keys, bias, cache.layout.bias)[1]
+        assert torch.equal(cache.folded_keys(layer), want)
+        assert torch.equal(sdpa.attend_biased(q, keys, values, bias, cache.layout.bias, cache.folded_keys(layer)),
+                           sdpa.attend_biased(q, keys, values, bias, cache.layout.bias))
