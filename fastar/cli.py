@@ -42,15 +42,15 @@ def parse_args(argv):
                         "TempCache: sink + a token budget with merging (default)")
     p.add_argument("--sink-frames", type=int, default=3, help="window/tempcache: first frames always kept (default 3)")
     p.add_argument("--window-frames", type=int, default=12, help="window cache: recent frames kept (default 12)")
-    p.add_argument("--max-cache-frames", type=int, default=21,
-                   help="tempcache: token budget in latent frames, sink included (default 21)")
+    p.add_argument("--max-cache-frames", type=int, default=TempCacheConfig.max_cache_frames,
+                   help=f"tempcache: token budget in latent frames, sink included (default {TempCacheConfig.max_cache_frames})")
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
-    p.add_argument("--ann", choices=("none", "quant"),
-                   help="AnnSA sparse attention at the default AnnConfig (AnnCA off; needs --cache "
-                        "tempcache or unbounded); default quant with tempcache (all of FAST-AR), none with the "
-                        "unbounded and window baselines")
+    p.add_argument("--ann", choices=("none", "quant"), default="none",
+                   help="AnnSA sparse attention at the default AnnConfig (AnnCA off; needs --cache tempcache or "
+                        "unbounded); pays only with long budgets (--max-cache-frames 21 and more), on content whose "
+                        "attention spreads over the history (default none)")
     p.add_argument("--keep-mass", type=float, help="--ann quant: each query block reads history blocks until they, the "
                    "sink and its own chunk hold this share of its estimated attention mass; 0: --keep-fraction "
                    f"alone (default {AnnConfig.keep_mass})")
@@ -148,8 +148,6 @@ def _run(args, device, group) -> list[dict]:
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
-    if args.ann is None:  # the default cache runs all of FAST-AR; the baselines stay dense
-        args.ann = "quant" if args.cache == "tempcache" else "none"
     keep = {k: v for k, v in (("keep_mass", args.keep_mass), ("keep_fraction", args.keep_fraction)) if v is not None}
     if keep and args.ann != "quant":
         raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's quant plan: add --ann quant")

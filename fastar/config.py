@@ -59,11 +59,13 @@ class TempCacheConfig:
     ``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
     TempCache is measured against.
 
-    Why 0.95: on the sensitized testbed (bench/testbed.py) it is the best threshold at the
-    21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
+    Why 12 frames: the largest budget at the time of LongLive's sink 3 + window 12 cache (which holds
+    15), where it keeps more of the past; a longer budget keeps more at more time per chunk (bench/NOTES.md,
+    "the 12-frame point"). Why 0.95: on the sensitized testbed (bench/testbed.py) it is the best
+    threshold at the 21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
     enabled: bool = True
     merge_threshold: float = 0.95
-    max_cache_frames: int = 21
+    max_cache_frames: int = 12
     sink_frames: int = 3
 
     def __post_init__(self):

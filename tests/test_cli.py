@@ -113,14 +113,20 @@ def _engine_kwargs(monkeypatch, key):
     return seen
 
 
-def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys, monkeypatch):
-    """No --ann: AnnSA quant on the default TempCache cache; the unbounded and window baselines dense."""
-    from comfyui_fastar.fastar import AnnConfig
+def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsys, monkeypatch):
+    """No --ann: TempCache at its default budget without AnnSA (the defaults); --ann quant adds AnnSA,
+    whose density and share of sparse layers the table and the lines report."""
+    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
 
     seen = _engine_kwargs(monkeypatch, "ann")
+    caches = _engine_kwargs(monkeypatch, "cache")
     args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     table = tmp_path / "t.json"
     assert main(args + ["--json", str(table)]) == 0
+    assert seen[-1] is None and caches[-1] == TempCacheConfig() and json.loads(table.read_text())["ann"] == "none"
+    out = capsys.readouterr().out
+    assert "AnnSA reads" not in out and "of layers" not in out
+    assert main(args + ["--ann", "quant", "--json", str(table)]) == 0
     assert seen[-1] == AnnConfig() and json.loads(table.read_text())["ann"] == "quant"
     rows = json.loads(table.read_text())["chunks"]
     assert all(0 < r["annsa_density"] <= 1 for r in rows) and rows[-1]["annsa_density"] < 1  # sparse at the end
@@ -130,13 +136,7 @@ def test_cli_default_is_all_of_fastar_and_baselines_stay_dense(tmp_path, capsys,
     lines = [line for line in out.splitlines() if line.startswith("chunk ")]
     assert len(lines) == len(rows) and all(f"sparse in {r['annsa_sparse']:4.0%} of layers" in line
                                            for line, r in zip(lines, rows))
-    for cache in ("unbounded", "window"):
-        assert main(args + ["--cache", cache]) == 0
-        assert seen[-1] is None
-    out = capsys.readouterr().out
-    assert "AnnSA reads" not in out and "of layers" not in out
-    assert main(args + ["--ann", "none"]) == 0 and seen[-1] is None
-    assert main(args + ["--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9  # the default cache's quant plan
+    assert main(args + ["--ann", "quant", "--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9
 
 
 def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
