@@ -3,7 +3,7 @@
 Cached history never changes after the clean pass writes it, so each layer's history is hashed
 (``fastar.lsh``) and *physically* bucket-sorted once per chunk, right after the clean pass wrote
 it (``AnnSA.index_history``): K, V, TempCache's key bias and its slot state are permuted per head
-in place (``KVCache.permute_rows``). Why physical order, not index lists: the block-sparse kernel
+in place (``KVCache.held_keys``, ``KVCache.sort_history``). Why physical order, not index lists: the block-sparse kernel
 streams contiguous key *ranges*; sorted, keys alike sit in the same blocks, a picked block is one
 range and touching picks fuse. Attention is a sum over a key *set*, so slot order never changes
 a dense result. A window cache's ring writes whole frames into frame slots, which a sort would
@@ -98,23 +98,22 @@ class AnnSA:
         """After the clean pass wrote the layer: hash its history, sort it by bucket in place and
         make the key blocks' means. Empty TempCache slots sort last."""
         cache, nb, layout = self.cache, self.config.buckets, self.cache.layout
-        rows = layout.resort
-        code = self.lsh.hash(self.lsh.planes[layer], cache.k[layer, :, rows])       # [B, H, M]
-        filled = cache.filled_rows(layer)
+        keys, filled, _ = cache.held_keys(layer, layout.resort)
+        code = self.lsh.hash(self.lsh.planes[layer], keys)                             # [B, H, M]
         if filled is not None:
             code = torch.where(filled, code, nb)
         perm = torch.argsort(code.to(torch.int16), dim=-1, stable=True)  # ids < 2**13: a 16-bit radix sort
-        cache.permute_rows(layer, rows, perm)
-        bias = cache.log_count_bias[layer, :, :, rows] if cache.has_bias else None
-        reps = self._block_means(cache.k[layer, :, rows], code.gather(-1, perm) < nb, bias)
+        cache.sort_history(layer, perm)
+        keys, _, log_m = cache.held_keys(layer, layout.resort)
+        reps = self._block_means(keys, code.gather(-1, perm) < nb, log_m)
         self.reps[layer] = _refresh(self.reps[layer], reps)
         sink = layout.sink
         if self.config.keep_mass > 0 and sink:
             # the sink as committed so far: a chunk's own sink frames are committed after this write,
             # so the plans read them one chunk later (until then they count as empty)
-            filled = cache.log_count_bias[layer, :, :, :sink] > float("-inf")
+            keys, filled, _ = cache.held_keys(layer, slice(0, sink))
             means, counts, ns = self._fixed_blocks(layer, sink, layout.chunk)
-            block_means_auto(cache.k[layer, :, :sink], filled, KEY_BLOCK, out=(means[:, :, :ns], counts[:, :, :ns]))
+            block_means_auto(keys, filled, KEY_BLOCK, out=(means[:, :, :ns], counts[:, :, :ns]))
 
     @staticmethod
     def _block_means(k: torch.Tensor, filled: torch.Tensor, bias: torch.Tensor | None):
@@ -139,15 +138,15 @@ class AnnSA:
         ``attend`` returned: (ranges [B, H, nqb, R, 2], range_counts [B, H, nqb])."""
         layout = self.cache.layout
         chunk = layout.chunk
-        plan = self._quant_plan(q, self.reps[layer], layer, self.cache.k[layer, :, chunk], rows=layout.history,
+        plan = self._quant_plan(q, self.reps[layer], layer, self.cache.held_keys(layer, chunk)[0], rows=layout.history,
                                 sink=layout.sink, chunk_start=chunk.start, chunk_stop=chunk.stop,
                                 reads=self._reads(layer, q))
         self.attended[layer] = layout.attended
         return plan
 
-    def review(self, average=None) -> None:
+    def review(self, average=None) -> torch.Tensor:
         """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
-        chunk earlier. The densities are copied to the host as this chunk's work ends, without a
+        chunk earlier; returns this chunk's densities [num_layers] (a device tensor, the chunk's report's). The densities are copied to the host as this chunk's work ends, without a
         sync, and read at the next review (waiting, if need be, for that chunk's end): the decisions
         are the same however far the host runs ahead, and the host runs at most a chunk ahead.
         ``average``: where this AnnSA holds part of the heads (head parallelism), the densities'
@@ -167,6 +166,7 @@ class AnnSA:
             self._review = (host, event)
         else:
             self._review = (density, None)
+        return density
 
     def _decide(self, densities: list[float]) -> None:
         for layer, d in enumerate(densities):

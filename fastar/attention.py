@@ -20,7 +20,7 @@ from .annsa import AnnSA
 from .config import AnnConfig
 from .errors import FastARError
 from .lsh import LSH
-from .sdpa import attend, attend_biased, side_stream
+from .sdpa import attend, attend_biased
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -102,6 +102,13 @@ class FastARAttention:
             return self.cache.graph_key(), None
         return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays)
 
+    def begin_clean_pass(self) -> None:
+        """The next forward is the clean pass: its K/V become the cache's history, and it runs as the
+        step after the last (``num_steps``), as AnnSA's schedule counts it. The one place a rollout, a
+        replayed chunk graph and a re-encoding pass make this transition."""
+        self.cache.begin_clean_pass()
+        self.step = self.num_steps
+
     def _sparse(self, layer: int) -> bool:
         return self.ann.sparse_at(layer, self.step, self.num_steps)
 
@@ -145,13 +152,9 @@ class FastARAttention:
                 self.annsa.index_history(layer)
 
         # a side stream only where there is device work to overlap: a TempCache merge or a re-sort
-        if not (q.is_cuda and (self.cache.writes_history or index)):
-            return write()
-        side = side_stream(q.device, "writes")
-        side.wait_stream(torch.cuda.current_stream(q.device))  # the layer's K/V of this pass are ready
-        q.record_stream(side)  # q is the only per-call tensor the writes may read
-        self.cache.write_stream = side
-        with torch.cuda.stream(side):
+        if q.is_cuda and (self.cache.writes_history or index):
+            self.cache.write_aside(write, q)
+        else:
             write()
 
     def cross_kv(self, context: torch.Tensor, make):

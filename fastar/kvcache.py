@@ -8,6 +8,7 @@ driven by the rollout engine:
     rows(layer)                 where a forward writes the chunk's K/V (a model may compute them there)
     attend(layer, k, v)         the K/V (and TempCache's key bias) a call attends: rows [0, attended)
     begin_clean_pass()          the next forward is the clean pass: its K/V become history
+                                (``FastARAttention.begin_clean_pass``, which also moves its step)
     write_history(layer, q)     in the clean pass, once the layer has attended (TempCache merges)
     commit()                    the chunk becomes history
     stats(), graph_key()
@@ -15,8 +16,8 @@ driven by the rollout engine:
 Denoising forwards overwrite the chunk's rows without committing, so history is written once,
 by the clean pass, and never changes afterwards. Frame bookkeeping is in Python integers known
 from the schedule (TempCache's slot state lives on the device): no host sync per layer. On CUDA
-the clean pass's history writes may run on a side stream (``write_stream``, set by
-``FastARAttention``); ``join_writes`` (the engine's, before a chunk's CUDA graph ends) and
+the clean pass's history writes may run on a side stream (``write_aside``, which
+``FastARAttention`` calls; the cache alone holds that stream); ``join_writes`` (the engine's, before a chunk's CUDA graph ends) and
 ``commit`` wait for them.
 
 The frame caches live here: ``unbounded`` (every frame, one slot each) and ``window`` (sink +
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.rows import gather_rows_auto
+from .sdpa import side_stream
 from .config import CacheConfig
 from .errors import FastARError
 
@@ -79,7 +81,7 @@ class KVCache:
 
     has_bias = False        # a per-key log-count bias (TempCache's log m) exists
     writes_history = False  # ``write_history`` does device work (the engine may overlap it)
-    sortable = False        # history rows may be reordered (AnnSA's sort)
+    sortable = False        # history rows may be reordered (AnnSA's sort: ``Layout.resort``, ``sort_history``)
 
     def __init__(self, config, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, capacity_frames: int, spare_tokens: int = 0,
@@ -111,7 +113,7 @@ class KVCache:
         self.layout: Layout | None = None
         self._open: tuple[int, int] | None = None  # (first frame slot, frames) of the open chunk
         self._writing = False
-        self.write_stream = None  # a side stream still writing history (FastARAttention's clean pass)
+        self.write_stream = None  # the side stream still writing history (``write_aside``), until ``join_writes``
 
     def _rows(self, first_slot: int, frames: int) -> slice:
         return slice(first_slot * self.tokens_per_frame, (first_slot + frames) * self.tokens_per_frame)
@@ -172,6 +174,17 @@ class KVCache:
         """The clean pass's history write of one layer, once it has attended (q [B, n, H, D]).
         Frame caches write whole frames at ``commit``."""
 
+    def write_aside(self, write, q: torch.Tensor) -> None:
+        """Run ``write()`` (a layer's history writes) on the side stream, after the work queued so far (the
+        layer's K/V of this pass); ``join_writes`` ends it. ``q``, the only per-call tensor the writes may
+        read, is kept alive for that stream."""
+        side = side_stream(q.device, "writes")
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        q.record_stream(side)
+        self.write_stream = side
+        with torch.cuda.stream(side):
+            write()
+
     def join_writes(self) -> None:
         """Make the current stream wait for history writes still running on ``write_stream``."""
         if self.write_stream is not None:
@@ -203,20 +216,29 @@ class KVCache:
         window cache, never with an unbounded one (its history grows)."""
         return self.layout, self.frames_held
 
+    def held_keys(self, layer: int, rows: slice):
+        """A layer's keys in ``rows`` [B, M, H, D] with which of them hold a key [B, H, M] and their log
+        multiplicity [B, H, M] (both None where every row holds one key: no bias): what AnnSA hashes, sorts
+        and summarizes."""
+        keys = self.k[layer, :, rows]
+        if not self.has_bias:
+            return keys, None, None
+        log_m = self.log_count_bias[layer, :, :, rows]
+        return keys, log_m > float("-inf"), log_m
+
     @torch.no_grad()
-    def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
-        """Reorder history ``rows`` of a layer per head: new row i takes old row perm[b, h, i].
+    def sort_history(self, layer: int, perm: torch.Tensor) -> None:
+        """Reorder the layout's ``resort`` rows of a layer per head: new row i takes old row perm[b, h, i].
         Attention is over a key set, so this changes no result."""
+        rows = self.layout.resort
+        if rows is None:
+            raise FastARError("this cache's rows keep their order (its layout has no resort span)")
         for buf in (self.k, self.v):
             part = buf[layer, :, rows]
             part.copy_(gather_rows_auto(part, perm))
         if self.has_bias:
             bias = self.log_count_bias[layer, :, :, rows]
             bias.copy_(bias.gather(-1, perm))
-
-    def filled_rows(self, layer: int) -> torch.Tensor | None:
-        """Bool [B, H, M] of the layout's ``resort`` rows holding a key; None where all do."""
-        return None
 
     def stats(self) -> CacheStats:
         """Sizes after the last commit."""

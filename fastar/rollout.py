@@ -27,7 +27,6 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .annsa import AnnSA
 from .attention import FastARAttention
 from .config import AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
@@ -68,7 +67,8 @@ class ChunkReport:
     latency_s: float
     cache: CacheStats
     latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
-    annsa: AnnSA | None = field(default=None, repr=False)
+    # each layer's AnnSA plan density as this chunk ended (a device tensor: read only when asked)
+    annsa_densities: torch.Tensor | None = field(default=None, repr=False)
     prompt: int = 0  # the prompt this chunk was generated with (0: ``context``, i: the i-th switch)
     # the share of AnnSA's layers that ran sparse in this chunk, the rest dense where sparsity did not
     # pay (``AnnSA.review``; None: no AnnSA)
@@ -76,10 +76,10 @@ class ChunkReport:
 
     @cached_property
     def annsa_density(self) -> float | None:
-        """Keys AnnSA's plans of this chunk's clean pass read / keys they attend (None: no AnnSA).
-        Read when first asked, inside ``on_chunk`` (the next chunk's plans overwrite what it reads):
-        a report nobody asks costs no host sync."""
-        return None if self.annsa is None else self.annsa.density.mean().item()
+        """Keys AnnSA's plans of this chunk's clean pass read / keys they attend (None: no AnnSA), from
+        the report's own snapshot: read when first asked, at any time; a report nobody asks costs no
+        host sync."""
+        return None if self.annsa_densities is None else self.annsa_densities.mean().item()
 
 
 def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
@@ -139,8 +139,7 @@ class CleanPasses:
             x0, frame = latents[:, :, i:i + r.chunk_frames], start + i
             r.cache.begin_chunk(frame, r.chunk_frames)
             key = r.attention.graph_key() if r.cuda_graphs and r.attention.graph_safe else None
-            r.cache.begin_clean_pass()
-            r.attention.step = len(r.sigmas)
+            r.attention.begin_clean_pass()
             if key is None or key != self.last:
                 self.last = key
                 self._pass(x0, frame)
@@ -300,8 +299,7 @@ class Rollout:
             noise = [self.noise(c, s, self.chunk_shape, self.device) for s in range(len(self.sigmas))]
             return self._denoise(noise, start)
         if self._graph.key == key:  # the Python-level transitions a chunk's forwards make; the graph's device work
-            self.cache.begin_clean_pass()
-            self.attention.step = len(self.sigmas)
+            self.attention.begin_clean_pass()
 
         def buffers():
             return ([torch.empty(self.chunk_shape, device=self.device) for _ in self.sigmas],
@@ -325,8 +323,7 @@ class Rollout:
             if step + 1 < len(self.sigmas):
                 nxt = self.sigmas[step + 1]
                 x = (1 - nxt) * x0 + nxt * noise[step + 1]
-        self.cache.begin_clean_pass()
-        self.attention.step = len(self.sigmas)  # the clean pass: the step after the last
+        self.attention.begin_clean_pass()
         self.fill_cache(x0, frame_offset)
         self.cache.join_writes()  # inside the chunk's CUDA graph, which must end on its own stream
         return x0
@@ -362,14 +359,15 @@ class Rollout:
             x0 = self.sample_chunk(c)
             self.cache.commit()
             sparse = self._sparse_share()  # this chunk's, before the review decides the next ones'
+            densities = None
             if self.attention.annsa is not None:
-                self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)
+                densities = self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)
             out[:, :, start:start + self.chunk_frames] = x0
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
-                                     time.perf_counter() - tic, self.cache.stats(), x0, self.attention.annsa,
+                                     time.perf_counter() - tic, self.cache.stats(), x0, densities,
                                      self.prompt, sparse))
         return out
 

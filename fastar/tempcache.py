@@ -242,10 +242,10 @@ class TempCache(KVCache):
         self._fold_bias(layer, hist)
 
     @torch.no_grad()
-    def permute_rows(self, layer: int, rows: slice, perm: torch.Tensor) -> None:
+    def sort_history(self, layer: int, perm: torch.Tensor) -> None:
         """Reorder history slots per head; the slot state follows (eviction breaks ties by write
         position, never by slot index, so no decision changes)."""
-        super().permute_rows(layer, rows, perm)
+        super().sort_history(layer, perm)
         for state in (self.count[layer], self.newest[layer], self.token[layer]):
             state.copy_(state.gather(-1, perm))
         new_slot = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device)
@@ -253,10 +253,7 @@ class TempCache(KVCache):
         last = self.last_slots[layer]
         last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
         self.canon[layer].copy_(new_slot.gather(-1, self.canon[layer]))
-        self._fold_bias(layer, rows)
-
-    def filled_rows(self, layer: int) -> torch.Tensor:
-        return self.count[layer] > 0
+        self._fold_bias(layer, self.history)
 
     def stats(self) -> CacheStats:
         """Sizes after the last commit (reads a few device scalars)."""

@@ -291,7 +291,7 @@ def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames,
                 perm = torch.stack([torch.randperm(folded.history.stop - folded.history.start, generator=gen)
                                     for _ in range(H)])[None]
                 for kv in (folded, plain):
-                    kv.permute_rows(0, kv.history, perm)
+                    kv.sort_history(0, perm)
                 keys, _, bias = folded.attend(0, k, v)
                 assert torch.equal(folded.folded_keys(0), flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1])
         for kv in (folded, plain):
