@@ -61,15 +61,15 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
         n_sink = max(0, min(CHUNK, SINK - c * CHUNK)) * TPF
         new = slice(span.start + n_sink, span.stop)
         if new.stop > new.start:
-            slots = tc.last_slots[0, 0, :, -(new.stop - new.start):]
-            placed = tc.count[0, 0].gather(1, slots.clamp_min(0)) == 1
+            slots = tc._last_slots[0, 0, :, -(new.stop - new.start):]
+            placed = tc._count[0, 0].gather(1, slots.clamp_min(0)) == 1
             for h in range(heads):  # tokens whose slot a newly placed token took are evicted
                 taken = slots[h][placed[h]]
                 old = owner[h, :new.start]
                 owner[h, :new.start] = torch.where(torch.isin(old, taken), -1, old)
             owner[:, new] = slots
             written += (new.stop - new.start)
-            merged += int(tc.merged[0].item()) / heads
+            merged += int(tc._merged[0].item()) / heads
 
     # the query chunk over the compressed cache and over the dense one
     q = query_q[layer]
@@ -106,7 +106,7 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
             group_recalls.append(group_recall.mean().item())
             hist_recalls.append((hist_kept.sum() / p_dense[:, sink_tok:own.start].sum()).item())
             p_tok[:, :sink_tok] = p_c[:, :sink_tok]
-            cnt = kv.count[0, 0, h]
+            cnt = kv._count[0, 0, h]
             contrib = p_c[:, hist.start + o.clamp_min(0)] / cnt[o.clamp_min(0)].clamp_min(1)
             p_tok[:, sink_tok:own.start] = torch.where((o >= 0)[None], contrib, 0.0)
         else:  # sink + window cache: a frame slot holds the last frame the ring put there

@@ -63,10 +63,11 @@ class TempCache(KVCache):
     """Rows ``[sink | open chunk | history slots | dump]``: the open chunk sits right after the
     sink, so the keys every query reads dense and unbiased are one span (``Layout.fixed``: one
     cuDNN call). The history's key bias is log m (-inf on empty slots); per layer, batch and
-    head, every history slot has its group size ``count`` (0 = empty), the frame of its newest
-    member ``newest`` and that member's position in its write ``token``; ``canon[l, b, h, i]``
+    head, every history slot has its group size ``_count`` (0 = empty), the frame of its newest
+    member ``_newest`` and that member's position in its write ``_token``; ``_canon[l, b, h, i]``
     is head h's slot of token i (every head holds the same tokens, each in its own slot order
-    once AnnSA sorts them).
+    once AnnSA sorts them). That merge state is the cache's own: callers see log m (``attend``,
+    ``held_keys``) and ``stats``.
 
     Where attention runs on FlashAttention-4, every key carries its log m in ``key_pad`` more channels
     (``KVCache.folded_keys``), rewritten wherever the bias changes: the biased call then reads the cache
@@ -89,15 +90,15 @@ class TempCache(KVCache):
         self.dump = self.k.shape[2] - 1
         shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
         device = self.device
-        self.count = torch.zeros(shape, device=device)
-        self.newest = torch.full(shape, -1, dtype=torch.long, device=device)
-        self.token = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.canon = torch.arange(shape[-1], device=device).expand(shape).contiguous()
+        self._count = torch.zeros(shape, device=device)
+        self._newest = torch.full(shape, -1, dtype=torch.long, device=device)
+        self._token = torch.zeros(shape, dtype=torch.int32, device=device)
+        self._canon = torch.arange(shape[-1], device=device).expand(shape).contiguous()
         # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
-        self.merged = torch.zeros(self.num_layers, dtype=torch.long, device=device)
-        self.evicted = torch.zeros(self.num_layers, dtype=torch.long, device=device)
+        self._merged = torch.zeros(self.num_layers, dtype=torch.long, device=device)
+        self._evicted = torch.zeros(self.num_layers, dtype=torch.long, device=device)
         # history slot each token of the last write went to (-1: dropped), per layer and head
-        self.last_slots = torch.full((*shape[:3], chunk_frames * tpf), -1, dtype=torch.long, device=device)
+        self._last_slots = torch.full((*shape[:3], chunk_frames * tpf), -1, dtype=torch.long, device=device)
         # frame of each token the open chunk's clean pass merges (a fixed buffer: a chunk's
         # forwards may be replayed from a CUDA graph, which reads it)
         self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
@@ -191,8 +192,8 @@ class TempCache(KVCache):
         token = torch.arange(n, device=k.device)
         merged_total = evicted_total = 0
         for b in range(b_size):
-            count, newest, written = self.count[layer, b], self.newest[layer, b], self.token[layer, b]  # [H, M]
-            canon = self.canon[layer, b]
+            count, newest, written = self._count[layer, b], self._newest[layer, b], self._token[layer, b]  # [H, M]
+            canon = self._canon[layer, b]
             kb, vb = k[b], v[b]
             new_k, new_v = kb[new], vb[new]                              # [N, H, D]
             filled = count > 0
@@ -234,11 +235,11 @@ class TempCache(KVCache):
                 padded.index_copy_(0, slot_new, value.to(state.dtype))
                 state.copy_(padded[:-1].view(h, m_slots))
             bias[b, :, hist] = torch.where(count > 0, count.clamp_min(1).log(), float("-inf"))
-            self.last_slots[layer, b, :, -n:] = torch.where(merge, at, torch.where(place, dest, -1))
+            self._last_slots[layer, b, :, -n:] = torch.where(merge, at, torch.where(place, dest, -1))
             merged_total = merged_total + merge.sum()
             evicted_total = evicted_total + evicted.sum()
-        self.merged[layer] = merged_total
-        self.evicted[layer] = evicted_total
+        self._merged[layer] = merged_total
+        self._evicted[layer] = evicted_total
         self._fold_bias(layer, hist)
 
     @torch.no_grad()
@@ -246,21 +247,21 @@ class TempCache(KVCache):
         """Reorder history slots per head; the slot state follows (eviction breaks ties by write
         position, never by slot index, so no decision changes)."""
         super().sort_history(layer, perm)
-        for state in (self.count[layer], self.newest[layer], self.token[layer]):
+        for state in (self._count[layer], self._newest[layer], self._token[layer]):
             state.copy_(state.gather(-1, perm))
         new_slot = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device)
                                                    .expand_as(perm))  # old slot -> new slot
-        last = self.last_slots[layer]
+        last = self._last_slots[layer]
         last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
-        self.canon[layer].copy_(new_slot.gather(-1, self.canon[layer]))
+        self._canon[layer].copy_(new_slot.gather(-1, self._canon[layer]))
         self._fold_bias(layer, self.history)
 
     def stats(self) -> CacheStats:
         """Sizes after the last commit (reads a few device scalars)."""
         base = super().stats()
         per_head = self.num_layers * self.batch * self.num_heads
-        held = (self.count > 0).float().sum(-1).mean((1, 2))  # filled slots per layer
-        state = sum(t.nbytes for t in (self.count, self.newest, self.token, self.canon))
+        held = (self._count > 0).float().sum(-1).mean((1, 2))  # filled slots per layer
+        state = sum(t.nbytes for t in (self._count, self._newest, self._token, self._canon))
         return CacheStats(
             frames_cached=base.frames_cached,
             tokens_held=base.tokens_held + round(held.mean().item()),
@@ -268,6 +269,6 @@ class TempCache(KVCache):
             capacity_tokens=base.capacity_tokens,
             bytes=base.bytes + state,
             bytes_per_token=base.bytes_per_token,
-            merged=round(self.merged.sum().item() / per_head),
-            evicted=round(self.evicted.sum().item() / per_head),
+            merged=round(self._merged.sum().item() / per_head),
+            evicted=round(self._evicted.sum().item() / per_head),
         )

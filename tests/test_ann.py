@@ -483,20 +483,20 @@ def test_annsa_sort_never_changes_what_tempcache_evicts(enabled):
         tc, commit = attn.cache, attn.cache.commit
         totals[name] = torch.zeros(2, dtype=torch.long)
         attn.cache.commit = lambda t=totals[name], tc=tc, commit=commit: (
-            t.add_(torch.stack([tc.merged.sum(), tc.evicted.sum()])), commit())
+            t.add_(torch.stack([tc._merged.sum(), tc._evicted.sum()])), commit())
     q, k, v = fill(sparse, 6, torch.Generator().manual_seed(3), centers)
     fill(dense, 6, torch.Generator().manual_seed(3), centers)
     assert torch.equal(totals["sparse"], totals["dense"]), totals
     assert (totals["dense"][0] > 0) == enabled and totals["dense"][1] > 0
     rows = dense.cache.layout.history
-    held = [c.cache.k[0, :, rows][c.cache.count[0].transpose(1, 2)[..., None].expand(-1, -1, -1, D) > 0]
+    held = [c.cache.k[0, :, rows][c.cache._count[0].transpose(1, 2)[..., None].expand(-1, -1, -1, D) > 0]
             for c in (sparse, dense)]
     assert torch.equal(held[0].sort().values, held[1].sort().values)
     # the shared match's head alignment followed every sort: token i's slot holds one token in all heads
     tc = sparse.cache
-    for state in (tc.count, tc.newest, tc.token):
-        lined_up = state.gather(-1, tc.canon)
+    for state in (tc._count, tc._newest, tc._token):
+        lined_up = state.gather(-1, tc._canon)
         assert torch.equal(lined_up, lined_up[:, :, :1].expand_as(lined_up))
-    assert not torch.equal(tc.canon[:, :, 0], tc.canon[:, :, 1])  # the heads were sorted apart
+    assert not torch.equal(tc._canon[:, :, 0], tc._canon[:, :, 1])  # the heads were sorted apart
     sparse.step = dense.step = 3
     assert rel(sparse.self_attention(0, q, k, v), dense.self_attention(0, q, k, v)) <= 1e-5

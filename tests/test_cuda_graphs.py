@@ -61,7 +61,7 @@ def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs, monke
     assert side.cache.write_stream is None  # joined: nothing of the last chunk left running
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in ((side.cache.k, inline.cache.k), (side.cache.v, inline.cache.v),
-                 (side.cache.count, inline.cache.count)):
+                 (side.cache._count, inline.cache._count)):
         torch.testing.assert_close(a[:, :, :-1], b[:, :, :-1], rtol=1e-5, atol=1e-5)  # all but the dump row
 
 

@@ -116,8 +116,8 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
                 kv.write_history(0, k)
                 kv.commit()
                 if name == "kernel":
-                    taken[0] += kv.merged.sum().item()
-                    taken[1] += kv.evicted.sum().item()
+                    taken[0] += kv._merged.sum().item()
+                    taken[1] += kv._evicted.sum().item()
         finally:
             for f, fn in zip(names, saved):
                 setattr(tc, f, fn)

@@ -88,14 +88,14 @@ def cache_state(engine):
     so that AnnSA's per-head sorts never change what is compared."""
     c = engine.cache
     hist = c.history
-    canon = c.canon                                                   # [L, B, H, M]
+    canon = c._canon                                                   # [L, B, H, M]
     def tok(x):                                                       # [L, B, rows, H, D] history -> token order
         rows = x[:, :, hist].permute(0, 1, 3, 2, 4)                    # [L, B, H, M, D]
         return rows.gather(3, canon[..., None].expand_as(rows))
     st = c.stats()
     sink = c.config.sink_frames * c.tokens_per_frame
     return dict(k=tok(c.k), v=tok(c.v), sink_k=c.k[:, :, :sink], sink_v=c.v[:, :, :sink],
-                count=c.count.gather(-1, canon), newest=c.newest.gather(-1, canon),
+                count=c._count.gather(-1, canon), newest=c._newest.gather(-1, canon),
                 bias=c.log_count_bias[..., hist].gather(-1, canon), bytes=st.bytes, merged=st.merged,
                 evicted=st.evicted, tokens_held=st.tokens_held, kv_bytes=c.k.nbytes + c.v.nbytes)
 
@@ -221,7 +221,7 @@ def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_pa
     from safetensors.torch import load_file
 
     args = ["--frames", "4", "--chunk-frames", "1", "--height", "64", "--width", "64", "--max-cache-frames", "3",
-            "--sink-frames", "1", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S)]
+            "--sink-frames", "1", "--ann", "quant", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
 

@@ -39,7 +39,7 @@ def test_lemma_5_1_duplicated_keys_merge_exactly():
     st = kv.stats()
     # 24 tokens written, 6 + 3 distinct keys survive: 15 merged
     assert st.tokens_held == TPF + TPF // 2
-    counts = kv.count[0, 0]
+    counts = kv._count[0, 0]
     assert sorted(counts[counts > 0].flatten().tolist()) == sorted(([4.0] * (TPF // 2) + [3.0] * (TPF // 2)
                                                                     + [1.0] * (TPF // 2)) * H)
     # attention of a new chunk over the merged cache (+log m) == over every token unmerged
@@ -63,9 +63,9 @@ def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly():
                chunk_frames=2)
     write_chunk(kv, base, vals[0])
     write_chunk(kv, torch.cat([base, base], 1), torch.cat(vals[1:], 1))
-    count = kv.count[0, 0]
+    count = kv._count[0, 0]
     assert sorted(count[count > 0].flatten().tolist()) == [3.0] * (TPF * H)
-    slots = kv.last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
+    slots = kv._last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
     first = kv.history.start  # history slot 0's row
     for head in range(H):
         rows = first + slots[head]
@@ -87,7 +87,7 @@ def test_unclearable_threshold_is_bit_identical_to_plain_cache():
     assert torch.equal(a, b)
     assert torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
     assert torch.equal(ca.log_count_bias, cb.log_count_bias)
-    assert torch.equal(ca.count, cb.count) and cb.merged.sum() == 0
+    assert torch.equal(ca._count, cb._count) and cb._merged.sum() == 0
 
 
 def test_no_merge_budget_equals_sink_window_cache():
@@ -111,13 +111,13 @@ def test_budget_holds_over_long_rollout_without_reallocation():
     run = Rollout(model, ctx, frames=60, height=64, width=96, chunk_frames=1, cache=cfg, seed=1)
     tpf = 24
     buffers = (run.cache.k.data_ptr(), run.cache.v.data_ptr(), run.cache.log_count_bias.data_ptr(),
-               run.cache.count.data_ptr())
+               run.cache._count.data_ptr())
     seen = []
 
     def check(report):
         kv = run.cache
         assert (kv.k.data_ptr(), kv.v.data_ptr(), kv.log_count_bias.data_ptr(),
-                kv.count.data_ptr()) == buffers
+                kv._count.data_ptr()) == buffers
         assert report.cache.tokens_held <= cfg.max_cache_frames * tpf
         seen.append(report.cache)
 
@@ -137,7 +137,7 @@ def test_sink_frames_are_never_merged():
         write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
     assert torch.equal(kv.k[0, :, :TPF], base)  # the sink frame is kept as written
     assert (kv.log_count_bias[0, :, :, :TPF] == 0).all()
-    assert kv.count[0, 0].max() == 3  # frames 2..4 merged into the history copy of frame 1
+    assert kv._count[0, 0].max() == 3  # frames 2..4 merged into the history copy of frame 1
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -161,10 +161,10 @@ def test_last_slots_telemetry_tracks_groups():
     base = torch.randn(1, TPF, H, D, generator=g)
     kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=3, sink_frames=0))
     write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
-    first = kv.last_slots[0, 0].clone()
+    first = kv._last_slots[0, 0].clone()
     assert (first >= 0).all() and all(len(set(row.tolist())) == TPF for row in first)
     write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
-    assert torch.equal(kv.last_slots[0, 0], first)  # every duplicate joined its original's slot
+    assert torch.equal(kv._last_slots[0, 0], first)  # every duplicate joined its original's slot
 
 
 def test_write_path_never_syncs_with_the_host(monkeypatch):
@@ -217,7 +217,7 @@ def test_bias_is_zero_outside_the_bias_window(sink_frames, chunk_frames):
                 assert fixed == slice(0, lo) and lo == kv.layout.chunk.stop
             if clean:
                 kv.write_history(0, k)
-                merged += int(kv.merged.sum())
+                merged += int(kv._merged.sum())
         kv.commit()
     assert merged > 0  # the window held log m > 0 too
 
@@ -298,7 +298,7 @@ def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames,
             kv.commit()
         assert torch.equal(folded.k, plain.k) and torch.equal(folded.v, plain.v)
         assert torch.equal(folded.log_count_bias, plain.log_count_bias)
-    assert int(folded.count.max()) > 1  # keys merged: log m > 0 was folded
+    assert int(folded._count.max()) > 1  # keys merged: log m > 0 was folded
 
 
 def test_folded_rollout_equals_the_unfolded_one(monkeypatch):
@@ -314,4 +314,4 @@ def test_folded_rollout_equals_the_unfolded_one(monkeypatch):
     folded = Rollout(model, ctx, **kw)
     assert folded.cache.key_pad and not plain.cache.key_pad
     assert torch.equal(folded.run(), plain.run())
-    assert torch.equal(folded.cache.k, plain.cache.k) and int(folded.cache.count.max()) > 1
+    assert torch.equal(folded.cache.k, plain.cache.k) and int(folded.cache._count.max()) > 1
