@@ -79,7 +79,6 @@ class KVCache:
 
     has_bias = False        # a per-key log-count bias (TempCache's log m) exists
     writes_history = False  # ``write_history`` does device work (the engine may overlap it)
-    sortable = False        # history rows may be reordered (AnnSA's sort)
 
     def __init__(self, config, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, capacity_frames: int, spare_tokens: int = 0,
@@ -109,6 +108,11 @@ class KVCache:
         self._open: tuple[int, int] | None = None  # (first frame slot, frames) of the open chunk
         self._writing = False
         self.write_stream = None  # a side stream still writing history (FastARAttention's clean pass)
+
+    @property
+    def sortable(self) -> bool:
+        """Whether the history rows may be reordered (AnnSA's sort): as the config says."""
+        return self.config.sortable
 
     def _rows(self, first_slot: int, frames: int) -> slice:
         return slice(first_slot * self.tokens_per_frame, (first_slot + frames) * self.tokens_per_frame)
@@ -246,7 +250,6 @@ class FrameCache(KVCache):
         else:
             capacity = max_frames
         super().__init__(config, capacity_frames=capacity, **geometry)
-        self.sortable = not config.bounded  # a window's ring writes frame slots
 
     def _begin(self, frames: int) -> Layout:
         first = self.frames_held

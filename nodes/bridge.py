@@ -39,7 +39,7 @@ import comfy.samplers
 import comfy.utils
 
 from ..fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
-from ..fastar.config import video_frames
+from ..fastar.frames import video_frames
 from ..kernels.fp8_linear import scaled_mm_runs
 
 WRAPPER_KEY = "fastar"            # key of our DIFFUSION_MODEL wrapper
