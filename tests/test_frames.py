@@ -1,5 +1,5 @@
 """Wan's frame arithmetic (``fastar.frames``) against a video laid out frame by frame, and the settings
-that cannot run together (``fastar.check_settings``)."""
+that cannot run together (``fastar.check_settings``, and the nodes' words for them)."""
 from __future__ import annotations
 
 import pytest
@@ -67,3 +67,24 @@ def test_settings_that_cannot_run_together():
                                            r"least one chunk \(3 frames\)"):
         check_settings(short, AnnConfig(), 3)
     assert issubclass(UnsortableCache, FastARError) and issubclass(ShortHistory, FastARError)
+
+
+def test_the_nodes_settings_name_conflicts_as_the_graph_shows_them():
+    from comfyui_fastar.nodes.settings import SETTINGS_KEY, FastARSettings, settings_of
+
+    assert FastARSettings() == FastARSettings(TempCacheConfig(), None, False)  # the library's TempCache defaults
+    with pytest.raises(FastARError, match=r"^Some Node: ANN Sparsity's annsa reads a bucket-sorted cache, which a "
+                                          r"Sink \+ Window Cache does not keep"):
+        FastARSettings(CacheConfig("window"), AnnConfig()).check(1, "Some Node")
+    with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5 leaves 2 frames beside "
+                                          r"its 3 sink frames, less than one chunk of 3; set max_cache_frames to at "
+                                          r"least 6$"):
+        FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "Some Node")
+    FastARSettings(TempCacheConfig(max_cache_frames=5), AnnConfig()).check(1, "Some Node")
+
+    class Model:
+        model_options = {}
+
+    assert settings_of(Model()) == FastARSettings()
+    Model.model_options = {SETTINGS_KEY: FastARSettings(fp8_linears=True)}
+    assert settings_of(Model()).fp8_linears is True
