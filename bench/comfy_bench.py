@@ -222,7 +222,7 @@ def run_library(path, context, setting, chunks, device, dims, profile_at):
 def _fastar_nodes(setting):
     """The cache and sparsity nodes of a setting, at their defaults (the window: sink 3 + window 12)."""
     from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
-    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, TempCacheSettings, WindowCache
+    from comfyui_fastar.nodes.settings_nodes import AnnSparsity, TempCacheSettings, WindowCache
 
     if setting != "fastar":
         return WindowCache.execute(3, 12, False).result[0], None
@@ -264,12 +264,13 @@ def other_packs_override(func, *args, **kwargs):
 def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, profile_at, dtype_flag, graph,
               fallback=False):
     import comfy.model_management
-    from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo, AutoregressiveLongSampler, PatchModel
+    from comfyui_fastar.nodes import progress
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo, AutoregressiveLongSampler
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     rec, out = Chunks(device, profile_at, also_at=full_after(setting) + 2 if fallback else None), {}
     events = Events(rec)
-    send, bridge.send_event = bridge.send_event, events
+    send, progress.send_event = progress.send_event, events
     try:
         with torch.inference_mode():
             model = load_unet(comfy, folder, name, dtype_flag)
@@ -294,7 +295,7 @@ def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, prof
             out["engine"] = events.engine
             del model, patched
     finally:
-        bridge.send_event = send
+        progress.send_event = send
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
     return {**out, **rec.summary(full_after(setting))}
@@ -348,7 +349,7 @@ def run_core_sampler(comfy, folder, name, positive, chunks, device, dims):
 def forward_agreement(comfy, folder, name, context, device, dims):
     """One chunk forward: fused vs ComfyUI on the same bf16 weights, and ComfyUI bf16 vs fp32."""
     import comfy.model_management
-    from comfyui_fastar.nodes import bridge
+    from comfyui_fastar.nodes.fused import fused_wan
 
     g = torch.Generator(device="cpu").manual_seed(3)
     x = torch.randn(1, 16, 3, dims[0] // 8, dims[1] // 8, generator=g).to(device)
@@ -368,7 +369,7 @@ def forward_agreement(comfy, folder, name, context, device, dims):
             dtype = model.model.get_dtype()
             outs[label] = dm(x.to(dtype), t, context.to(device, dtype)).float()
             if label == "bf16":
-                fused = bridge.fused_wan(dm)
+                fused = fused_wan(dm)
                 outs["fused"] = fused(x.to(dtype), t, context.to(device, dtype)).float()
                 del fused
             del model, dm

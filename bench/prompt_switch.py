@@ -54,15 +54,17 @@ def through_the_nodes(args, model, context, other) -> dict:
     comfy = comfy_bench.import_comfy(args.comfyui, cpu=False)
     import comfy.cmd.folder_paths as folder_paths
 
-    from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, PromptSchedule
+    from comfyui_fastar.nodes import progress
+    from comfyui_fastar.nodes.prompt_nodes import PromptSchedule
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     folder = tempfile.mkdtemp(prefix="fastar_prompt_switch_")
     save_file({k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
               os.path.join(folder, "testbed.safetensors"))
     folder_paths.add_model_folder_path("diffusion_models", folder)
     switches = SWITCHES[1::2]  # after 10 and 40 chunks: a short and a long history
-    starts = {f"start_{i}": bridge.video_frame(CHUNK * c) for i, c in enumerate(switches, 2)}  # chunk c's first frame
+    starts = {f"start_{i}": fastar.frames.chunk_first_frame(c, CHUNK) for i, c in enumerate(switches, 2)}
     prompts = {f"prompt_{i}": [[(other if i % 2 == 0 else context).float().cpu(), {}]] for i in range(2, 2 + len(switches))}
     out = {}
     for setting in comfy_bench.SETTINGS:
@@ -72,7 +74,7 @@ def through_the_nodes(args, model, context, other) -> dict:
             if data.get("status") == "running" and data.get("chunk"):
                 ms[data["chunk"] - 1] = 1e3 * data["latency_s"]
 
-        send, bridge.send_event = bridge.send_event, record
+        send, progress.send_event = progress.send_event, record
         try:
             with torch.inference_mode():
                 unet = comfy_bench.load_unet(comfy, folder, "testbed.safetensors", None)
@@ -83,7 +85,7 @@ def through_the_nodes(args, model, context, other) -> dict:
                                                   "3", 0.0, 1.0, prompts=schedule)
                 del unet, patched
         finally:
-            bridge.send_event = send
+            progress.send_event = send
             comfy.model_management.unload_all_models()
             comfy.model_management.soft_empty_cache()
         near = set(switches) | {c + 1 for c in switches} | {c + 2 for c in switches}

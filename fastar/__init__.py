@@ -6,8 +6,9 @@ comfyui_fastar.fastar`` or ``fastar``) are thin layers over this package.
 from .annca import AnnCA
 from .annsa import AnnSA
 from .attention import FastARAttention
-from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig, latent_frames, video_frames
+from .config import CACHE_MODES, AnnConfig, CacheConfig, ShortHistory, TempCacheConfig, UnsortableCache, check_settings
 from .errors import FastARError
+from .frames import latent_frames, video_frames
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
 from .rollout import ChunkModel, ChunkReport, Rollout, make_cache, pad_context, rollout
 from .schedule import FlowMatchSchedule
@@ -16,6 +17,7 @@ from .tempcache import TempCache
 
 __all__ = [
     "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport",
-    "FastARAttention", "FastARError", "FlowMatchSchedule", "FrameCache", "KVCache", "Layout", "Rollout", "TempCache",
-    "TempCacheConfig", "attend", "latent_frames", "make_cache", "pad_context", "rollout", "video_frames",
+    "FastARAttention", "FastARError", "FlowMatchSchedule", "FrameCache", "KVCache", "Layout", "Rollout", "ShortHistory",
+    "TempCache", "TempCacheConfig", "UnsortableCache", "attend", "check_settings", "latent_frames", "make_cache",
+    "pad_context", "rollout", "video_frames",
 ]

@@ -38,8 +38,7 @@ from ..kernels.quant_block_scores import quant_block_scores_auto
 from ..kernels.quant_block_shares import quant_block_shares_auto
 from ..kernels.plan import range_blocks, range_reads, runs_to_ranges
 from ..kernels.quant_select import quant_select_auto
-from .config import AnnConfig
-from .errors import FastARError
+from .config import AnnConfig, check_settings
 from .lsh import LSH
 from .sdpa import attend_lse, side_stream
 
@@ -78,9 +77,7 @@ class AnnSA:
     """Bucket-sorted history of a KV cache and the per-step block plans over it."""
 
     def __init__(self, config: AnnConfig, cache, lsh: LSH):
-        if not cache.sortable:
-            raise FastARError("AnnConfig.annsa needs the unbounded cache or TempCache: a window cache's ring "
-                              "of frame slots cannot be bucket-sorted (set annsa=False, or change the cache mode)")
+        check_settings(cache.config, config, cache.chunk_frames)
         self.config, self.cache, self.lsh = config, cache, lsh
         # telemetry, written by every plan (``density``): keys each query block of the layer's last plan reads
         # [B, H, nqb], and the keys that plan's call attends

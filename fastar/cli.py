@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig, video_frames
+from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
+from .frames import video_frames
 from .parallel import group_size, init_group
 from .models import WAN_CONFIGS, build_model, convert_checkpoint, fp8_linears, load_wan
 from .plot import plot_rollout
@@ -40,10 +41,13 @@ def parse_args(argv):
     p.add_argument("--cache", choices=CACHE_MODES + ("tempcache",), default="tempcache",
                    help="KV cache: every frame (unbounded, the dense baseline), a sink + sliding window, or "
                         "TempCache: sink + a token budget with merging (default)")
-    p.add_argument("--sink-frames", type=int, default=3, help="window/tempcache: first frames always kept (default 3)")
-    p.add_argument("--window-frames", type=int, default=12, help="window cache: recent frames kept (default 12)")
+    p.add_argument("--sink-frames", type=int, help=f"window/tempcache: first frames always kept (default "
+                   f"{CacheConfig.sink_frames} for window, {TempCacheConfig.sink_frames} for tempcache)")
+    p.add_argument("--window-frames", type=int, default=CacheConfig.window_frames,
+                   help=f"window cache: recent frames kept (default {CacheConfig.window_frames})")
     p.add_argument("--max-cache-frames", type=int, default=TempCacheConfig.max_cache_frames,
-                   help=f"tempcache: token budget in latent frames, sink included (default {TempCacheConfig.max_cache_frames})")
+                   help=f"tempcache: token budget in latent frames, sink included (default "
+                        f"{TempCacheConfig.max_cache_frames})")
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
@@ -139,11 +143,11 @@ def _run(args, device, group) -> list[dict]:
         g = torch.Generator().manual_seed(args.seed)
         context = torch.randn(1, TEXT_TOKENS, model.text_dim, generator=g).to(device, dtype)
     context = pad_context(context, model.text_len)
+    sink = {} if args.sink_frames is None else {"sink_frames": args.sink_frames}  # else the config's default
     if args.cache == "tempcache":
-        cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames,
-                                sink_frames=args.sink_frames)
+        cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames, **sink)
     else:
-        cache = CacheConfig(args.cache, args.sink_frames, args.window_frames)
+        cache = CacheConfig(args.cache, window_frames=args.window_frames, **sink)
     schedule = FlowMatchSchedule.parse(args.timesteps, args.shift)
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
@@ -158,8 +162,8 @@ def _run(args, device, group) -> list[dict]:
     say(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {video_frames(frames)} video frames "
           f"({frames} latent) at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
-          + (f" (sink {args.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
-          + (f" (budget {args.max_cache_frames} frames, sink {args.sink_frames}, threshold {args.merge_threshold})"
+          + (f" (sink {cache.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
+          + (f" (budget {args.max_cache_frames} frames, sink {cache.sink_frames}, threshold {args.merge_threshold})"
              if args.cache == "tempcache" else "")
           + (", AnnSA sparse attention" if ann is not None else "")
           + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else "")

@@ -1,5 +1,6 @@
 """The settings of a rollout's KV cache and sparse attention: plain frozen dataclasses, checked on
-construction, importable by the nodes and the CLI without the hot path (no kernels, no torch)."""
+construction, and ``check_settings`` for the ones that cannot run together; importable by the nodes
+and the CLI without the hot path (no kernels, no torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,17 +8,6 @@ from dataclasses import dataclass
 from .errors import FastARError
 
 CACHE_MODES = ("unbounded", "window")
-VIDEO_FRAMES_PER_LATENT = 4  # Wan's causal VAE: the first latent frame is 1 video frame, every later one 4
-
-
-def video_frames(latent_frames: int) -> int:
-    """Video frames Wan's causal VAE decodes ``latent_frames`` to: 1 + 4 (latent - 1); none for none."""
-    return 0 if latent_frames <= 0 else 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)
-
-
-def latent_frames(video_frames: int) -> int:
-    """Latent frames that decode to ``video_frames`` (1 + 4k video frames: 1 + k latent frames)."""
-    return 0 if video_frames <= 0 else (video_frames - 1) // VIDEO_FRAMES_PER_LATENT + 1
 
 
 def _is_int(x) -> bool:
@@ -50,6 +40,11 @@ class CacheConfig:
     def bounded(self) -> bool:
         return self.mode == "window"
 
+    @property
+    def sortable(self) -> bool:
+        """Whether AnnSA may bucket-sort the history: not a window's ring of frame slots."""
+        return not self.bounded
+
 
 @dataclass(frozen=True)
 class TempCacheConfig:
@@ -81,6 +76,11 @@ class TempCacheConfig:
     @property
     def history_frames(self) -> int:
         return self.max_cache_frames - self.sink_frames
+
+    @property
+    def sortable(self) -> bool:
+        """Whether AnnSA may bucket-sort the history: TempCache's token slots it may."""
+        return True
 
 
 MAX_BITS = 12
@@ -154,3 +154,24 @@ class AnnConfig:
         if step is None or num_steps is None:
             return True
         return self.dense_steps_fraction < 1 and step >= round(self.dense_steps_fraction * num_steps)
+
+
+class UnsortableCache(FastARError):
+    """AnnSA over a cache whose history it cannot bucket-sort."""
+
+
+class ShortHistory(FastARError):
+    """A TempCache whose history holds less than one chunk."""
+
+
+def check_settings(cache: CacheConfig | TempCacheConfig, ann: AnnConfig | None, chunk_frames: int) -> None:
+    """The settings that are valid alone (each config checks itself) but cannot run together in chunks
+    of ``chunk_frames`` latent frames; each conflict raises its own error type, so that a caller can
+    name it in its own words."""
+    if ann is not None and ann.annsa and not cache.sortable:
+        raise UnsortableCache("AnnConfig.annsa needs the unbounded cache or TempCache: a window cache's ring of "
+                              "frame slots cannot be bucket-sorted (set annsa=False, or change the cache mode)")
+    if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
+        raise ShortHistory(f"TempCacheConfig.max_cache_frames={cache.max_cache_frames} leaves "
+                           f"{cache.history_frames} history frames besides {cache.sink_frames} sink "
+                           f"frames; at least one chunk ({chunk_frames} frames) is needed")

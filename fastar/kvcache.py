@@ -81,7 +81,6 @@ class KVCache:
 
     has_bias = False        # a per-key log-count bias (TempCache's log m) exists
     writes_history = False  # ``write_history`` does device work (the engine may overlap it)
-    sortable = False        # history rows may be reordered (AnnSA's sort: ``Layout.resort``, ``sort_history``)
 
     def __init__(self, config, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, capacity_frames: int, spare_tokens: int = 0,
@@ -114,6 +113,11 @@ class KVCache:
         self._open: tuple[int, int] | None = None  # (first frame slot, frames) of the open chunk
         self._writing = False
         self.write_stream = None  # the side stream still writing history (``write_aside``), until ``join_writes``
+
+    @property
+    def sortable(self) -> bool:
+        """Whether the history rows may be reordered (AnnSA's sort): as the config says."""
+        return self.config.sortable
 
     def _rows(self, first_slot: int, frames: int) -> slice:
         return slice(first_slot * self.tokens_per_frame, (first_slot + frames) * self.tokens_per_frame)
@@ -277,7 +281,6 @@ class FrameCache(KVCache):
         else:
             capacity = max_frames
         super().__init__(config, capacity_frames=capacity, **geometry)
-        self.sortable = not config.bounded  # a window's ring writes frame slots
 
     def _begin(self, frames: int) -> Layout:
         first = self.frames_held

@@ -27,8 +27,7 @@ from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
 from ..kernels.rows import gather_rows_auto, scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
-from .config import TempCacheConfig
-from .errors import FastARError
+from .config import TempCacheConfig, check_settings
 from .kvcache import CacheStats, KVCache, Layout
 
 
@@ -75,14 +74,10 @@ class TempCache(KVCache):
 
     has_bias = True
     writes_history = True
-    sortable = True
 
     def __init__(self, config: TempCacheConfig, **geometry):
         chunk_frames, tpf = geometry["chunk_frames"], geometry["tokens_per_frame"]
-        if config.history_frames < chunk_frames:
-            raise FastARError(f"TempCacheConfig.max_cache_frames={config.max_cache_frames} leaves "
-                              f"{config.history_frames} history frames besides {config.sink_frames} sink "
-                              f"frames; at least one chunk ({chunk_frames} frames) is needed")
+        check_settings(config, None, chunk_frames)
         fold = flash4.folds(geometry.get("device") or "cpu", geometry.get("dtype", torch.float32), geometry["head_dim"])
         super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1,
                          key_pad=flash4.KEY_PAD if fold else 0, **geometry)

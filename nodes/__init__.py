@@ -1,12 +1,22 @@
 """ComfyUI node classes: schemas and glue into ``fastar``; no math lives here.
 
-``fastar_nodes`` holds the node classes; ``bridge`` (the samplers) and ``video`` (the streaming decode)
-touch ComfyUI internals. None is imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
+The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
+it takes), ``sampler_nodes`` (the two samplers), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
+(the streaming save), over what they share (``schema``). Beneath them, by job: ``settings`` (the frozen
+settings the Patch Model puts on the model), ``wan`` (what the MODEL is), ``patching`` (the attention
+patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward runs a rollout),
+``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts), ``progress``
+(progress bar, previews, the cache widget's events) and ``video`` (the streaming decode). None is
+imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
 """
 
 
 def node_list() -> list:
     """The pack's node classes (imports ComfyUI's API)."""
-    from .fastar_nodes import NODES
+    from .prompt_nodes import PromptSchedule
+    from .sampler_nodes import ARVideo, AutoregressiveLongSampler
+    from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
+    from .video_nodes import SaveVideo
 
-    return list(NODES)
+    return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,
+            PromptSchedule, SaveVideo]

@@ -112,10 +112,12 @@ def models(comfy, checkpoint):
 
 
 @pytest.fixture(scope="module")
-def bridge(comfy):
-    from comfyui_fastar.nodes import bridge
+def pack(comfy):
+    """The node package, with the modules the tests call into imported (they import ComfyUI)."""
+    from comfyui_fastar import nodes
+    from comfyui_fastar.nodes import engines, patching, samplers, settings, wan  # noqa: F401
 
-    return bridge
+    return nodes
 
 
 def _prompt(seed):
@@ -148,12 +150,15 @@ def test_comfyui_builds_the_stock_wan_model(models):
 
 @pytest.mark.parametrize("chunk", [1, 3])
 @pytest.mark.parametrize("cfg", [1.0, 2.5])
-def test_bridge_rollout_equals_core_rollout(models, bridge, chunk, cfg):
+def test_bridge_rollout_equals_core_rollout(models, pack, chunk, cfg):
+    from comfyui_fastar.fastar import CacheConfig
+
     comfy_model, core = models
     pos, neg = _prompt(1), _prompt(2)
     frames = 6
-    settings = bridge.SampleSettings(width=W, height=H, frames=frames, seed=3, chunk_frames=chunk, cfg=cfg)
-    out = bridge.sample(comfy_model, [[pos, {}]], [[neg, {}]], settings)["samples"]
+    dense = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=CacheConfig()))
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=frames, seed=3, chunk_frames=chunk, cfg=cfg)
+    out = pack.samplers.sample(dense, [[pos, {}]], [[neg, {}]], settings)["samples"]
     ref = _core_rollout(core, pos, frames=frames, chunk=chunk, cfg=cfg, negative=neg if cfg != 1.0 else None)
     # The LATENT leaves in the VAE's space: the model's latent format maps it out of the model's.
     assert out.shape == (1, 16, frames, H // 8, W // 8)
@@ -162,42 +167,44 @@ def test_bridge_rollout_equals_core_rollout(models, bridge, chunk, cfg):
     assert _rel(comfy_model.model.process_latent_in(out), ref) <= TOL
 
 
-def test_bridge_window_cache_and_batch_equal_core(models, bridge):
+def test_bridge_window_cache_and_batch_equal_core(models, pack):
     from comfyui_fastar.fastar import CacheConfig
 
     comfy_model, core = models
     pos = _prompt(4)
     cache = CacheConfig("window", sink_frames=1, window_frames=2)
-    settings = bridge.SampleSettings(width=W, height=H, frames=6, batch_size=2, seed=5, chunk_frames=1, cache=cache)
-    out = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    window = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, batch_size=2, seed=5, chunk_frames=1)
+    out = pack.samplers.sample(window, [[pos, {}]], None, settings)["samples"]
     ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=5, batch=2)
     assert out.shape[0] == 2
     assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
-def test_bridge_tempcache_equals_core(models, bridge):
+def test_bridge_tempcache_equals_core(models, pack):
     from comfyui_fastar.fastar import TempCacheConfig
 
     comfy_model, core = models
     pos = _prompt(6)
     cache = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
-    settings = bridge.SampleSettings(width=W, height=H, frames=6, seed=9, chunk_frames=1, cache=cache)
-    out = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    tempcache = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, seed=9, chunk_frames=1)
+    out = pack.samplers.sample(tempcache, [[pos, {}]], None, settings)["samples"]
     ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=9)
     assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
-def test_bridge_ann_sparsity_equals_core(models, bridge):
-    from comfyui_fastar.fastar import AnnConfig, FlowMatchSchedule, rollout
-    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, PatchModel
+def test_bridge_ann_sparsity_equals_core(models, pack):
+    from comfyui_fastar.fastar import AnnConfig, CacheConfig, FlowMatchSchedule, rollout
+    from comfyui_fastar.nodes.settings_nodes import AnnSparsity, PatchModel
 
     comfy_model, core = models
     pos = _prompt(8)
     config = AnnSparsity.execute(True, True, 0.9, 0.5, 0.25).result[0]
     assert config == AnnConfig(dense_steps_fraction=0.25, keep_fraction=0.5, keep_mass=0.9, annca=True)
-    patched = PatchModel.execute(comfy_model, None, config).result[0]
-    settings = bridge.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1, ann=config)
-    out = bridge.sample(patched, [[pos, {}]], None, settings)["samples"]
+    patched = PatchModel.execute(comfy_model, CacheConfig(), config).result[0]
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=4, seed=2, chunk_frames=1)
+    out = pack.samplers.sample(patched, [[pos, {}]], None, settings)["samples"]
     ref = rollout(core, pos, frames=4, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(), seed=2,
                   ann=config)
     assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
@@ -214,14 +221,14 @@ def _ksampler(comfy, model, pos, neg, cfg):
                                disable_pbar=True, seed=11)
 
 
-def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, bridge):
+def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, pack):
     comfy_model, _ = models
     pos, neg = _prompt(1), _prompt(2)
     before = repr(comfy_model.model_options), repr(comfy_model.wrappers)
-    patched = bridge.patch_model(comfy_model)
+    patched = pack.patching.patch_model(comfy_model)
     assert patched is not comfy_model and patched.model is comfy_model.model
     assert (repr(comfy_model.model_options), repr(comfy_model.wrappers)) == before  # input never mutated
-    assert bridge.is_patched(patched) and not bridge.is_patched(comfy_model)
+    assert pack.patching.is_patched(patched) and not pack.patching.is_patched(comfy_model)
     for cfg in (1.0, 3.0):
         stock = _ksampler(comfy, comfy_model, pos, neg, cfg)
         ours = _ksampler(comfy, patched, pos, neg, cfg)
@@ -230,12 +237,12 @@ def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, bridge):
     dm = comfy_model.model.diffusion_model
     x = torch.randn(1, 16, 3, H // 8, W // 8, generator=torch.Generator().manual_seed(0))
     t = torch.tensor([500.0])
-    options = bridge._transformer_options(patched, patched.model_options)
+    options = pack.patching.transformer_options(patched, patched.model_options)
     with torch.no_grad():
         assert torch.equal(dm(x, t, pos), dm(x, t, pos, transformer_options=options))
 
 
-def test_existing_attention_override_is_chained(comfy, models, bridge):
+def test_existing_attention_override_is_chained(comfy, models, pack):
     comfy_model, _ = models
     pos, neg = _prompt(1), _prompt(2)
     calls = []
@@ -249,19 +256,20 @@ def test_existing_attention_override_is_chained(comfy, models, bridge):
     stock = _ksampler(comfy, other, pos, neg, 1.0)
     n_stock = len(calls)
     assert n_stock > 0
-    patched = bridge.patch_model(other)
+    patched = pack.patching.patch_model(other)
     assert torch.equal(_ksampler(comfy, patched, pos, neg, 1.0), stock)
     assert len(calls) == 2 * n_stock  # still called for every attention outside a rollout
     # patching twice chains to the original override, not to ourselves
-    twice = bridge.patch_model(patched)
+    twice = pack.patching.patch_model(patched)
     assert twice.model_options["transformer_options"]["optimized_attention_override"].fastar_previous is other_override
     # inside a rollout FAST-AR owns the Wan attention calls
     calls.clear()
-    bridge.sample(patched, [[pos, {}]], None, bridge.SampleSettings(width=W, height=H, frames=1, chunk_frames=1))
+    pack.samplers.sample(patched, [[pos, {}]], None,
+                         pack.samplers.SampleSettings(width=W, height=H, frames=1, chunk_frames=1))
     assert calls == []
 
 
-def test_non_wan_model_gets_one_clear_error(comfy, bridge):
+def test_non_wan_model_gets_one_clear_error(comfy, pack):
     import comfy.model_patcher
 
     from comfyui_fastar.fastar import FastARError
@@ -273,10 +281,10 @@ def test_non_wan_model_gets_one_clear_error(comfy, bridge):
 
     patcher = comfy.model_patcher.ModelPatcher(NotWan(), torch.device("cpu"), torch.device("cpu"))
     with pytest.raises(FastARError, match=r"Wan 2\.1 text-to-video.*NotWan / Linear"):
-        bridge.patch_model(patcher)
+        pack.patching.patch_model(patcher)
 
 
-def test_cancel_between_chunks_frees_the_cache(comfy, models, bridge):
+def test_cancel_between_chunks_frees_the_cache(comfy, models, pack):
     from comfyui_fastar.fastar import KVCache
 
     comfy_model, _ = models
@@ -287,10 +295,10 @@ def test_cancel_between_chunks_frees_the_cache(comfy, models, bridge):
         seen.append(report.chunk)
         comfy.model_management.interrupt_current_processing(True)
 
-    settings = bridge.SampleSettings(width=W, height=H, frames=6, chunk_frames=1)
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, chunk_frames=1)
     try:
         with pytest.raises(Exception) as info:
-            bridge.sample(comfy_model, [[pos, {}]], None, settings, on_chunk=cancel_after_first)
+            pack.samplers.sample(comfy_model, [[pos, {}]], None, settings, on_chunk=cancel_after_first)
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert type(info.value).__name__ == "InterruptProcessingException"
@@ -299,15 +307,16 @@ def test_cancel_between_chunks_frees_the_cache(comfy, models, bridge):
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is KVCache]
     # the next run is unaffected by the cancelled one
-    again = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
-    fresh = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    again = pack.samplers.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    fresh = pack.samplers.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
     assert torch.equal(again, fresh)
 
 
-def test_nodes(comfy, models, bridge):
+def test_nodes(comfy, models, pack):
     from comfyui_fastar import comfy_entrypoint
     from comfyui_fastar.fastar import CacheConfig, FastARError, TempCacheConfig
-    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, TempCacheSettings, WindowCache
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.settings_nodes import PatchModel, TempCacheSettings, WindowCache
 
     import asyncio
 
@@ -326,7 +335,7 @@ def test_nodes(comfy, models, bridge):
     tc = TempCacheSettings.execute(True, 0.5, 3, 1).result[0]
     assert tc == TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
     patched = PatchModel.execute(comfy_model, tc).result[0]
-    assert bridge.is_patched(patched) and not bridge.is_patched(comfy_model)
+    assert pack.patching.is_patched(patched) and not pack.patching.is_patched(comfy_model)
 
     pos = _prompt(1)
     latent = AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "1",
@@ -370,12 +379,14 @@ def test_nodes(comfy, models, bridge):
         AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000", 5.0, "3", 0.0, 2.0)
 
 
-def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, bridge):
+def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, pack):
     """Through the nodes: a schedule of one prompt is the plain sampler bit for bit; a switch at a video
     frame keeps every frame before it the first prompt's, bit for bit, changes the frames after, and
     matches the library's rollout with that switch; bad schedules get one error in the nodes' words."""
     from comfyui_fastar.fastar import FastARError, TempCacheConfig
-    from comfyui_fastar.nodes.fastar_nodes import AutoregressiveLongSampler, PatchModel, PromptSchedule
+    from comfyui_fastar.nodes.prompt_nodes import PromptSchedule
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     comfy_model, core = models
     pos, other = _prompt(1), _prompt(5)
@@ -423,15 +434,15 @@ def test_a_converted_training_checkpoint_loads_in_comfyui(comfy, models, tmp_pat
 
 
 # -- the engine ---------------------------------------------------------------------------
-def _engine(bridge, model):
-    patched = model if bridge.is_patched(model) else bridge.patch_model(model)
-    options = bridge._transformer_options(patched, patched.model_options)
-    return bridge.choose_engine(patched, options, patched.model_options, "test node")
+def _engine(pack, model):
+    patched = model if pack.patching.is_patched(model) else pack.patching.patch_model(model)
+    options = pack.patching.transformer_options(patched, patched.model_options)
+    return pack.engines.choose_engine(patched, options, patched.model_options, "test node")
 
 
-def test_fused_engine_runs_over_the_models_own_tensors(models, bridge):
+def test_fused_engine_runs_over_the_models_own_tensors(models, pack):
     comfy_model, _ = models
-    engine = _engine(bridge, comfy_model)
+    engine = _engine(pack, comfy_model)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(comfy_model.model.diffusion_model.named_parameters())
     ours = dict(engine.model.named_parameters())
@@ -439,10 +450,10 @@ def test_fused_engine_runs_over_the_models_own_tensors(models, bridge):
     assert [n for n in ours if ours[n].data_ptr() != theirs[n].data_ptr()] == []  # no second copy
 
 
-def test_fused_forward_equals_comfyuis_forward(models, bridge):
+def test_fused_forward_equals_comfyuis_forward(models, pack):
     comfy_model, _ = models
     dm = comfy_model.model.diffusion_model
-    engine = _engine(bridge, comfy_model)
+    engine = _engine(pack, comfy_model)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 16, 3, H // 8, W // 8, generator=g)
     t = torch.tensor([620.0])
@@ -454,60 +465,63 @@ def test_fused_forward_equals_comfyuis_forward(models, bridge):
 
 
 @pytest.mark.parametrize("cache", ["tempcache", "window"])
-def test_fused_and_comfy_engines_sample_alike(models, bridge, monkeypatch, cache):
+def test_fused_and_comfy_engines_sample_alike(models, pack, monkeypatch, cache):
     from comfyui_fastar.fastar import CacheConfig, TempCacheConfig
 
     comfy_model, _ = models
     config = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1) if cache == "tempcache" \
         else CacheConfig("window", sink_frames=1, window_frames=2)
-    settings = bridge.SampleSettings(width=W, height=H, frames=6, seed=4, chunk_frames=1, cache=config)
+    model = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=config))
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, seed=4, chunk_frames=1)
     pos = _prompt(9)
     seen = []
-    fused = bridge.sample(comfy_model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
-    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
-    comfy = bridge.sample(comfy_model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    fused = pack.samplers.sample(model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
+    comfy = pack.samplers.sample(model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
     assert [(e.name, e.reason) for e in seen] == [("fused", None), ("comfy", "forced for the test")]
     assert _rel(fused, comfy) <= 1e-5
 
 
-def test_engine_falls_back_to_comfyui_and_says_why_once(comfy, models, bridge, caplog):
+def test_engine_falls_back_to_comfyui_and_says_why_once(comfy, models, pack, caplog):
     import logging
+
+    from comfyui_fastar.fastar import TempCacheConfig
 
     comfy_model, core = models
     other = comfy_model.clone()
     other.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
         lambda func, *args, **kwargs: func(*args, **kwargs)
-    engine = _engine(bridge, other)
+    engine = _engine(pack, other)
     assert engine.name == "comfy" and "overrides its attention" in engine.reason
 
     pos = _prompt(1)
-    settings = bridge.SampleSettings(width=W, height=H, frames=2, chunk_frames=1, seed=3)
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=2, chunk_frames=1, seed=3)
     with caplog.at_level(logging.INFO):
-        out = [bridge.sample(other, [[pos, {}]], None, settings)["samples"] for _ in range(2)]
+        out = [pack.samplers.sample(other, [[pos, {}]], None, settings)["samples"] for _ in range(2)]
     said = [r.getMessage() for r in caplog.records if "engine comfy" in r.getMessage()]
     assert len(said) == 1 and "overrides its attention" in said[0]
-    ref = _core_rollout(core, pos, frames=2, chunk=1, seed=3)
+    ref = _core_rollout(core, pos, frames=2, chunk=1, seed=3, cache=TempCacheConfig())  # patched at the defaults
     assert _rel(out[1], comfy_model.model.process_latent_out(ref)) <= TOL  # still correct
 
 
-def test_weights_patched_per_call_run_on_comfyuis_forward(models, bridge):
+def test_weights_patched_per_call_run_on_comfyuis_forward(models, pack):
     comfy_model, _ = models
     q = comfy_model.model.diffusion_model.blocks[0].self_attn.q
     q.weight_function = [lambda w: w]  # what ComfyUI sets on a module when it loads it in low-VRAM mode
     try:
-        engine = _engine(bridge, comfy_model)
+        engine = _engine(pack, comfy_model)
     finally:
         q.weight_function = []
     assert engine.name == "comfy" and "blocks.0.self_attn.q" in engine.reason
 
 
-def test_rollout_runs_without_autograd_however_it_is_called(models, bridge):
+def test_rollout_runs_without_autograd_however_it_is_called(models, pack):
     comfy_model, _ = models
     modes = []
-    settings = bridge.SampleSettings(width=W, height=H, frames=2, chunk_frames=1)
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=2, chunk_frames=1)
     assert not torch.is_inference_mode_enabled()
-    out = bridge.sample(comfy_model, [[_prompt(1), {}]], None, settings,
-                        on_chunk=lambda r: modes.append(torch.is_inference_mode_enabled()))
+    out = pack.samplers.sample(comfy_model, [[_prompt(1), {}]], None, settings,
+                               on_chunk=lambda r: modes.append(torch.is_inference_mode_enabled()))
     assert modes == [True, True] and not out["samples"].requires_grad
 
 
@@ -527,29 +541,31 @@ class _PlainWan(torch.nn.Module):
         raise AssertionError("the fused engine does not call the model's own forward")
 
 
-def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, bridge):
+def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, pack):
     import copy
 
     import comfy.model_patcher
+
+    from comfyui_fastar.fastar import TempCacheConfig
 
     comfy_model, core = models
     base = copy.copy(comfy_model.model)
     base._modules = dict(base._modules)  # (a shallow copy shares its submodule table with the original)
     base.diffusion_model = _PlainWan(comfy_model.model.diffusion_model)
     patcher = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
-    patched = bridge.patch_model(patcher)
+    patched = pack.patching.patch_model(patcher)
     pos = _prompt(2)
     seen = []
-    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=3, seed=6)
-    out = bridge.sample(patched, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=3, seed=6)
+    out = pack.samplers.sample(patched, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
     assert [e.name for e in seen] == ["fused"]
-    ref = _core_rollout(core, pos, frames=3, chunk=3, seed=6)
+    ref = _core_rollout(core, pos, frames=3, chunk=3, seed=6, cache=TempCacheConfig())  # patched at the defaults
     assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
 def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(models):
     from comfyui_fastar.fastar import AnnConfig, FastARError
-    from comfyui_fastar.nodes.fastar_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
+    from comfyui_fastar.nodes.settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
 
     comfy_model, _ = models
     a = AnnConfig()
@@ -570,14 +586,14 @@ def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(mod
 
 
 @pytest.mark.parametrize("engine", ["fused", "comfy"])
-def test_nothing_accumulates_from_chunk_to_chunk(models, bridge, monkeypatch, engine):
+def test_nothing_accumulates_from_chunk_to_chunk(models, pack, monkeypatch, engine):
     """Per-chunk cost stays flat only if nothing piles up: the live tensors and Python objects after
     every chunk, once the cache is full, are the same."""
     from comfyui_fastar.fastar import TempCacheConfig
 
     comfy_model, _ = models
     if engine == "comfy":
-        monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+        monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
     live = []
 
     def count(report):
@@ -587,36 +603,37 @@ def test_nothing_accumulates_from_chunk_to_chunk(models, bridge, monkeypatch, en
             warnings.simplefilter("ignore")
             live.append((sum(isinstance(o, torch.Tensor) for o in objects), len(objects)))
 
-    settings = bridge.SampleSettings(width=W, height=H, frames=10, chunk_frames=1, seed=1,
-                                     cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1))
-    bridge.sample(comfy_model, [[_prompt(3), {}]], None, settings, on_chunk=count)
+    cache = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
+    model = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=10, chunk_frames=1, seed=1)
+    pack.samplers.sample(model, [[_prompt(3), {}]], None, settings, on_chunk=count)
     tensors, objects = zip(*live[4:])
     assert len(set(tensors)) == 1, tensors
     assert max(objects[1:]) <= objects[0] + 10, objects  # not one more object a chunk
 
 
-def test_fp8_stored_weights_run_fused_and_stay_the_models_own(comfy, checkpoint, bridge, monkeypatch):
+def test_fp8_stored_weights_run_fused_and_stay_the_models_own(comfy, checkpoint, pack, monkeypatch):
     """ComfyUI's Load Diffusion Model with weight_dtype fp8_e4m3fn stores the weights in fp8 and casts
     each to the compute dtype when a layer runs; the fused engine reads them the same way."""
     fp8 = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float8_e4m3fn})
     dm = fp8.model.diffusion_model
     assert dm.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
-    engine = _engine(bridge, fp8)
+    engine = _engine(pack, fp8)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(dm.named_parameters())
     ours = dict(engine.model.named_parameters())
     assert ours.keys() == theirs.keys() and all(ours[n].data_ptr() == theirs[n].data_ptr() for n in ours)
-    assert engine.model.dtype == bridge.compute_dtype(fp8) == torch.float32  # (on a CPU ComfyUI computes in fp32)
+    assert engine.model.dtype == pack.wan.compute_dtype(fp8) == torch.float32  # (on a CPU ComfyUI computes in fp32)
 
     pos = _prompt(4)
-    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=2)
-    fused = bridge.sample(fp8, [[pos, {}]], None, settings)["samples"]
-    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
-    ref = bridge.sample(fp8, [[pos, {}]], None, settings)["samples"]
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=2)
+    fused = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
+    monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
+    ref = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
     assert _rel(fused, ref) <= 1e-5
 
 
-def test_weight_patches_are_used_as_comfyui_applied_them(models, bridge, monkeypatch):
+def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypatch):
     """A LoRA-style weight patch (a diff on one projection): ComfyUI applies it to the tensor when it loads
     the model, and the fused engine runs over that very tensor, so it samples what ComfyUI's forward samples."""
     comfy_model, _ = models
@@ -626,17 +643,17 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, bridge, monkeyp
     lora = comfy_model.clone()
     lora.add_patches({"diffusion_model.blocks.0.self_attn.q.weight": (delta,)}, 1.0)
     pos = _prompt(5)
-    settings = bridge.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=4)
+    settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=4)
     read = []
 
     def on_engine(engine):  # what the forward reads, while ComfyUI has the model loaded for this rollout
         ours, theirs = engine.model.blocks[0].self_attn.q.weight, dm.blocks[0].self_attn.q.weight
         read.append((engine.name, ours.data_ptr() == theirs.data_ptr(), not torch.equal(theirs, original)))
 
-    plain = bridge.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
-    fused = bridge.sample(lora, [[pos, {}]], None, settings, on_engine=on_engine)["samples"]
-    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
-    comfy = bridge.sample(lora, [[pos, {}]], None, settings)["samples"]
+    plain = pack.samplers.sample(comfy_model, [[pos, {}]], None, settings)["samples"]
+    fused = pack.samplers.sample(lora, [[pos, {}]], None, settings, on_engine=on_engine)["samples"]
+    monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
+    comfy = pack.samplers.sample(lora, [[pos, {}]], None, settings)["samples"]
     (name, same_tensor, patched), = read
     assert name == "fused" and same_tensor
     assert _rel(fused, comfy) <= 1e-5

@@ -79,12 +79,13 @@ def test_the_loader_picks_the_causal_model_by_its_metadata(comfy, checkpoints, c
 
 
 def test_patch_model_accepts_the_causal_model_and_runs_it_fused(causal):
-    from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import PatchModel
+    from comfyui_fastar.nodes.engines import choose_engine
+    from comfyui_fastar.nodes.patching import transformer_options
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     patched = PatchModel.execute(causal).result[0]
-    options = bridge._transformer_options(patched, patched.model_options)
-    assert bridge.choose_engine(patched, options, patched.model_options, "test").name == "fused"
+    options = transformer_options(patched, patched.model_options)
+    assert choose_engine(patched, options, patched.model_options, "test").name == "fused"
 
 
 @pytest.mark.parametrize("block", [1, 3])
@@ -92,15 +93,16 @@ def test_patch_model_accepts_the_causal_model_and_runs_it_fused(causal):
 def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, engine, monkeypatch):
     from comfy_extras.nodes.nodes_ar_video import SamplerARVideo
 
-    from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, WindowCache
+    from comfyui_fastar.nodes import engines
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
+    from comfyui_fastar.nodes.settings_nodes import PatchModel, WindowCache
 
     core = _sample_custom(causal, SamplerARVideo.execute(block).result[0])
     dense = PatchModel.execute(causal, WindowCache.execute(3, 12, True).result[0]).result[0]  # every frame kept
     seen = []
-    monkeypatch.setattr(bridge, "log_engine", lambda e, node, *how: seen.append(e.name))
+    monkeypatch.setattr(engines, "log_engine", lambda e, node, *how: seen.append(e.name))
     if engine == "comfy":
-        monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+        monkeypatch.setattr(engines, "_fused_blocker", lambda *a: "forced for the test")
     ours = _sample_custom(dense, ARVideo.execute(block).result[0])
     assert seen == [engine]
     assert ours.shape == core.shape == (1, 16, 6, H // 8, W // 8)
@@ -110,18 +112,18 @@ def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, en
 def test_an_unpatched_model_gets_the_default_cache_on_either_engine(causal, monkeypatch):
     """No FAST-AR Patch Model in the graph: TempCache at its defaults, and on ComfyUI's forward the
     sampler routes the attention itself."""
-    from comfyui_fastar.nodes import bridge
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+    from comfyui_fastar.nodes import engines
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
 
     fused = _sample_custom(causal, ARVideo.execute(3).result[0])
-    monkeypatch.setattr(bridge, "_fused_blocker", lambda *a: "forced for the test")
+    monkeypatch.setattr(engines, "_fused_blocker", lambda *a: "forced for the test")
     assert _rel(_sample_custom(causal, ARVideo.execute(3).result[0]), fused) <= 1e-5
 
 
 def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
     """cfg > 1 (which core's sampler refuses): both prompts run as one batch over one cache. With the
     positive prompt as the negative, guidance is the identity; with another one it moves the video."""
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
 
     sampler = ARVideo.execute(3).result[0]
     plain = _sample_custom(causal, sampler)
@@ -132,7 +134,8 @@ def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
 def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
     """The schedule replaces SamplerCustom's positive: its first prompt equal to the graph's is the
     plain graph bit for bit; a switch keeps the frames before it and moves the ones after."""
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PromptSchedule
+    from comfyui_fastar.nodes.prompt_nodes import PromptSchedule
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
 
     plain = _sample_custom(causal, ARVideo.execute(1).result[0])  # 6 latent frames: video frames 0..20
     one = PromptSchedule.execute(_conditioning(1)).result[0]
@@ -145,7 +148,8 @@ def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
 
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
     from comfyui_fastar.fastar import TempCacheConfig
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo, PatchModel, TempCacheSettings
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
+    from comfyui_fastar.nodes.settings_nodes import PatchModel, TempCacheSettings
 
     tc = TempCacheSettings.execute(True, 0.5, 3, 1).result[0]
     patched = PatchModel.execute(causal, tc).result[0]
@@ -175,7 +179,7 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
 
 def test_fastar_sampler_errors_name_the_node_and_input(causal):
     from comfyui_fastar.fastar import FastARError
-    from comfyui_fastar.nodes.fastar_nodes import ARVideo
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
 
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
                                           r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):

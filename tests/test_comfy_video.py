@@ -118,25 +118,25 @@ def test_a_cancel_leaves_a_shorter_playable_file(vae, tmp_path):
 
 def test_the_node_saves_to_the_output_folder_and_refuses_bad_input(vae, tmp_path, monkeypatch):
     from comfyui_fastar.fastar import FastARError
-    from comfyui_fastar.nodes import fastar_nodes
+    from comfyui_fastar.nodes import video_nodes
 
     try:
         import folder_paths
     except ImportError:
         from comfy.cmd import folder_paths
     monkeypatch.setattr(folder_paths, "get_output_directory", lambda: str(tmp_path))
-    out = fastar_nodes.SaveVideo.execute({"samples": _latent(3)}, vae, 16.0, "video/story", "mp4")
+    out = video_nodes.SaveVideo.execute({"samples": _latent(3)}, vae, 16.0, "video/story", "mp4")
     (saved,) = out.ui.as_dict()["images"]
     assert saved["subfolder"] == "video" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
     assert len(_read(tmp_path / "video" / saved["filename"])[0]) == 9
 
     with pytest.raises(FastARError, match="FAST-AR Save Video: the VAE is Linear, not Wan 2.1's"):
-        fastar_nodes.SaveVideo.execute({"samples": _latent(3)}, SimpleNamespace(first_stage_model=torch.nn.Linear(1, 1)),
+        video_nodes.SaveVideo.execute({"samples": _latent(3)}, SimpleNamespace(first_stage_model=torch.nn.Linear(1, 1)),
                                        16.0, "video/x", "mp4")
     with pytest.raises(FastARError, match=r"samples must be a video latent \[B, C, T, h, w\], got \[1, 16, 4, 4\]"):
-        fastar_nodes.SaveVideo.execute({"samples": torch.zeros(1, 16, 4, 4)}, vae, 16.0, "video/x", "mp4")
+        video_nodes.SaveVideo.execute({"samples": torch.zeros(1, 16, 4, 4)}, vae, 16.0, "video/x", "mp4")
     with pytest.raises(FastARError, match=r"must be a Wan video latent \[B, 16, T, h, w\], got \[1, 48, 2, 4, 4\]"):
-        fastar_nodes.SaveVideo.execute({"samples": torch.zeros(1, 48, 2, 4, 4)}, vae, 16.0, "video/x", "mp4")
+        video_nodes.SaveVideo.execute({"samples": torch.zeros(1, 48, 2, 4, 4)}, vae, 16.0, "video/x", "mp4")
     assert not list((tmp_path / "video").glob("x_*"))  # nothing written for refused input
 
 
@@ -146,7 +146,7 @@ def test_cancel_from_the_ui_stops_the_node_and_leaves_a_playable_file(vae, tmp_p
     import comfy.model_management
     import comfy.utils
 
-    from comfyui_fastar.nodes import fastar_nodes
+    from comfyui_fastar.nodes import video_nodes
 
     try:
         import folder_paths
@@ -163,7 +163,7 @@ def test_cancel_from_the_ui_stops_the_node_and_leaves_a_playable_file(vae, tmp_p
     monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", update_absolute)
     try:
         with pytest.raises(Exception) as info:
-            fastar_nodes.SaveVideo.execute({"samples": _latent(6)}, vae, 16.0, "video/cancel", "mp4")
+            video_nodes.SaveVideo.execute({"samples": _latent(6)}, vae, 16.0, "video/cancel", "mp4")
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert type(info.value).__name__ == "InterruptProcessingException"  # (its module differs by version)

@@ -1,0 +1,169 @@
+"""The sampler nodes: Autoregressive Long Sampler (a whole rollout to a LATENT) and FAST-AR AR Video
+(the rollout as a SAMPLER for core's autoregressive video graph)."""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..fastar import FastARError, FlowMatchSchedule
+from ..fastar.frames import is_video_length, latent_frames, nearest_video_lengths, whole_chunks
+from .patching import is_patched, patch_model
+from .progress import CacheEvents
+from .samplers import ARVideoSampler, SampleSettings, sample
+from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema
+
+FRAMES_PER_CHUNK = ("3", "1")
+
+
+def _check_length(length: int) -> int:
+    """Latent frames of a video ``length`` (1 + 4k frames), or one clear error."""
+    if not 1 <= length <= MAX_LENGTH:
+        raise FastARError(f"length {length} must lie in [1, {MAX_LENGTH}] video frames")
+    if not is_video_length(length):
+        lo, hi = nearest_video_lengths(length)
+        raise FastARError(f"length {length} is not 1 + 4k video frames (what Wan's VAE decodes to); use {lo} or {hi}")
+    return latent_frames(length)
+
+
+def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise, cfg,
+              prompts) -> SampleSettings:
+    """Validated rollout settings (raises FastARError with one clear line)."""
+    if str(frames_per_chunk) not in FRAMES_PER_CHUNK:
+        raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
+    chunk = int(frames_per_chunk)
+    frames = _check_length(int(length))
+    FlowMatchSchedule.parse(timesteps, shift=float(shift))
+    for name, value in (("width", width), ("height", height)):
+        if value % 16:
+            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+    return SampleSettings(width=int(width), height=int(height), frames=frames, batch_size=int(batch_size),
+                          seed=int(seed), timesteps=timesteps, shift=float(shift), chunk_frames=chunk,
+                          context_noise=float(context_noise), cfg=float(cfg), prompts=prompts)
+
+
+class AutoregressiveLongSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARAutoregressiveSampler",
+            display_name="Autoregressive Long Sampler",
+            description="Generates a video latent chunk by chunk with a causal Wan 2.1 model (Self-Forcing "
+                        "sampler: a few flow-matching steps per chunk, then a clean pass that writes the chunk "
+                        "into the KV cache). Decode the LATENT with the stock VAE Decode.",
+            inputs=[
+                io.Model.Input("model", tooltip="A causal Wan 2.1 T2V model, through FAST-AR Patch Model for its "
+                                                "cache and sparse attention (without: TempCache at its defaults, "
+                                                "dense attention)."),
+                io.Conditioning.Input("positive", tooltip="The prompt (one text conditioning)."),
+                io.Int.Input("width", default=832, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
+                io.Int.Input("height", default=480, min=16, max=4096, step=16, tooltip="Pixels; a multiple of 16."),
+                io.Int.Input("length", default=81, min=1, max=MAX_LENGTH, step=4,
+                             tooltip="Video frames (1 + 4k: 81 frames = 21 latent frames). A last chunk that "
+                                     "is not whole is generated whole and cut to this length."),
+                io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Videos generated together."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="Noise of chunk c is seeded by (seed, c): a longer video shares the frames "
+                                     "of a shorter one."),
+                io.String.Input("timesteps", default="1000,750,500,250",
+                                tooltip="Denoising steps per chunk on the 1000-step grid, strictly decreasing "
+                                        "(the few-step schedule the causal checkpoints are distilled for)."),
+                io.Float.Input("shift", default=5.0, min=0.01, max=100.0, step=0.01,
+                               tooltip="Timestep shift that warps the listed steps (Self-Forcing uses 5)."),
+                io.Combo.Input("frames_per_chunk", options=list(FRAMES_PER_CHUNK), default="3",
+                               tooltip="Latent frames per chunk; must match the checkpoint (chunkwise models 3, "
+                                       "framewise 1)."),
+                io.Float.Input("context_noise", default=0.0, min=0.0, max=999.0, step=1.0,
+                               tooltip="Timestep of the clean pass that writes a chunk into the cache (0: clean)."),
+                io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1,
+                               tooltip="Classifier-free guidance. The distilled causal models use none (1.0); "
+                                       "above 1 a negative prompt is needed and each forward runs twice the batch."),
+                io.Conditioning.Input("negative", optional=True,
+                                      tooltip="Negative prompt, used only when cfg > 1."),
+                prompts_input("positive"),
+            ],
+            outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width, height, length, timesteps, frames_per_chunk):
+        """What /prompt can refuse before anything runs, in the node's words. ComfyUI shows a message from
+        here on each input this function reads and skips its own min / max (and combo options) for them, so
+        those are checked here too (``_check_widget``); every other input keeps ComfyUI's checks."""
+        try:
+            if str(frames_per_chunk) not in FRAMES_PER_CHUNK:  # ComfyUI 0.3.64 checks no V3 combo's options
+                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
+            for name, value in (("width", width), ("height", height)):
+                check_widget(cls, name, value)
+                if int(value) % 16:
+                    raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+            check_widget(cls, "length", length)
+            _check_length(int(length))
+            FlowMatchSchedule.parse(str(timesteps))
+        except FastARError as exc:
+            return f"Autoregressive Long Sampler: {exc}"
+        return True
+
+    @classmethod
+    def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
+                context_noise, cfg, negative=None, prompts=None) -> io.NodeOutput:
+        if not is_patched(model):  # FAST-AR's defaults; a model that is no Wan fails here, in Patch Model's words
+            model = patch_model(model)
+        with in_words("Autoregressive Long Sampler"):
+            settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
+                                 context_noise, cfg, prompts)
+        events = CacheEvents(node_id(cls))
+        chunks = whole_chunks(settings.frames, settings.chunk_frames)
+        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk whole,
+                     length=int(length))                                                   # cut to length
+        try:
+            latent = sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
+        except BaseException:
+            events.finish("stopped")
+            raise
+        events.finish("done")
+        return io.NodeOutput(latent)
+
+
+class ARVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARARVideo",
+            display_name="FAST-AR AR Video",
+            description="FAST-AR's autoregressive sampler as a SAMPLER for SamplerCustom / SamplerCustomAdvanced: "
+                        "put it where Sampler AR Video sits in ComfyUI's autoregressive video graph (Empty AR "
+                        "Video Latent, the graph's sigmas and seed). The KV cache and sparse attention are FAST-AR "
+                        "Patch Model's (TempCache at its defaults when the model has none): bounded, instead of a "
+                        "cache that grows with the video.",
+            inputs=[
+                io.Int.Input("num_frame_per_block", default=1, min=1, max=64,
+                             tooltip="Latent frames per autoregressive block (chunk): 1 = framewise (Causal-Forcing "
+                                     "framewise), 3 = chunkwise (Self-Forcing, CausVid); the checkpoint's own. "
+                                     "Other sizes are refused."),
+                prompts_input("SamplerCustom's positive"),
+            ],
+            outputs=[io.Sampler.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, num_frame_per_block):
+        """Block sizes the causal Wan 2.1 checkpoints are trained with, refused by /prompt otherwise
+        (ComfyUI skips its own min / max for the input read here: checked here too). No checkpoint file
+        records its block size (ComfyUI keeps no such metadata), so the known sizes are the check."""
+        try:
+            check_widget(cls, "num_frame_per_block", num_frame_per_block)
+            if str(num_frame_per_block) not in FRAMES_PER_CHUNK:
+                raise FastARError(f"num_frame_per_block {num_frame_per_block} is not a block size a causal Wan 2.1 "
+                                  f"checkpoint is trained with: 1 (framewise: Causal-Forcing framewise) or 3 "
+                                  f"(chunkwise: Self-Forcing, CausVid, Causal-Forcing chunkwise); use the "
+                                  f"checkpoint's own")
+        except FastARError as exc:
+            return f"FAST-AR AR Video: {exc}"
+        return True
+
+    @classmethod
+    def execute(cls, num_frame_per_block, prompts=None) -> io.NodeOutput:
+        return io.NodeOutput(ARVideoSampler(int(num_frame_per_block), events=CacheEvents(node_id(cls)),
+                                            prompts=prompts))
+

@@ -1,0 +1,214 @@
+"""The two samplers of a FAST-AR rollout on a ComfyUI MODEL: ``sample`` runs it the way KSampler runs a
+sampler (the Autoregressive Long Sampler's: conditioning through the model's ``extra_conds``, ComfyUI's
+model management, the model's latent format); ``ARVideoSampler`` runs it as the SAMPLER of core
+ComfyUI's autoregressive video graph. Both take the cache and sparse attention from the model
+(``settings.settings_of``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sampler_helpers
+import comfy.samplers
+
+from ..fastar import FastARError, FlowMatchSchedule
+from ..fastar.frames import chunked_lengths, whole_chunks
+from .engines import Engine, engine_rollout
+from .patching import is_patched, patch_model, transformer_options
+from .progress import ChunkProgress
+from .prompts import conditioning_context, prompt_contexts, text_context
+from .settings import settings_of
+from .wan import warn_if_not_causal
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """The Long Sampler's own inputs (FAST-AR's settings travel on the model)."""
+    width: int
+    height: int
+    frames: int                 # latent frames (a last chunk that is not whole is generated whole, then cut)
+    batch_size: int = 1
+    seed: int = 0
+    timesteps: str = "1000,750,500,250"
+    shift: float = 5.0
+    chunk_frames: int = 3
+    context_noise: float = 0.0
+    cfg: float = 1.0
+    prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
+
+
+def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
+           preview: bool = True, on_engine: Callable[[Engine], None] | None = None,
+           node: str = "Autoregressive Long Sampler") -> dict:
+    """Run a FAST-AR rollout on a ComfyUI MODEL with the cache and sparse attention FAST-AR Patch Model put
+    on it (patched here with the defaults where it was not); returns a LATENT dict (samples in the VAE's space).
+
+    Runs under ``torch.inference_mode()`` however it is called (ComfyUI's executor does the same):
+    a rollout never needs autograd, and with it on every chunk's activations would be kept."""
+    with torch.inference_mode():
+        return _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node)
+
+
+def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node) -> dict:
+    if not is_patched(model):
+        model = patch_model(model)
+    schedule = FlowMatchSchedule.parse(settings.timesteps, shift=settings.shift)
+    device = model.load_device
+    guided = settings.cfg != 1.0
+    if guided and negative is None:
+        raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
+    fastar = settings_of(model)
+    fastar.check(settings.chunk_frames, node)
+    warn_if_not_causal(model, node)
+    whole = whole_chunks(settings.frames, settings.chunk_frames) * settings.chunk_frames
+    latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
+                    settings.height // 8, settings.width // 8)
+    noise_like = torch.zeros(latent_shape)
+    conds = {"positive": comfy.sampler_helpers.convert_cond(positive)}
+    if guided:
+        conds["negative"] = comfy.sampler_helpers.convert_cond(negative)
+
+    model_options = comfy.model_patcher.create_model_options_clone(model.model_options)
+    comfy.sampler_helpers.prepare_model_patcher(model, conds, model_options)
+    real_model, _, loaded = comfy.sampler_helpers.prepare_sampling(model, latent_shape, conds, model_options)
+    rollout = None
+    try:
+        model.pre_run()
+        texts = prompt_contexts(model, settings.prompts, positive, negative if guided else None,
+                                lambda c, name: conditioning_context(model, c, noise_like, device, node, name),
+                                noise_like, device, whole, settings.chunk_frames, node)
+        rollout = engine_rollout(model, transformer_options(model, model_options, prepared=True), model_options,
+                                 texts, device, node, on_engine, fastar, frames=whole, height=settings.height,
+                                 width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
+                                 seed=settings.seed, context_noise=settings.context_noise, cfg=settings.cfg)
+        progress = ChunkProgress(model, rollout.num_chunks, preview)
+
+        def report(r):
+            progress(r)
+            if on_chunk is not None:
+                on_chunk(r)
+            # Cancel from the UI: stop here, between chunks; the finally below frees the cache.
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        samples = rollout.run(report)[:, :, :settings.frames]
+        samples = real_model.process_latent_out(samples.to(torch.float32))
+        return {"samples": samples.to(comfy.model_management.intermediate_device())}
+    finally:
+        del rollout
+        model.cleanup()
+        comfy.sampler_helpers.cleanup_models(conds, loaded)
+        comfy.model_management.soft_empty_cache()
+
+
+# -- core's autoregressive graph: a SAMPLER for SamplerCustom / SamplerCustomAdvanced -------------
+def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int) -> Callable:
+    """Noise as core's ``sample_ar_video`` draws it: a chunk starts from the graph's noisy latent, and
+    the re-noise after step i of chunk c comes from ``torch.manual_seed(seed + 1000 * c + i)``."""
+    def noise(c, s, shape, device, out=None):
+        if s == 0:
+            n = x[:, :, c * chunk_frames:(c + 1) * chunk_frames]
+        else:
+            torch.manual_seed(seed + c * 1000 + s - 1)
+            n = torch.randn(shape, device=device)
+        if out is None:
+            return n.to(device=device, dtype=torch.float32).clone()
+        return out.copy_(n)
+    return noise
+
+
+class ARVideoSampler(comfy.samplers.Sampler):
+    """FAST-AR's rollout as the SAMPLER of core's autoregressive video graph (where ``SamplerARVideo``
+    sits): the graph's noise, sigmas and seed, chunks of ``chunk_frames`` latent frames, and the cache and
+    sparsity of FAST-AR Patch Model's settings on the model (TempCache at its defaults without)."""
+
+    node = "FAST-AR AR Video"
+
+    def __init__(self, chunk_frames: int, events=None, prompts: list | None = None):
+        """``events``: gets ``start(frames, chunks, prompts)``, ``engine(Engine)``, a ``ChunkReport`` per
+        chunk (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``).
+        ``prompts``: a FAST-AR Prompt Schedule, which then conditions the video instead of the graph's
+        positive."""
+        self.chunk_frames, self.events, self.prompts = int(chunk_frames), events, prompts
+
+    def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
+               disable_pbar=False):
+        with torch.inference_mode():
+            try:
+                out = self._sample(model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask)
+            except BaseException:
+                if self.events is not None:
+                    self.events.finish("stopped")
+                raise
+        if self.events is not None:
+            self.events.finish("done")
+        return out
+
+    def _check(self, sigmas, noise, denoise_mask, options) -> list[float]:
+        node = self.node
+        if noise.ndim != 5:
+            raise FastARError(f"{node}: the latent must be a video latent [B, C, T, H, W] (Empty AR Video Latent), "
+                              f"got {list(noise.shape)}")
+        if denoise_mask is not None:
+            raise FastARError(f"{node}: a latent noise mask is not supported by the autoregressive sampler")
+        if (options.get("ar_config") or {}).get("initial_latent") is not None:
+            raise FastARError(f"{node}: image-to-video (AR Video I2V's start image) is not supported yet; "
+                              f"use Sampler AR Video for it")
+        s = [float(v) for v in sigmas]
+        if len(s) < 2 or s[-1] != 0.0 or any(a <= b for a, b in zip(s, s[1:])) or s[0] > 1.0:
+            raise FastARError(f"{node}: sigmas must fall strictly from at most 1 to 0 (a full denoise), got "
+                              f"{[round(v, 4) for v in s]}")
+        frames = noise.shape[2]
+        if frames % self.chunk_frames:
+            raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
+                              f"{self.chunk_frames}; set Empty AR Video Latent's length to "
+                              f"{' or '.join(map(str, chunked_lengths(frames, self.chunk_frames)))}")
+        return s[:-1]
+
+    def _sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask):
+        patcher, base, node = model_wrap.model_patcher, model_wrap.inner_model, self.node
+        model_options = extra_args.get("model_options", {})
+        options = transformer_options(patcher, model_options, prepared=True)
+        steps = self._check(sigmas, noise, denoise_mask, options)
+        fastar = settings_of(patcher)
+        fastar.check(self.chunk_frames, node)
+        warn_if_not_causal(patcher, node)
+        device, batch, seed = patcher.load_device, noise.shape[0], int(extra_args.get("seed", 0))
+        if latent_image is None:
+            latent_image = torch.zeros_like(noise)
+        x = base.model_sampling.noise_scaling(sigmas[0], noise, latent_image, self.max_denoise(model_wrap, sigmas))
+        frames, (h, w) = x.shape[2], x.shape[3:]
+        cfg = float(getattr(model_wrap, "cfg", 1.0))
+        negative = model_wrap.conds.get("negative") if cfg != 1.0 else None
+        if not negative:  # nothing to guide with: unguided
+            negative, cfg = None, 1.0
+        texts = prompt_contexts(patcher, self.prompts, model_wrap.conds.get("positive"), negative,
+                                lambda conds, name: text_context(conds, batch, device, node, name),
+                                torch.zeros_like(noise), device, frames, self.chunk_frames, node)
+        if self.events is not None:
+            self.events.start(frames, whole_chunks(frames, self.chunk_frames), 1 + len(texts[1]))
+        rollout = engine_rollout(patcher, options, model_options, texts, device, node,
+                                 None if self.events is None else self.events.engine, fastar,
+                                 frames=frames, height=h * 8, width=w * 8, chunk_frames=self.chunk_frames,
+                                 schedule=FlowMatchSchedule.from_sigmas(steps), seed=seed, cfg=cfg,
+                                 noise=_graph_noise(x.to(device), seed, self.chunk_frames))
+        done = torch.zeros_like(x)
+        total = len(sigmas) - 1
+
+        def report(r):
+            start = r.frames_done - r.latent.shape[2]
+            done[:, :, start:r.frames_done] = r.latent.to(done)
+            if callback is not None:
+                callback(max((r.chunk + 1) * total // r.num_chunks - 1, 0), done, done, total)
+            if self.events is not None:
+                self.events(r)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        try:
+            out = rollout.run(report)
+        finally:
+            del rollout
+        return base.model_sampling.inverse_noise_scaling(sigmas[-1], out.to(x))

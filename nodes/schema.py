@@ -1,0 +1,53 @@
+"""What the pack's node classes share: their category, the pack's own socket types, widget bounds the
+nodes check themselves, and FastARErrors in a node's words."""
+from __future__ import annotations
+
+import contextlib
+
+from comfy_api.latest import io
+
+from ..fastar import FastARError
+
+CATEGORY = "FAST-AR"
+CacheType = io.Custom("FASTAR_CACHE")
+AnnType = io.Custom("FASTAR_ANN")
+PromptsType = io.Custom("FASTAR_PROMPTS")
+MAX_LENGTH = 100001  # video frames
+
+
+def schema(**fields) -> io.Schema:
+    return io.Schema(category=CATEGORY, **fields)
+
+
+def prompts_input(instead_of: str):
+    return PromptsType.Input("prompts", optional=True,
+                             tooltip=f"A FAST-AR Prompt Schedule: prompts that change along the video, which "
+                                     f"then condition it instead of {instead_of}.")
+
+
+@contextlib.contextmanager
+def in_words(node: str, library: str | None = None):
+    """A FastARError in the node's words: after the node's name, or, given ``library``, with the
+    library's name for a setting (``TempCacheConfig.x``) made the node's (``TempCache Settings: x``)."""
+    try:
+        yield
+    except FastARError as exc:
+        message = str(exc)
+        message = f"{node}: {message}" if library is None else message.replace(library, f"{node}: ", 1)
+        raise FastARError(message) from None
+
+
+def check_widget(node, name: str, value) -> None:
+    """ComfyUI's own min / max check of a number input, which it skips for the inputs a node's
+    validate_inputs reads (the same bounds, from the node's schema)."""
+    spec = next(i for i in node.define_schema().inputs if i.id == name)
+    if spec.min is not None and value < spec.min:
+        raise FastARError(f"{name} {value} is smaller than its minimum {spec.min}")
+    if spec.max is not None and value > spec.max:
+        raise FastARError(f"{name} {value} is bigger than its maximum {spec.max}")
+
+
+def node_id(cls):
+    """The running node's id in the graph (ComfyUI's hidden unique_id); None outside a graph."""
+    return getattr(getattr(cls, "hidden", None), "unique_id", None)
+

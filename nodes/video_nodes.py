@@ -1,0 +1,59 @@
+"""FAST-AR Save Video: a video LATENT decoded and written frame by frame (``video``)."""
+from __future__ import annotations
+
+import os
+
+import comfy.model_management
+import comfy.utils
+from comfy_api.latest import io, ui
+
+from ..fastar import FastARError
+from . import video
+from .progress import comfy_module
+from .schema import schema
+
+
+class SaveVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARSaveVideo",
+            display_name="FAST-AR Save Video (streaming)",
+            description="Decodes a video LATENT with the Wan 2.1 VAE and writes it to a video file frame by frame: "
+                        "the memory stays that of a few frames however long the video (VAE Decode + Save Video "
+                        "hold every frame at once). The frames are VAE Decode's. Cancel closes the file with the "
+                        "frames written so far.",
+            inputs=[
+                io.Latent.Input("samples", tooltip="The video latent (Autoregressive Long Sampler, SamplerCustom)."),
+                io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors)."),
+                io.Float.Input("fps", default=16.0, min=1.0, max=120.0, step=1.0,
+                               tooltip="Frames per second (Wan 2.1 generates at 16)."),
+                io.String.Input("filename_prefix", default="video/FastAR",
+                                tooltip="As Save Video's: a path under ComfyUI's output folder."),
+                io.Combo.Input("format", options=list(video.FORMATS), default="mp4",
+                               tooltip="mp4 (H.264) or webm (VP9); both play in the browser."),
+            ],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, samples, vae, fps, filename_prefix, format) -> io.NodeOutput:
+        folder_paths = comfy_module("folder_paths")
+        latent = samples["samples"]
+        if latent.ndim != 5:
+            raise FastARError(f"{video.NODE}: samples must be a video latent [B, C, T, h, w], got "
+                              f"{list(latent.shape)}")
+        width, height = latent.shape[-1] * 8, latent.shape[-2] * 8
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height)
+        filename = f"{name}_{counter:05}_.{format}"
+        progress = comfy.utils.ProgressBar(latent.shape[0] * latent.shape[2])
+
+        def tick(done):
+            progress.update_absolute(done)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        video.write_video(os.path.join(folder, filename), video.decoded_frames(vae, latent, tick), fps, format)
+        return io.NodeOutput(ui=ui.PreviewVideo([ui.SavedResult(filename, subfolder, io.FolderType.output)]))
+
