@@ -53,7 +53,6 @@ def heap_bytes() -> int:
 
 
 def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from fractions import Fraction
 
     import torch
@@ -66,7 +65,8 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
     import comfy.sd
     import comfy.utils
     from comfy_api.latest import VideoComponents, VideoFromComponents
-    from test_comfy_video import wan_vae_file
+
+    from comfyui_fastar.testing.comfy_harness import wan_vae_file
 
     from comfyui_fastar.nodes import video
 
