@@ -59,7 +59,7 @@ class TempCacheConfig:
     ``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
     TempCache is measured against.
 
-    Why 0.95: on the sensitized testbed (bench/testbed.py) it is the best threshold at the
+    Why 0.95: on the sensitized testbed (bench/common/testbed.py) it is the best threshold at the
     21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
     enabled: bool = True
     merge_threshold: float = 0.95

@@ -1,5 +1,5 @@
-"""The benchmarks' shared parts (bench/common.py, bench/testbed.py) and the scripts' CPU smoke runs (marked slow:
-each runs a script end to end on the tiny model)."""
+"""The benchmarks' shared parts (the package bench/common) and the scripts' CPU smoke runs (marked slow: each runs
+a script end to end on the tiny model)."""
 import json
 import os
 import statistics
@@ -15,8 +15,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 sys.path.insert(0, BENCH)
 import common  # noqa: E402
-import testbed  # noqa: E402
-from testbed import fastar  # noqa: E402
+from common import fastar, testbed  # noqa: E402
 
 
 def test_sensitize_ties_keys_to_queries_and_touches_nothing_else():
@@ -268,7 +267,7 @@ def test_chunk_profile_smoke(tmp_path):
                            "--settings", "fastar,sink+window"], env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "chunk_profile_smoke.json").read_text())
-    assert set(result) == {"device", "chunk", "fastar", "sink+window"}
+    assert set(result) == {"device", "chunk", "prompt", "fastar", "sink+window"}
     assert all(result[name]["wall_ms"] > 0 for name in ("fastar", "sink+window"))
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "chunk_profile.py"), "--smoke", "--settings", "lsh"],
                          env=TWINS, capture_output=True, text=True, timeout=300)
@@ -304,3 +303,36 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
     assert "stream_memory: skipped, needs --comfyui" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def _imports(path: str) -> set:
+    """The top-level modules a file imports by absolute name."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_bench_script_imports_another_script_and_no_test_another_test():
+    """What the scripts share lives in bench/common; a script imports from there, never from another script,
+    and nothing in bench/ imports from tests/; no test imports another test module (shared helpers: conftest's
+    fixtures and comfyui_fastar.testing)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    scripts = {f[:-3]: os.path.join(BENCH, f) for f in os.listdir(BENCH) if f.endswith(".py")}
+    shared = {f[:-3]: os.path.join(BENCH, "common", f) for f in os.listdir(os.path.join(BENCH, "common"))
+              if f.endswith(".py")}
+    tests = {f[:-3]: os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py")}
+    assert {"e2e_bench", "frontier", "comfy_bench"} <= set(scripts) and "rollouts" in shared
+    for name, path in {**scripts, **{"common." + n: p for n, p in shared.items()}}.items():
+        imported = _imports(path)
+        assert not imported & (set(scripts) - {name}), (path, imported & set(scripts))
+        assert not imported & set(tests), (path, imported & set(tests))
+    for name, path in tests.items():
+        assert not _imports(path) & (set(tests) - {name}), (path, _imports(path) & set(tests))

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the package they measure, their arguments, timing, result files and the
-random-weight model.
+random-weight model; the package's modules hold the rest (``testbed``, ``realvideo``, ``rollouts``, ``annsa``,
+``comfyui``). Every script in ``bench/`` imports from this package only, never from another script.
 
 ``from common import fastar`` imports the checkout this folder belongs to as ``comfyui_fastar`` (pip-installed
 or not: the GPU machines run it from the tree) and gives its ``fastar`` package, the models included.
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(BENCH)
 RESULTS = os.path.join(BENCH, "results")
 
@@ -162,7 +163,7 @@ SENSITIVE = {"qk_gain": 1.5, "k_noise": 0.5, "self_gain": 5.0}
 
 @torch.no_grad()
 def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: float = 5.0, seed: int = 0):
-    """Make a random Wan model attend as a trained one does (bench/testbed.py says why): tie each
+    """Make a random Wan model attend as a trained one does (bench/common/testbed.py says why): tie each
     self-attention's key projection to its query projection (plus ``k_noise`` of fresh noise), set the
     q/k RMS norm gains to ``qk_gain`` (logits scale by its square: sharply peaked softmaxes) and scale
     the output projection by ``self_gain`` (the gated branch is otherwise a few % of the residual
