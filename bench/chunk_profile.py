@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, fastar, parser, rollouts, shapes, write_json  # noqa: E402
+from common import fastar, header, parser, rollouts, shapes, write_json  # noqa: E402
 from common.testbed import CHUNK, testbed  # noqa: E402
 
 # kernel-name fragments -> group, first match wins (cuDNN / Triton / cuBLAS / ATen kernel names)
@@ -91,7 +91,7 @@ def main():
     device, size, hw = shapes(args.smoke)
     model, ctx = testbed(size=size, device=str(device), prompt=args.prompt)
     chunks = 3 if args.smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
-    out = {"device": device_name(device), "chunk": chunks - 1, "prompt": args.prompt}
+    out = {**header(device), "chunk": chunks - 1, "prompt": args.prompt}
     rollouts.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
     for name in names:
         r = profile_chunk(model, ctx, hw, name, chunks, device)

@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fastar, header  # noqa: E402
+from common import fastar, header, write_json  # noqa: E402
 from common.comfyui import SETTINGS, fastar_nodes, harness, load_unet  # noqa: E402
 from common.testbed import prompt_context, testbed  # noqa: E402
 
@@ -321,7 +321,7 @@ def main(argv=None):
     context = context.float().cpu()
     positive = [[context, {}]]
 
-    results = {**header(device),
+    results = {**header(device, None if argv is None else [__file__, *argv]),
                "shapes": {"height": dims[0], "width": dims[1], "chunk_frames": 3, "chunks": args.chunks,
                           "steps": 4},
                "weights": "bench/common/testbed.py sensitized random weights, the Wan clip's prompt",
@@ -369,9 +369,7 @@ def report(results, out):
               f"{r.get('peak_held_gb', float('nan')):8.2f} {busy:>10s} {p.get('host_launches_per_chunk', float('nan')):9.0f}")
     print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "comfy_bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(out, "comfy_bench.json", results)
         plot(results, os.path.join(out, "comfy_bench.png"))
 
 

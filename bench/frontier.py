@@ -345,8 +345,8 @@ def main():
         if earlier.get("horizons") != horizons or earlier.get("device") != header(device)["device"]:
             ap.error(f"--merge: {os.path.join(args.out, out_name)} holds horizons {earlier.get('horizons')} on "
                      f"{earlier.get('device')}; this run measures {horizons} on {header(device)['device']}")
-    this_run = {"command": "python bench/frontier.py " + " ".join(sys.argv[1:]), "date": header(device)["date"],
-                "settings": list(meta), "complete": False}
+    this_run = {**{k: header(device)[k] for k in ("commit", "dirty", "command", "date")}, "settings": list(meta),
+                "complete": False}
     result = {**header(device), "runs": (earlier or {}).get("runs", []) + [this_run], "complete": False,
               "shapes": {"height": hw[0], "width": hw[1], "chunk_frames": CHUNK, "model": size, "dtype": "bfloat16"},
               "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)",

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, parser, write_json  # noqa: E402
+from common import header, parser, write_json  # noqa: E402
 
 LENGTHS = (61, 601, 2881)  # video frames (1 + 4k): about 60, 600 and 2880
 PATHS = ("streaming", "stock")
@@ -153,7 +153,7 @@ def main() -> None:
                 print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
                       f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
     stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
-    result = {"device": device_name("cpu"), "size": f"{args.size}x{args.size}",
+    result = {**header("cpu"), "comfyui": os.environ["COMFYUI_PATH"], "size": f"{args.size}x{args.size}",
               "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
               "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
     write_json(args.out, "stream_memory.json", result)

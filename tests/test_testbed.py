@@ -267,7 +267,7 @@ def test_chunk_profile_smoke(tmp_path):
                            "--settings", "fastar,sink+window"], env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "chunk_profile_smoke.json").read_text())
-    assert set(result) == {"device", "chunk", "prompt", "fastar", "sink+window"}
+    assert set(result) == {*common.HEADER, "chunk", "prompt", "fastar", "sink+window"}
     assert all(result[name]["wall_ms"] > 0 for name in ("fastar", "sink+window"))
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "chunk_profile.py"), "--smoke", "--settings", "lsh"],
                          env=TWINS, capture_output=True, text=True, timeout=300)
@@ -303,6 +303,28 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
     assert "stream_memory: skipped, needs --comfyui" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_header_records_the_commit_the_command_and_write_json_insists(tmp_path):
+    import subprocess as sp
+
+    argv = [os.path.join(BENCH, "e2e_bench.py"), "--smoke", "--out", str(tmp_path / "a b")]
+    result = common.header("cpu", argv)
+    assert result["command"] == f"python bench/e2e_bench.py --smoke --out '{tmp_path / 'a b'}'"
+    assert result["device"].startswith("CPU")
+    try:
+        head = sp.run(["git", "-C", common.ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                      check=True).stdout.strip()
+    except (OSError, sp.CalledProcessError):  # a copied tree
+        assert (result["commit"], result["dirty"]) == ("unknown", None)
+    else:
+        assert result["commit"] == head and isinstance(result["dirty"], bool)
+    path = common.write_json(str(tmp_path), "x.json", {**result, "rows": [1]})
+    with open(path) as f:
+        assert json.load(f) == {**result, "rows": [1]}
+    with pytest.raises(ValueError, match="lacks commit, dirty, command"):
+        common.write_json(str(tmp_path), "y.json", {k: result[k] for k in ("device", "date", "torch")})
+    assert not (tmp_path / "y.json").exists()
 
 
 def _imports(path: str) -> set:

@@ -6,6 +6,10 @@ random-weight model; the package's modules hold the rest (``testbed``, ``realvid
 or not: the GPU machines run it from the tree) and gives its ``fastar`` package, the models included.
 ``load_package`` imports any exported tree under a name of its own (``bench/ab.py`` holds two revisions side
 by side that way); nothing here imports the package until a script asks for ``fastar``.
+
+Every result file starts with ``header``: the device, the date, torch's version, and where the numbers come
+from (``provenance``: the commit, whether the tree differed from it, the command); ``write_json`` writes
+nothing without them.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 
@@ -76,13 +82,41 @@ def device_name(device) -> str:
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
-def header(device) -> dict:
-    """What every result file starts with: the device, the date and torch's version."""
-    return {"device": device_name(device), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+def _git(*args) -> str:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """Where a result comes from: ``commit`` (this checkout's HEAD, "unknown" off git), ``dirty`` (whether
+    the tracked files differed from it; None off git) and ``command`` (``python`` and ``argv``: the script's
+    path and its arguments, default ``sys.argv``; paths inside the repository relative to its root)."""
+    try:
+        commit = _git("rev-parse", "HEAD")
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", None
+    argv = list(sys.argv if argv is None else argv)
+    script = os.path.abspath(argv[0])
+    if script.startswith(ROOT + os.sep):
+        script = os.path.relpath(script, ROOT)
+    return {"commit": commit, "dirty": dirty, "command": shlex.join(["python", script, *argv[1:]])}
+
+
+#: What ``header`` gives and ``write_json`` insists on.
+HEADER = ("device", "date", "torch", "commit", "dirty", "command")
+
+
+def header(device, argv: list[str] | None = None) -> dict:
+    """What every result file starts with: the device, the date, torch's version and ``provenance(argv)``."""
+    return {"device": device_name(device), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            **provenance(argv)}
 
 
 def write_json(out: str, name: str, result: dict) -> str:
-    """``result`` as ``out/name``; returns the path."""
+    """``result`` as ``out/name``; returns the path. ``result`` must hold ``header``'s keys."""
+    missing = [k for k in HEADER if k not in result]
+    if missing:
+        raise ValueError(f"{name}: the result lacks {', '.join(missing)} (start it with common.header)")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path, "w") as f:
