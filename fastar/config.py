@@ -93,7 +93,7 @@ class AnnConfig:
     less than ``keep_mass`` of its estimated attention mass (``keep_mass=0``: the fixed share
     alone). ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
     AnnCA (off by default: over Wan's 512 prompt tokens dense cross-attention costs less than
-    selecting tokens does, bench/results/ann_bench.json) keeps per frame the prompt tokens that
+    selecting tokens does, bench/results/archive/ann_bench.json) keeps per frame the prompt tokens that
     share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
     flipped, at least ``min_tokens``. Both run dense for the first ``dense_steps_fraction`` of
     the denoising steps (the clean pass counts as the step after the last) and in ``dense_layers``.

@@ -281,10 +281,12 @@ def test_reproduce_makes_every_figure_in_results_and_the_readme():
 
     names = {f.name for f in reproduce.FIGURES}
     results = os.path.join(BENCH, "results")
-    assert names == {f[:-4] for f in os.listdir(results) if f.endswith(".png")}
+    pngs = {f[:-4] for f in os.listdir(results) if f.endswith(".png")}
+    archived = {f[:-4] for f in os.listdir(os.path.join(results, "archive")) if f.endswith(".png")}
+    assert pngs <= names and names - pngs <= archived  # (a run older than its script's output waits in archive/)
     with open(os.path.join(os.path.dirname(BENCH), "README.md")) as f:
         shown = re.findall(r"!\[[^\]]*\]\(bench/results/([^)/]+)\.png\)", f.read())
-    assert set(shown) <= names
+    assert set(shown) <= pngs
     for fig in reproduce.FIGURES:  # the script named writes that figure: by its own name, or as the --tag given
         with open(os.path.join(BENCH, fig.args[0])) as f:
             assert fig.name in f.read() or fig.args[fig.args.index("--tag") + 1] == fig.name
@@ -303,6 +305,29 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
     assert "stream_memory: skipped, needs --comfyui" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_every_result_file_names_its_commit_command_and_device():
+    """Each committed result (outside archive/) says what wrote it: the commit (one of this repository's, where
+    it has its history; "unknown" off git) and the command, and the device; one written before results
+    recorded these carries them reconstructed (dirty unknown), with a note saying so."""
+    results = os.path.join(BENCH, "results")
+    names = sorted(f for f in os.listdir(results) if f.endswith(".json"))
+    assert names
+    git = subprocess.run(["git", "-C", common.ROOT, "rev-parse", "HEAD"], capture_output=True).returncode == 0
+    for name in names:
+        with open(os.path.join(results, name)) as f:
+            result = json.load(f)
+        assert {"commit", "dirty", "command", "device"} <= set(result), name
+        assert result["command"].startswith("python bench/"), name
+        if result["commit"] == "unknown":  # written off git (a copied tree): nothing more to check
+            assert result["dirty"] is None, name
+            continue
+        if result["dirty"] is None:  # a commit but no dirty flag: not recorded when written
+            assert result["provenance"].startswith("reconstructed: "), name
+        if git:
+            found = subprocess.run(["git", "-C", common.ROOT, "cat-file", "-e", result["commit"] + "^{commit}"])
+            assert found.returncode == 0, (name, result["commit"])
 
 
 def test_header_records_the_commit_the_command_and_write_json_insists(tmp_path):
