@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, header, load_package, parser, random_prompt, shapes, testbed_model, write_json  # noqa: E402
-from testbed import prompt_context  # noqa: E402
+from common.testbed import prompt_context  # noqa: E402
 
 CHUNK = 3
 EXPORTS = os.path.join(ROOT, ".scratch", "ab")
@@ -136,7 +136,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="rounds of A then B per setting (default 3)")
     ap.add_argument("--export-only", action="store_true", help="export the revisions and print their folders")
     ap.add_argument("--prompt", choices=("random", "wan"), default="random",
-                    help="text context: the Gaussian stand-in, or the real clip's prompt (testbed.prompt_context); "
+                    help="text context: the Gaussian stand-in, or the real clip's prompt (common.testbed.prompt_context); "
                          "wan writes ab_wan.json")
     args = ap.parse_args()
     names = args.settings.split(",")

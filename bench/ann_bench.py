@@ -10,7 +10,7 @@ indexes it after every clean pass, and the next chunk's queries are planned and 
   density   keys read / keys, over all query blocks
   time      planning (block scores + selection) and the sparse kernel, against cuDNN dense, eagerly and as
             GPU time of CUDA-graph replays; the planning kernels against their torch twins on these plans
-and, for AnnCA, the same layers' cross-attention over the real clip's prompt (bench/testbed.prompt_context):
+and, for AnnCA, the same layers' cross-attention over the real clip's prompt (bench/common/testbed.prompt_context):
 kept-token density, the dense cross-attention mass on the kept tokens, output error and op time.
 
     python bench/ann_bench.py --out bench/results      # JSON + PNG
@@ -19,7 +19,6 @@ kept-token density, the dense cross-attention mass on the kept tokens, output er
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -27,69 +26,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fastar, header, op_ms, parser, shapes, side_by_side_ms, write_json  # noqa: E402
-from testbed import CHUNK, capture, testbed  # noqa: E402
+from common import fastar, header, op_ms, parser, shapes, write_json  # noqa: E402
+from common.annsa import measure  # noqa: E402
+from common.testbed import CHUNK, capture, testbed  # noqa: E402
 
-from comfyui_fastar.fastar.annsa import KEY_BLOCK, plan_density  # noqa: E402
+from comfyui_fastar.fastar.annsa import KEY_BLOCK  # noqa: E402
 from comfyui_fastar.fastar.attention import build_ann  # noqa: E402
-from comfyui_fastar.kernels.quant_block_scores import quant_block_scores_auto, quant_block_scores_torch  # noqa: E402
-from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch  # noqa: E402
 
 AnnConfig, CacheConfig, make_cache, attend = fastar.AnnConfig, fastar.CacheConfig, fastar.make_cache, fastar.attend
-
-
-def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
-    """One layer's history replayed into an unbounded cache, the next chunk's queries planned by
-    ``cfg`` (a fixed-share quant plan) and attended: recall, density, error, times."""
-    heads, d, device = kv_dense.num_heads, kv_dense.head_dim, kv_dense.device
-    tpf = kv_dense.tokens_per_frame
-    kv = make_cache(CacheConfig("unbounded"), num_layers=1, batch=1, num_heads=heads, head_dim=d, tokens_per_frame=tpf,
-                    chunk_frames=CHUNK, max_frames=history_frames + CHUNK, device=device, dtype=kv_dense.dtype)
-    annsa, _ = build_ann(dataclasses.replace(cfg, annca=False), kv)
-    for c in range(history_frames // CHUNK):
-        span = slice(c * CHUNK * tpf, (c + 1) * CHUNK * tpf)
-        kv.begin_chunk(c * CHUNK, CHUNK)
-        kv.begin_clean_pass()
-        kv.attend(0, kv_dense.k[layer, :, span], kv_dense.v[layer, :, span])
-        annsa.index_history(0)
-        kv.commit()
-    own = slice(history_frames * tpf, (history_frames + CHUNK) * tpf)
-    kv.begin_chunk(history_frames, CHUNK)
-    keys, values, bias = kv.attend(0, kv_dense.k[layer, :, own], kv_dense.v[layer, :, own])
-    q = query_q[layer]
-    plan = annsa.plan(0, q)
-    every = 10**6  # sample every query block
-    recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
-    history_recall = annsa.recall(q, keys, bias, plan, sample_blocks=every, history_only=True).item()
-    density = plan_density(*plan, keys.shape[1]).item()
-    out = annsa.attention(0, q, keys, values, bias, plan)
-    dense = attend(q, keys, values)
-    err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
-    row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
-           "ranges_per_block": plan[1].float().mean().item()}
-    # the planning kernels against their twins, on this device's data
-    k8, logit_scale, log_mass, held = annsa.reps[0]
-    args = (q.transpose(1, 2), k8, logit_scale, log_mass, cfg.block_q)
-    got, want = quant_block_scores_auto(*args), quant_block_scores_torch(*args)
-    row["scores_equal_twin"] = bool(torch.equal(got, want))  # the kernel does not fuse multiply-adds
-    rows = kv.layout.history
-    top = math.ceil(cfg.keep_fraction * log_mass.shape[-1])  # as the plan picks
-    chunk = kv.layout.chunk
-    sel = dict(key_block=KEY_BLOCK, rows_start=rows.start, rows_stop=rows.stop, sink=kv.layout.sink,
-               chunk_start=chunk.start, chunk_stop=chunk.stop)
-    picked, picked_twin = quant_select_auto(want, held, top, **sel), quant_select_torch(want, held, top, **sel)
-    row["select_equals_twin"] = all(torch.equal(a, b) for a, b in zip(picked, picked_twin))
-    t_plan = op_ms(lambda: annsa.plan(0, q), device)
-    t_sparse = op_ms(lambda: annsa.attention(0, q, keys, values, bias, plan), device)
-    t_dense = op_ms(lambda: attend(q, keys, values), device)
-    # GPU time alone, as in a rollout where the host runs ahead: the whole call (plan included) and
-    # dense cuDNN, each replayed from a CUDA graph, taking turns; the ratio is the median over rounds
-    gpu = side_by_side_ms({"call": lambda: annsa.attention(0, q, keys, values, bias),
-                           "dense": lambda: attend(q, keys, values)}, device)
-    row["call_graph_ms"], row["dense_graph_ms"] = statistics.median(gpu["call"]), statistics.median(gpu["dense"])
-    row["call_over_dense_graph"] = statistics.median(c / d for c, d in zip(gpu["call"], gpu["dense"]))
-    return {**row, "plan_ms": t_plan, "sparse_ms": t_sparse, "dense_cudnn_ms": t_dense,
-            "speedup_incl_plan": t_dense / (t_plan + t_sparse)}
 
 
 def measure_annca(cfg, cross, layer, tokens_per_frame, device):
@@ -143,7 +87,7 @@ def main():
     ap.add_argument("--quant-keep", default="0.125,0.25,0.35,0.5", help="quant keep fractions")
     ap.add_argument("--annca-bits", default="8", help="AnnCA bit counts (probes and min_tokens at their defaults)")
     ap.add_argument("--prompt", default="wan", choices=("wan", "random"),
-                    help="wan: the real clip's prompt (bench/testbed.prompt_context); random: a Gaussian one")
+                    help="wan: the real clip's prompt (bench/common/testbed.prompt_context); random: a Gaussian one")
     args = ap.parse_args()
     device, size, hw = shapes(args.smoke)
     if args.smoke:
@@ -177,8 +121,8 @@ def main():
               f"err {row['rel_error']:.3f} {row['annca_ms']:.3f} ms vs dense {row['dense_cudnn_ms']:.3f} ms "
               f"({row['speedup']:.2f}x)", flush=True)
     result = {**header(device), "history_frames": args.history_frames, "layers": layers,
-              "inputs": "real clips via bench/realvideo.real_latents, 1.3B-shaped model (random weights, sensitized: "
-                        "bench/testbed.py, bf16), next chunk's queries at sigma 0.625; prompt: " + args.prompt,
+              "inputs": "real clips via bench/common/realvideo.real_latents, 1.3B-shaped model (random weights, sensitized: "
+                        "bench/common/testbed.py, bf16), next chunk's queries at sigma 0.625; prompt: " + args.prompt,
               "key_block": KEY_BLOCK, "settings": rows, "annca": annca}
     write_json(args.out, args.tag + ".json", result)
     plot(result, os.path.join(args.out, args.tag + ".png"))

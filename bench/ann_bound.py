@@ -6,7 +6,7 @@ the keep fraction that reads d of the keys (own chunk included):
 
     time = plan + sparse kernel   against   bound = 1.4 * d * T_cudnn + 0.05 * T_cudnn
 
-with T_cudnn the dense cuDNN call over the same keys, all timed side by side (bench/ann_bench.measure),
+with T_cudnn the dense cuDNN call over the same keys, all timed side by side (bench/common/annsa.measure),
 two ways: GPU time (the whole call, plan included, and the dense call, each replayed from a CUDA graph,
 taking turns over five rounds: what a call costs in a rollout, where the host runs ahead of the GPU)
 and eager (plan and kernel timed apart with CUDA events, so an idle GPU also waits for the host's
@@ -25,9 +25,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ann_bench import AnnConfig, measure  # noqa: E402
-from common import header, parser, shapes, write_json  # noqa: E402
-from testbed import CHUNK, capture, testbed  # noqa: E402
+from common import fastar, header, parser, shapes, write_json  # noqa: E402
+from common.annsa import measure  # noqa: E402
+from common.testbed import CHUNK, capture, testbed  # noqa: E402
 
 
 def main():
@@ -50,7 +50,8 @@ def main():
                 row["reachable"] = False
                 print(f"{frames:3d} frames d={d}: below the own chunk's share {CHUNK / (frames + CHUNK):.3f}")
             else:
-                r = measure(AnnConfig(keep_fraction=min(keep, 1.0), keep_mass=0.0), kv, args.layer, clean_q, query_q, frames)
+                cfg = fastar.AnnConfig(keep_fraction=min(keep, 1.0), keep_mass=0.0)
+                r = measure(cfg, kv, args.layer, clean_q, query_q, frames)
                 t, t_dense, ratio = r["call_graph_ms"], r["dense_graph_ms"], r["call_over_dense_graph"]
                 bound_ratio = 1.4 * r["density"] + 0.05  # the bound in units of T_cudnn
                 bound, within = bound_ratio * t_dense, ratio <= bound_ratio

@@ -18,9 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench as E  # noqa: E402
-from common import device_name, parser, shapes, write_json  # noqa: E402
-from testbed import testbed  # noqa: E402
+from common import fastar, header, parser, rollouts, shapes, write_json  # noqa: E402
+from common.testbed import CHUNK, testbed  # noqa: E402
 
 # kernel-name fragments -> group, first match wins (cuDNN / Triton / cuBLAS / ATen kernel names)
 GROUPS = [("sparse attention", ("_block_sparse", "block_sparse", "combine_splits")), ("quant scores", ("quant_scores",)),
@@ -33,8 +32,8 @@ GROUPS = [("sparse attention", ("_block_sparse", "block_sparse", "combine_splits
 
 
 # the e2e settings and the 12-frame pair the defaults are chosen between
-SETTINGS = {**E.SETTINGS, "window12": E.SETTINGS["sink+window"],
-            "tempcache12": (E.TempCacheConfig(max_cache_frames=12), None)}
+SETTINGS = {**rollouts.SETTINGS, "window12": rollouts.SETTINGS["sink+window"],
+            "tempcache12": (fastar.TempCacheConfig(max_cache_frames=12), None)}
 
 
 def group(name: str) -> str:
@@ -48,7 +47,7 @@ def group(name: str) -> str:
 def profile_chunk(model, ctx, hw, name, chunks, device):
     """Profile the last of ``chunks`` chunks of a rollout of setting ``name``, run as ``Rollout.run`` runs
     it (AnnSA's review between chunks included)."""
-    run = E.make_run(model, ctx, chunks * E.CHUNK, hw, name, settings=SETTINGS)
+    run = rollouts.make_run(model, ctx, chunks * CHUNK, hw, name, settings=SETTINGS)
     cuda = device.type == "cuda"
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     wall = {}
@@ -92,8 +91,8 @@ def main():
     device, size, hw = shapes(args.smoke)
     model, ctx = testbed(size=size, device=str(device), prompt=args.prompt)
     chunks = 3 if args.smoke else 10  # the 21-frame TempCache budget fills after 7 chunks
-    out = {"device": device_name(device), "chunk": chunks - 1, "prompt": args.prompt}
-    E.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
+    out = {**header(device), "chunk": chunks - 1, "prompt": args.prompt}
+    rollouts.real_rollout(model, ctx, 2, hw, "fastar")  # warm-up: Triton compiles, cuDNN plans
     for name in names:
         r = profile_chunk(model, ctx, hw, name, chunks, device)
         out[name] = r

@@ -1,6 +1,6 @@
 """FAST-AR inside ComfyUI against the library, on the same weights, in one run.
 
-The sensitized Wan 2.1 1.3B testbed (bench/testbed.py, random weights at real shapes, the real clip's
+The sensitized Wan 2.1 1.3B testbed (bench/common/testbed.py, random weights at real shapes, the real clip's
 prompt) is written to a safetensors file twice, plain and with the metadata that makes core ComfyUI load
 it as ``WAN21_CausalAR``. Then, one after another in this process, for FAST-AR at its defaults
 (TempCache + ANN Sparsity) and for the dense sink 3 + window 12 cache, ``--chunks`` chunks each:
@@ -44,12 +44,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import header  # noqa: E402  (the pack itself is imported after ComfyUI: import_comfy)
+from common import fastar, header, write_json  # noqa: E402
+from common.comfyui import SETTINGS, fastar_nodes, harness, load_unet  # noqa: E402
+from common.testbed import prompt_context, testbed  # noqa: E402
 
-SETTINGS = ("fastar", "window")  # FAST-AR defaults; dense sink 3 + window 12
 PATHS = ("library", "comfy-default", "comfy-bf16", "comfy-fp8", "core-ar", "comfy-fallback")
-CAUSAL_METADATA = {"config": json.dumps({"transformer": {"causal_ar": True}})}
-TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
 
 
 def parse_args(argv=None):
@@ -62,64 +61,6 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script only)")
     p.add_argument("--replot", metavar="JSON", help="only print the table and plot of an earlier run's JSON")
     return p.parse_args(argv)
-
-
-class _Absent:
-    """A stand-in for a package ComfyUI imports at module scope for nodes this benchmark never runs
-    (PyAV, for video files): attributes resolve, calls raise."""
-
-    def __init__(self, name):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Absent(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        raise ImportError(f"{self._name} is not installed here")
-
-
-def _stand_in(name: str) -> None:
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname == name or fullname.startswith(name + "."):
-                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            module = types.ModuleType(spec.name)
-            module.__path__ = []
-            module.__getattr__ = _Absent(spec.name).__getattr__
-            return module
-
-        def exec_module(self, module):
-            pass
-
-    sys.meta_path.insert(0, Finder())
-
-
-def import_comfy(path: str, cpu: bool):
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        _stand_in("av")
-    if cpu:
-        os.environ["COMFYUI_CPU"] = "true"
-    sys.path.insert(0, os.path.abspath(path))
-    import comfy.cli_args
-
-    if cpu:
-        comfy.cli_args.args.cpu = True
-    import comfy.model_management  # noqa: F401
-    import comfy.sd  # noqa: F401
-    from common import fastar  # noqa: F401  (the pack as comfyui_fastar)
-
-    return comfy
 
 
 # -- measurement -----------------------------------------------------------------------------------
@@ -196,16 +137,12 @@ def memory(device, out: dict):
 
 def full_after(setting: str) -> int:
     """The first chunk whose cache is full (TempCache's 21-frame budget, or 3 + 12 frames)."""
-    from common import fastar
-
     frames = fastar.TempCacheConfig().max_cache_frames if setting == "fastar" else 15
     return -(-frames // 3)
 
 
 # -- the paths -------------------------------------------------------------------------------------
 def run_library(path, context, setting, chunks, device, dims, profile_at):
-    from common import fastar
-
     model = fastar.models.load_wan(path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cache = fastar.TempCacheConfig() if setting == "fastar" else fastar.CacheConfig("window", 3, 12)
     ann = fastar.AnnConfig() if setting == "fastar" else None
@@ -217,19 +154,6 @@ def run_library(path, context, setting, chunks, device, dims, profile_at):
         del run
     del model
     return {**out, **rec.summary(full_after(setting))}
-
-
-def _fastar_nodes(setting):
-    """The cache and sparsity nodes of a setting, at their defaults (the window: sink 3 + window 12)."""
-    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
-    from comfyui_fastar.nodes.settings_nodes import AnnSparsity, TempCacheSettings, WindowCache
-
-    if setting != "fastar":
-        return WindowCache.execute(3, 12, False).result[0], None
-    t, a = TempCacheConfig(), AnnConfig()
-    cache = TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames).result[0]
-    ann = AnnSparsity.execute(a.annsa, a.annca, a.keep_mass, a.keep_fraction, a.dense_steps_fraction).result[0]
-    return cache, ann
 
 
 class Events:
@@ -244,24 +168,13 @@ class Events:
             self.rec(data["chunk"] - 1, data["latency_s"])
 
 
-def load_unet(comfy, folder, name, dtype_flag):
-    import comfy.cli_args
-    from comfy.nodes.base_nodes import UNETLoader
-
-    comfy.cli_args.args.bf16_unet = dtype_flag == "bf16"
-    try:
-        return UNETLoader().load_unet(name, "fp8_e4m3fn" if dtype_flag == "fp8" else "default")[0]
-    finally:
-        comfy.cli_args.args.bf16_unet = False
-
-
 def other_packs_override(func, *args, **kwargs):
     """An attention override another pack might set (as SageAttention patches do), calling through:
     the fused engine cannot honour it, so the rollout runs on ComfyUI's forward."""
     return func(*args, **kwargs)
 
 
-def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, profile_at, dtype_flag, graph,
+def run_comfy(comfy, name, positive, setting, chunks, device, dims, profile_at, dtype_flag, graph,
               fallback=False):
     import comfy.model_management
     from comfyui_fastar.nodes import progress
@@ -273,11 +186,11 @@ def run_comfy(comfy, folder, name, positive, setting, chunks, device, dims, prof
     send, progress.send_event = progress.send_event, events
     try:
         with torch.inference_mode():
-            model = load_unet(comfy, folder, name, dtype_flag)
+            model = load_unet(comfy, name, dtype_flag)
             out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
             out["compute"] = str(model.model.manual_cast_dtype or model.model.get_dtype()).replace("torch.", "")
             out["model_class"] = type(model.model).__name__ + " / " + type(model.model.diffusion_model).__name__
-            cache, ann = _fastar_nodes(setting)
+            cache, ann = fastar_nodes(setting)
             if fallback:
                 model = model.clone()
                 model.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
@@ -310,7 +223,7 @@ def core_graph(model, positive, sampler, dims, length):
     return SamplerCustom.execute(model, True, 0, 1.0, positive, positive, sampler, sigmas, latent).result[0]
 
 
-def run_core_sampler(comfy, folder, name, positive, chunks, device, dims):
+def run_core_sampler(comfy, name, positive, chunks, device, dims):
     """Core's own SamplerARVideo, timed by its block loop (``trange`` in k_diffusion.sampling)."""
     import comfy.k_diffusion.sampling as sampling
     import comfy.model_management
@@ -330,7 +243,7 @@ def run_core_sampler(comfy, folder, name, positive, chunks, device, dims):
     sampling.trange = timed
     try:
         with torch.inference_mode():
-            model = load_unet(comfy, folder, name, None)
+            model = load_unet(comfy, name, None)
             out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
             comfy.model_management.load_models_gpu([model])
             with memory(device, out):
@@ -346,7 +259,7 @@ def run_core_sampler(comfy, folder, name, positive, chunks, device, dims):
     return {**out, **summary, "chunks": len(rec.times)}
 
 
-def forward_agreement(comfy, folder, name, context, device, dims):
+def forward_agreement(comfy, name, context, device, dims):
     """One chunk forward: fused vs ComfyUI on the same bf16 weights, and ComfyUI bf16 vs fp32."""
     import comfy.model_management
     from comfyui_fastar.nodes.fused import fused_wan
@@ -361,7 +274,7 @@ def forward_agreement(comfy, folder, name, context, device, dims):
 
             comfy.cli_args.args.fp32_unet = flag == "fp32"
             try:
-                model = load_unet(comfy, folder, name, flag)
+                model = load_unet(comfy, name, flag)
             finally:
                 comfy.cli_args.args.fp32_unet = False
             comfy.model_management.load_models_gpu([model])
@@ -391,59 +304,53 @@ def main(argv=None):
         with open(args.replot) as f:
             return report(json.load(f), args.out)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    comfy = import_comfy(args.comfyui, cpu=device.type == "cpu")
+    comfy = harness.import_comfy(args.comfyui, cpu=device.type == "cpu")
     import comfy.cmd.folder_paths as folder_paths
-    from safetensors.torch import save_file
-
-    from common import fastar
-    from testbed import prompt_context, testbed
 
     if args.smoke:
         args.chunks, args.core_chunks, args.profile_at = min(args.chunks, 9), min(args.core_chunks, 3), 4
-        model = fastar.models.WanModel(fastar.models.WanConfig(**TINY)).init_random(seed=7)
+        model = harness.tiny_wan()
         dims = (32, 32)
         context = prompt_context(model.text_dim)
     else:
         model, context = testbed(prompt="wan")
         dims = (480, 832)
     folder = tempfile.mkdtemp(prefix="fastar_comfy_bench_")
-    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(folder, "testbed.safetensors"))
-    save_file(state, os.path.join(folder, "testbed_causal.safetensors"), metadata=CAUSAL_METADATA)
-    del model, state
+    plain, _ = harness.write_wan(model, folder, "testbed", torch.bfloat16)  # and testbed_causal.safetensors
+    del model
     folder_paths.add_model_folder_path("diffusion_models", folder)
     context = context.float().cpu()
     positive = [[context, {}]]
-    plain = os.path.join(folder, "testbed.safetensors")
 
-    results = {**header(device),
+    results = {**header(device, None if argv is None else [__file__, *argv]),
                "shapes": {"height": dims[0], "width": dims[1], "chunk_frames": 3, "chunks": args.chunks,
-                          "steps": 4}, "weights": "bench/testbed.py sensitized random weights, the Wan clip's prompt",
+                          "steps": 4},
+               "weights": "bench/common/testbed.py sensitized random weights, the Wan clip's prompt",
                "runs": {}}
     for setting in SETTINGS:
         for path in PATHS:
             print(f"-- {path} / {setting}", flush=True)
             if path == "library":
-                r = run_library(plain, context, setting, args.chunks, device, dims, args.profile_at)
+                r = run_library(str(plain), context, setting, args.chunks, device, dims, args.profile_at)
             elif path == "comfy-fallback":
                 if setting != "fastar":
                     continue
-                r = run_comfy(comfy, folder, "testbed.safetensors", positive, setting, args.chunks, device, dims,
+                r = run_comfy(comfy, "testbed.safetensors", positive, setting, args.chunks, device, dims,
                               args.profile_at, "bf16", "long", fallback=True)
             elif path == "core-ar":
-                r = run_comfy(comfy, folder, "testbed_causal.safetensors", positive, setting, args.chunks, device,
+                r = run_comfy(comfy, "testbed_causal.safetensors", positive, setting, args.chunks, device,
                               dims, args.profile_at, None, "core")
             else:
                 flag = {"comfy-bf16": "bf16", "comfy-fp8": "fp8"}.get(path)
-                r = run_comfy(comfy, folder, "testbed.safetensors", positive, setting, args.chunks, device, dims,
+                r = run_comfy(comfy, "testbed.safetensors", positive, setting, args.chunks, device, dims,
                               args.profile_at, flag, "long")
             results["runs"][f"{path}/{setting}"] = r
             print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}",
                   flush=True)
     print("-- core-sampler / dense unbounded", flush=True)
-    results["runs"]["core-sampler/dense"] = run_core_sampler(comfy, folder, "testbed_causal.safetensors", positive,
+    results["runs"]["core-sampler/dense"] = run_core_sampler(comfy, "testbed_causal.safetensors", positive,
                                                              args.core_chunks, device, dims)
-    results["forward_agreement"] = forward_agreement(comfy, folder, "testbed.safetensors", context, device, dims)
+    results["forward_agreement"] = forward_agreement(comfy, "testbed.safetensors", context, device, dims)
     report(results, args.out)
     return results
 
@@ -463,9 +370,7 @@ def report(results, out):
               f"{r.get('peak_held_gb', float('nan')):8.2f} {busy:>10s} {p.get('host_launches_per_chunk', float('nan')):9.0f}")
     print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "comfy_bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(out, "comfy_bench.json", results)
         plot(results, os.path.join(out, "comfy_bench.png"))
 
 

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, wall_ms, write_json  # noqa: E402
-from testbed import NoAttention, prefill  # noqa: E402
+from common.testbed import NoAttention, prefill  # noqa: E402
 
 CacheConfig, Rollout = fastar.CacheConfig, fastar.Rollout
 build_model = fastar.models.build_model

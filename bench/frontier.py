@@ -8,13 +8,13 @@ chunk at steady state against PSNR / SSIM after 81 and after 240 real cached fra
             (``fastar.models.fp8_linears``; attention stays bf16: 8 bits lost to cuDNN there, bench/NOTES.md).
   speed     ms per chunk of a rollout just long enough that its cache is full for its last 5 chunks (frames
             held: sink + window or the budget, 3 a chunk: window 60 runs 26 chunks, B 81 32), the median of
-            those 5 (e2e_bench.steady_state); AnnSA's density. Dense is the reference, not timed here.
-  fidelity  e2e_bench's table: the testbed caches the real clip (bench/realvideo.py) for 81 / 240 frames, then
+            those 5 (common.rollouts.steady_state); AnnSA's density. Dense is the reference, not timed here.
+  fidelity  e2e_bench's table: the testbed caches the real clip (bench/common/realvideo.py) for 81 / 240 frames, then
             generates 2 chunks; PSNR / SSIM against dense bf16, the share of the dense cache held, AnnSA's
             recall and density on layers 9 / 19. Per horizon the own-chunk control; the bf16 noise floor (dense
             fp32) at 81 only (at 240 fp32 K/V of 246 frames, 142 GB, do not fit beside the models: null and a
             note). The settings that differ only in the dense first step share one cached history (the clean
-            pass runs sparse in both), and one pass to 240 frames serves both horizons (e2e_bench.Fidelity).
+            pass runs sparse in both), and one pass to 240 frames serves both horizons (common.rollouts.Fidelity).
   derived   per horizon the Pareto front (not dominated on ms lower, PSNR higher); for each window the fastest
             TempCache / FAST-AR setting of its precision at least as fast and scoring higher after 240 frames.
 
@@ -49,11 +49,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench as E  # noqa: E402
 from common import SENSITIVE, fastar, header, parser, random_prompt, shapes, testbed_model, write_json  # noqa: E402
-from testbed import prompt_context, testbed  # noqa: E402
+from common.rollouts import Fidelity, real_rollout, sharing, steady_state  # noqa: E402
+from common.testbed import CHUNK, prompt_context, testbed  # noqa: E402
 
-CHUNK, SINK = E.CHUNK, 3
+SINK = 3
 GRID = {"windows": (6, 12, 21, 36, 60), "budgets": (12, 15, 21, 42, 81), "masses": (0.95, 0.9), "horizons": "81,240",
         "floor": "81"}
 SMOKE = {"windows": (3, 6), "budgets": (6, 12), "masses": (0.95, 0.9), "horizons": "9,15", "floor": "9"}
@@ -66,7 +66,7 @@ def _mass(m: float) -> str:
 
 
 def grid(g: dict, fp8: str, fp8_model=None) -> tuple[dict, dict]:
-    """(settings, meta): name -> (cache, ann, Rollout options) as e2e_bench.make_run takes them, "dense" the
+    """(settings, meta): name -> (cache, ann, Rollout options) as common.rollouts.make_run takes them, "dense" the
     reference; name -> family, precision and the frames its cache holds when full."""
     A, T = fastar.AnnConfig, fastar.TempCacheConfig
     base = []
@@ -120,7 +120,7 @@ def estimate_s(settings: dict, meta: dict, horizons: list, floor: set, extra: in
     last = max(horizons)
     groups = {}
     for name in meta:
-        groups.setdefault(E._sharing(settings, name), []).append(name)
+        groups.setdefault(sharing(settings, name), []).append(name)
     groups = list(groups.values())
     ref = sum(sum(dense_pass_ms(f) for f in range(0, h, CHUNK)) + 2 * 5 * dense_pass_ms(h) for h in horizons) / 1e3
     own = sum(h / CHUNK * 20 + 2 * 5 * 20 for h in horizons) / 1e3
@@ -326,7 +326,7 @@ def main():
     model32 = testbed_model(fastar, size, device, torch.float32) if floor else None
     ctx32 = (prompt_context(model.text_dim, device=device) if args.prompt == "wan"  # the fp32 testbed's
              else random_prompt(model.text_dim, device, torch.float32))
-    fid = E.Fidelity(model, model32, ctx32.to(model.dtype), horizons, hw, GEN_FRAMES, settings, floor)
+    fid = Fidelity(model, model32, ctx32.to(model.dtype), horizons, hw, GEN_FRAMES, settings, floor)
     groups = fid.groups()
     print(f"{len(meta)} settings in {len(groups)} cached histories; timed chunks: "
           + ", ".join(f"{n} {chunks_for(m['held_frames'], args.extra_chunks)}" for n, m in meta.items()), flush=True)
@@ -348,12 +348,12 @@ def main():
         if earlier.get("horizons") != horizons or earlier.get("device") != header(device)["device"]:
             ap.error(f"--merge: {os.path.join(args.out, out_name)} holds horizons {earlier.get('horizons')} on "
                      f"{earlier.get('device')}; this run measures {horizons} on {header(device)['device']}")
-    this_run = {"command": "python bench/frontier.py " + " ".join(sys.argv[1:]), "date": header(device)["date"],
-                "settings": list(meta), "complete": False}
+    this_run = {**{k: header(device)[k] for k in ("commit", "dirty", "command", "date")}, "settings": list(meta),
+                "complete": False}
     result = {**header(device), "runs": (earlier or {}).get("runs", []) + [this_run], "complete": False,
               "shapes": {"height": hw[0], "width": hw[1], "chunk_frames": CHUNK, "model": size, "dtype": "bfloat16"},
               "testbed": {"sensitized": SENSITIVE, "weights": "random (no Wan weights exist here)",
-                          "prompt": args.prompt, "video": "bench/realvideo.py's clips"},
+                          "prompt": args.prompt, "video": "bench/common/realvideo.py's clips"},
               "horizons": horizons, "generated_frames": GEN_FRAMES, "fp8": args.fp8,
               "timing": "per chunk: the median of the last 5 chunks of a rollout whose cache is full for them; "
                         "CUDA graphs where chunks repeat (fastar.rollout)",
@@ -374,7 +374,7 @@ def main():
     for precision in dict.fromkeys(m["precision"] for m in meta.values()):  # warm-up: Triton compiles, cuDNN plans
         first = next((n for n, m in meta.items() if m["precision"] == precision and m["family"] == "fastar"),
                      next(n for n, m in meta.items() if m["precision"] == precision))
-        E.real_rollout(model, ctx, 2, hw, first, log_every=1000, settings=settings)
+        real_rollout(model, ctx, 2, hw, first, log_every=1000, settings=settings)
     print(f"[{time.time() - tic:.0f} s] models built, warmed up", flush=True)
 
     fid.references()
@@ -391,7 +391,7 @@ def main():
         for name in names:
             t0 = time.time()
             chunks = chunks_for(meta[name]["held_frames"], args.extra_chunks)
-            timed = E.steady_state(E.real_rollout(model, ctx, chunks, hw, name, log_every=1000, settings=settings))
+            timed = steady_state(real_rollout(model, ctx, chunks, hw, name, log_every=1000, settings=settings))
             cache, ann, _ = settings[name]
             rows[name] = {"name": name, **meta[name], "cache": plain(cache), "ann": plain(ann), "chunks": chunks,
                           "steady_chunks": 5, **timed, "fidelity": {}, "wall_s": {"timed_rollout": round(time.time() - t0, 1)}}

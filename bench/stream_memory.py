@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, parser, write_json  # noqa: E402
+from common import header, parser, write_json  # noqa: E402
 
 LENGTHS = (61, 601, 2881)  # video frames (1 + 4k): about 60, 600 and 2880
 PATHS = ("streaming", "stock")
@@ -53,26 +53,24 @@ def heap_bytes() -> int:
 
 
 def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from fractions import Fraction
 
     import torch
 
-    import comfy_bench
+    from common.comfyui import harness
 
-    comfy_bench.import_comfy(os.environ["COMFYUI_PATH"], cpu=True)
+    harness.import_comfy(os.environ["COMFYUI_PATH"], cpu=True)
     import comfy.ldm.wan.vae
     import comfy.model_patcher
     import comfy.sd
     import comfy.utils
     from comfy_api.latest import VideoComponents, VideoFromComponents
-    from test_comfy_video import wan_vae_file
 
     from comfyui_fastar.nodes import video
 
     weights = Path(work) / "wan_vae.safetensors"
     if not weights.exists():  # written by the first child, read by every one
-        wan_vae_file(weights)
+        harness.wan_vae_file(weights)
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(weights)))
     torch.manual_seed(0)
     small = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
@@ -155,8 +153,8 @@ def main() -> None:
                 print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
                       f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
     stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
-    result = {"device": device_name("cpu"),
-              "size": f"{args.size}x{args.size}", "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
+    result = {**header("cpu"), "comfyui": os.environ["COMFYUI_PATH"], "size": f"{args.size}x{args.size}",
+              "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
               "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
     write_json(args.out, "stream_memory.json", result)
     plot(result, Path(args.out) / "stream_memory.png")

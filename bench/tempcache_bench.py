@@ -1,6 +1,6 @@
 """TempCache on the H200: fidelity on real-video keys and speed at Wan 2.1 1.3B shapes.
 
-Fidelity. The three real clips (bench/realvideo.py) become latents-like inputs at 30x52 tokens per
+Fidelity. The three real clips (bench/common/realvideo.py) become latents-like inputs at 30x52 tokens per
 frame and run, teacher-forced, through the 1.3B-shaped model (random weights, bf16): the clean
 pass of each 3-frame chunk fills a dense cache, recording every layer's K/V and clean-pass
 queries. For a sweep of (budget, threshold), each measured layer's chunks
@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402
-from testbed import CHUNK, HEIGHT, SINK, TPF, WIDTH, capture, testbed  # noqa: E402
+from common.testbed import CHUNK, HEIGHT, SINK, TPF, WIDTH, capture, testbed  # noqa: E402
 
 CacheConfig, TempCacheConfig, make_cache = fastar.CacheConfig, fastar.TempCacheConfig, fastar.make_cache
 Rollout, attend = fastar.Rollout, fastar.attend
@@ -134,8 +134,8 @@ def main():
     model, context = testbed()
     layers = [int(x) for x in args.layers.split(",")]
     result = {**header("cuda"), "history_frames": args.history_frames, "layers": layers,
-              "inputs": "real clips (bench/data) via bench/realvideo.real_latents, 480x832, stride 1; "
-                        "1.3B-shaped model, random weights sensitized (bench/testbed.py), bf16; queries at sigma 0.625"}
+              "inputs": "real clips (bench/data) via bench/common/realvideo.real_latents, 480x832, stride 1; "
+                        "1.3B-shaped model, random weights sensitized (bench/common/testbed.py), bf16; queries at sigma 0.625"}
 
     # ---- fidelity sweep --------------------------------------------------------------------
     tic = time.time()

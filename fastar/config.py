@@ -56,7 +56,7 @@ class TempCacheConfig:
 
     Why 12 frames: the largest budget at the time of LongLive's sink 3 + window 12 cache (which holds
     15), where it keeps more of the past; a longer budget keeps more at more time per chunk (bench/NOTES.md,
-    "the 12-frame point"). Why 0.95: on the sensitized testbed (bench/testbed.py) it is the best
+    "the 12-frame point"). Why 0.95: on the sensitized testbed (bench/common/testbed.py) it is the best
     threshold at the 21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
     enabled: bool = True
     merge_threshold: float = 0.95
@@ -95,7 +95,7 @@ class AnnConfig:
     less than ``keep_mass`` of its estimated attention mass (``keep_mass=0``: the fixed share
     alone). ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
     AnnCA (off by default: over Wan's 512 prompt tokens dense cross-attention costs less than
-    selecting tokens does, bench/results/ann_bench.json) keeps per frame the prompt tokens that
+    selecting tokens does, bench/results/archive/ann_bench.json) keeps per frame the prompt tokens that
     share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
     flipped, at least ``min_tokens``. Both run dense for the first ``dense_steps_fraction`` of
     the denoising steps (the clean pass counts as the step after the last) and in ``dense_layers``.

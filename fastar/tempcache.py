@@ -2,7 +2,7 @@
 
 When the clean pass writes a chunk, each new token finds its top-1 nearest cached history token
 (the cosine of whole tokens, all heads concatenated: per-head matching kept the same share of
-the attention at three times the cost, bench/results/tempcache_bench.json). A pair whose keys'
+the attention at three times the cost, bench/results/archive/tempcache_bench.json). A pair whose keys'
 cosine similarity clears ``merge_threshold`` joins one group: the newest key becomes the group's
 representative, the value is the running mean of the group's values, and the group size m
 enters attention as the logit bias log m.

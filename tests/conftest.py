@@ -1,13 +1,23 @@
-"""Where the suite's Triton kernels run: natively on a CUDA machine, else under Triton's CPU interpreter.
+"""Where the suite's Triton kernels run: natively on a CUDA machine, else under Triton's CPU interpreter;
+and the ComfyUI tree the ``comfyui`` tests run against.
 
 Triton reads ``TRITON_INTERPRET`` when it first initialises, so it is set here, before any test
 module is imported, and nowhere else: on a GPU machine plain ``pytest`` then compiles for the GPU
 and runs the ``cuda``-marked tests, which are skipped elsewhere. A kernel test puts its tensors on
 the ``device`` fixture's device, never on the CPU by itself: without the interpreter Triton cannot
 run there.
+
+ComfyUI: a test reaches a ComfyUI tree only through the ``comfy`` fixture (``COMFYUI_PATH``'s tree,
+imported by ``comfyui_fastar.testing.comfy_harness``), which skips where ``COMFYUI_PATH`` is unset, and
+every test that uses it is marked ``comfyui``: ``.ci/comfy_tests.sh`` runs ``-m comfyui`` against each
+tree (collection fails on a test that uses the fixture unmarked, so none can drop out of that run). The
+``comfyui`` tests that need core ComfyUI's autoregressive path (``comfy/ldm/wan/ar_model.py``) are also
+marked ``core_ar``: skipped against a tree without it here, deselected there by the CI script, which
+fails unless some tree ran them.
 """
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,14 +71,59 @@ def device() -> Device:
     return Device("cuda" if CUDA else "cpu")
 
 
+#: What a ComfyUI tree holds where it has core's autoregressive video path (the ``core_ar`` tests).
+CORE_AR_FILE = "comfy/ldm/wan/ar_model.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """``cuda``-marked tests need the GPU: skipped without one."""
-    if CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """``cuda``-marked tests need the GPU: skipped without one. ``core_ar``-marked ones need a ComfyUI tree
+    with core's autoregressive path: skipped against one without it. A test that uses the ``comfy``
+    fixture or is marked ``core_ar`` must be marked ``comfyui``: the run stops otherwise."""
+    unmarked = [item.nodeid for item in items if not item.get_closest_marker("comfyui")
+                and ("comfy" in getattr(item, "fixturenames", ()) or item.get_closest_marker("core_ar"))]
+    if unmarked:
+        raise pytest.UsageError("these tests run against a ComfyUI tree but are not marked comfyui (what "
+                                ".ci/comfy_tests.sh selects by): " + ", ".join(unmarked))
+    tree = os.environ.get("COMFYUI_PATH")
+    core_ar = pytest.mark.skip(reason=f"the ComfyUI tree at COMFYUI_PATH has no {CORE_AR_FILE} (core's "
+                                      "autoregressive path)")
+    cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(skip)
+        if item.get_closest_marker("cuda") and not CUDA:
+            item.add_marker(cuda)
+        if item.get_closest_marker("core_ar") and tree and not Path(tree, CORE_AR_FILE).is_file():
+            item.add_marker(core_ar)
+
+
+# -- ComfyUI ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def comfy():
+    """ComfyUI's ``comfy`` package from the tree at ``COMFYUI_PATH``, on the CPU (skips where it is unset)."""
+    from comfyui_fastar.testing import comfy_harness
+
+    tree = comfy_harness.comfyui_path()
+    if not tree:
+        pytest.skip("COMFYUI_PATH is not set (no ComfyUI tree to test against)")
+    if not Path(tree).is_dir():
+        pytest.skip(f"COMFYUI_PATH ({tree}) is not a folder")
+    return comfy_harness.import_comfy(tree)
+
+
+@pytest.fixture(scope="session")
+def pack(comfy):
+    """The node package, with the modules the tests call into imported (they import ComfyUI)."""
+    from comfyui_fastar import nodes
+    from comfyui_fastar.nodes import engines, patching, samplers, settings, wan  # noqa: F401
+
+    return nodes
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """The tiny random Wan 2.1 T2V checkpoint (``comfy_harness.tiny_wan``) as ComfyUI loads it, fp32."""
+    from comfyui_fastar.testing import comfy_harness
+
+    return comfy_harness.write_wan(comfy_harness.tiny_wan(), tmp_path_factory.mktemp("ckpt"), "wan_tiny")[0]
 
 
 @pytest.fixture

@@ -7,99 +7,16 @@ on the ComfyUI model must equal ``fastar``'s own rollout. Skipped without ``COMF
 from __future__ import annotations
 
 import gc
-import importlib.abc
-import importlib.machinery
-import os
-import sys
-import types
 import warnings
 
 import pytest
 import torch
 
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFYUI_PATH, reason="COMFYUI_PATH is not set (no ComfyUI checkout to test against)")
+from comfyui_fastar.testing.comfy_harness import H, TINY, W, engine_for, prompt, rel
+
+pytestmark = pytest.mark.comfyui
 
 TOL = 1e-4
-# ComfyUI's Wan detection reads the head count as dim // 128, its frequency size as 256 and its
-# text width as 4096, so the smallest model it builds has two heads of 128.
-TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
-H = W = 32          # pixels: 4x4 latent, 2x2 tokens per frame
-TOKENS = 512        # prompt tokens: Wan's text length, as ComfyUI's umT5 encoder pads them
-
-
-class _MissingTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """ComfyUI imports torchvision at module scope for models these tests never build. Where the
-    installed torchvision cannot load against this torch build, an empty stand-in is imported;
-    anything that calls into it raises."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-
-        def missing(attr, owner=spec.name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _Unavailable(f"{owner}.{attr}")
-
-        module.__getattr__ = missing
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-class _Unavailable:
-    def __init__(self, name):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Unavailable(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        raise ImportError(f"{self._name} needs torchvision, which cannot be loaded here")
-
-
-def _import_comfy():
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.meta_path.insert(0, _MissingTorchvision())
-    if COMFYUI_PATH not in sys.path:
-        sys.path.insert(0, COMFYUI_PATH)
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
-    import comfy.model_management
-    import comfy.sd
-
-    return comfy
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    return _import_comfy()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    from comfyui_fastar.fastar.models import WanConfig, WanModel
-
-    model = WanModel(WanConfig(**TINY)).init_random(seed=7)
-    path = tmp_path_factory.mktemp("ckpt") / "wan_tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))  # no fastar metadata
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -109,26 +26,6 @@ def models(comfy, checkpoint):
     comfy_model = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float32})
     core = load_wan(checkpoint, dtype=torch.float32)
     return comfy_model, core
-
-
-@pytest.fixture(scope="module")
-def pack(comfy):
-    """The node package, with the modules the tests call into imported (they import ComfyUI)."""
-    from comfyui_fastar import nodes
-    from comfyui_fastar.nodes import engines, patching, samplers, settings, wan  # noqa: F401
-
-    return nodes
-
-
-def _prompt(seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, TOKENS, TINY["text_dim"], generator=g)
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _core_rollout(core, context, *, frames, chunk, cfg=1.0, negative=None, cache=None, seed=3, batch=1):
@@ -154,7 +51,7 @@ def test_bridge_rollout_equals_core_rollout(models, pack, chunk, cfg):
     from comfyui_fastar.fastar import CacheConfig
 
     comfy_model, core = models
-    pos, neg = _prompt(1), _prompt(2)
+    pos, neg = prompt(1), prompt(2)
     frames = 6
     dense = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=CacheConfig()))
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=frames, seed=3, chunk_frames=chunk, cfg=cfg)
@@ -162,36 +59,36 @@ def test_bridge_rollout_equals_core_rollout(models, pack, chunk, cfg):
     ref = _core_rollout(core, pos, frames=frames, chunk=chunk, cfg=cfg, negative=neg if cfg != 1.0 else None)
     # The LATENT leaves in the VAE's space: the model's latent format maps it out of the model's.
     assert out.shape == (1, 16, frames, H // 8, W // 8)
-    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
     # ... and back: the core rollout's latent is what the model sampled.
-    assert _rel(comfy_model.model.process_latent_in(out), ref) <= TOL
+    assert rel(comfy_model.model.process_latent_in(out), ref) <= TOL
 
 
 def test_bridge_window_cache_and_batch_equal_core(models, pack):
     from comfyui_fastar.fastar import CacheConfig
 
     comfy_model, core = models
-    pos = _prompt(4)
+    pos = prompt(4)
     cache = CacheConfig("window", sink_frames=1, window_frames=2)
     window = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, batch_size=2, seed=5, chunk_frames=1)
     out = pack.samplers.sample(window, [[pos, {}]], None, settings)["samples"]
     ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=5, batch=2)
     assert out.shape[0] == 2
-    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
 def test_bridge_tempcache_equals_core(models, pack):
     from comfyui_fastar.fastar import TempCacheConfig
 
     comfy_model, core = models
-    pos = _prompt(6)
+    pos = prompt(6)
     cache = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
     tempcache = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, seed=9, chunk_frames=1)
     out = pack.samplers.sample(tempcache, [[pos, {}]], None, settings)["samples"]
     ref = _core_rollout(core, pos, frames=6, chunk=1, cache=cache, seed=9)
-    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
 def test_bridge_ann_sparsity_equals_core(models, pack):
@@ -199,7 +96,7 @@ def test_bridge_ann_sparsity_equals_core(models, pack):
     from comfyui_fastar.nodes.settings_nodes import AnnSparsity, PatchModel
 
     comfy_model, core = models
-    pos = _prompt(8)
+    pos = prompt(8)
     config = AnnSparsity.execute(True, True, 0.9, 0.5, 0.25).result[0]
     assert config == AnnConfig(dense_steps_fraction=0.25, keep_fraction=0.5, keep_mass=0.9, annca=True)
     patched = PatchModel.execute(comfy_model, CacheConfig(), config).result[0]
@@ -207,9 +104,9 @@ def test_bridge_ann_sparsity_equals_core(models, pack):
     out = pack.samplers.sample(patched, [[pos, {}]], None, settings)["samples"]
     ref = rollout(core, pos, frames=4, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(), seed=2,
                   ann=config)
-    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
     dense = _core_rollout(core, pos, frames=4, chunk=1, seed=2)
-    assert _rel(ref, dense) > 0  # the sparse path was taken
+    assert rel(ref, dense) > 0  # the sparse path was taken
 
 
 def _ksampler(comfy, model, pos, neg, cfg):
@@ -223,7 +120,7 @@ def _ksampler(comfy, model, pos, neg, cfg):
 
 def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, pack):
     comfy_model, _ = models
-    pos, neg = _prompt(1), _prompt(2)
+    pos, neg = prompt(1), prompt(2)
     before = repr(comfy_model.model_options), repr(comfy_model.wrappers)
     patched = pack.patching.patch_model(comfy_model)
     assert patched is not comfy_model and patched.model is comfy_model.model
@@ -244,7 +141,7 @@ def test_patched_model_outside_rollout_is_bitwise_stock(comfy, models, pack):
 
 def test_existing_attention_override_is_chained(comfy, models, pack):
     comfy_model, _ = models
-    pos, neg = _prompt(1), _prompt(2)
+    pos, neg = prompt(1), prompt(2)
     calls = []
 
     def other_override(func, *args, **kwargs):  # e.g. a SageAttention patch
@@ -288,7 +185,7 @@ def test_cancel_between_chunks_frees_the_cache(comfy, models, pack):
     from comfyui_fastar.fastar import KVCache
 
     comfy_model, _ = models
-    pos = _prompt(1)
+    pos = prompt(1)
     seen = []
 
     def cancel_after_first(report):
@@ -337,11 +234,11 @@ def test_nodes(comfy, models, pack):
     patched = PatchModel.execute(comfy_model, tc).result[0]
     assert pack.patching.is_patched(patched) and not pack.patching.is_patched(comfy_model)
 
-    pos = _prompt(1)
+    pos = prompt(1)
     latent = AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "1",
                                                0.0, 1.0).result[0]
     ref = _core_rollout(core, pos, frames=3, chunk=1, cache=tc)
-    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
     # the window, from the cache node
     window = WindowCache.execute(1, 2, False).result[0]
@@ -350,19 +247,19 @@ def test_nodes(comfy, models, pack):
     latent = AutoregressiveLongSampler.execute(PatchModel.execute(comfy_model, window).result[0], [[pos, {}]], W, H,
                                                13, 1, 3, "1000,750,500,250", 5.0, "1", 0.0, 1.0).result[0]
     ref = _core_rollout(core, pos, frames=4, chunk=1, cache=window)
-    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
     # an unpatched model: patched on the fly, with TempCache at its defaults
     latent = AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 21, 1, 3, "1000,750,500,250", 5.0,
                                                "3", 0.0, 1.0).result[0]
     ref = _core_rollout(core, pos, frames=6, chunk=3, cache=TempCacheConfig())
-    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(latent["samples"], comfy_model.model.process_latent_out(ref)) <= TOL
 
     # a last chunk that is not whole: generated whole, then cut (13 frames = 4 latent frames of 6)
     latent = AutoregressiveLongSampler.execute(comfy_model, [[pos, {}]], W, H, 13, 1, 3, "1000,750,500,250", 5.0,
                                                "3", 0.0, 1.0).result[0]
     assert latent["samples"].shape[2] == 4
-    assert _rel(latent["samples"], comfy_model.model.process_latent_out(ref)[:, :, :4]) <= TOL
+    assert rel(latent["samples"], comfy_model.model.process_latent_out(ref)[:, :, :4]) <= TOL
 
     valid = dict(width=W, height=H, timesteps="1000,750,500,250", frames_per_chunk="3")  # all it reads
     assert AutoregressiveLongSampler.validate_inputs(length=22, **valid) == (
@@ -389,7 +286,7 @@ def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, pack):
     from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     comfy_model, core = models
-    pos, other = _prompt(1), _prompt(5)
+    pos, other = prompt(1), prompt(5)
     model = PatchModel.execute(comfy_model, TempCacheConfig(max_cache_frames=4, sink_frames=1)).result[0]
 
     def sample(length=29, **schedule):
@@ -401,11 +298,11 @@ def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, pack):
     assert torch.equal(sample(start_2=9), plain)  # prompt_2 unconnected: a schedule of one prompt
     switched = sample(prompt_2=[[other, {}]], start_2=10)  # frame 10 lies in latent 3 (frames 9-12): the switch waits to latent 4
     assert torch.equal(switched[:, :, :4], plain[:, :, :4])  # video frames 0..12, every one before frame 13
-    assert _rel(switched[:, :, 4:], plain[:, :, 4:]) > 1e-3
+    assert rel(switched[:, :, 4:], plain[:, :, 4:]) > 1e-3
     from comfyui_fastar.fastar import FlowMatchSchedule, rollout
     ref = rollout(core, pos, frames=8, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(),
                   cache=TempCacheConfig(max_cache_frames=4, sink_frames=1), seed=3, prompts=[(4, other)])
-    assert _rel(switched, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(switched, comfy_model.model.process_latent_out(ref)) <= TOL
 
     with pytest.raises(FastARError, match=r"^FAST-AR Prompt Schedule: start_3 \(9\) must come after start_2 \(20\)"):
         PromptSchedule.execute([[pos, {}]], prompt_2=[[other, {}]], start_2=20, prompt_3=[[pos, {}]], start_3=9)
@@ -434,15 +331,9 @@ def test_a_converted_training_checkpoint_loads_in_comfyui(comfy, models, tmp_pat
 
 
 # -- the engine ---------------------------------------------------------------------------
-def _engine(pack, model):
-    patched = model if pack.patching.is_patched(model) else pack.patching.patch_model(model)
-    options = pack.patching.transformer_options(patched, patched.model_options)
-    return pack.engines.choose_engine(patched, options, patched.model_options, "test node")
-
-
 def test_fused_engine_runs_over_the_models_own_tensors(models, pack):
     comfy_model, _ = models
-    engine = _engine(pack, comfy_model)
+    engine = engine_for(comfy_model)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(comfy_model.model.diffusion_model.named_parameters())
     ours = dict(engine.model.named_parameters())
@@ -453,15 +344,15 @@ def test_fused_engine_runs_over_the_models_own_tensors(models, pack):
 def test_fused_forward_equals_comfyuis_forward(models, pack):
     comfy_model, _ = models
     dm = comfy_model.model.diffusion_model
-    engine = _engine(pack, comfy_model)
+    engine = engine_for(comfy_model)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 16, 3, H // 8, W // 8, generator=g)
     t = torch.tensor([620.0])
-    context = _prompt(5)
+    context = prompt(5)
     with torch.inference_mode():
         ref = dm(x, t, context)            # ComfyUI's own forward: the chunk attends to itself
         out = engine.model(x, t, context)  # the fused forward, no cache
-    assert _rel(out, ref) <= 1e-5
+    assert rel(out, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("cache", ["tempcache", "window"])
@@ -473,13 +364,13 @@ def test_fused_and_comfy_engines_sample_alike(models, pack, monkeypatch, cache):
         else CacheConfig("window", sink_frames=1, window_frames=2)
     model = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=config))
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=6, seed=4, chunk_frames=1)
-    pos = _prompt(9)
+    pos = prompt(9)
     seen = []
     fused = pack.samplers.sample(model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
     monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
     comfy = pack.samplers.sample(model, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
     assert [(e.name, e.reason) for e in seen] == [("fused", None), ("comfy", "forced for the test")]
-    assert _rel(fused, comfy) <= 1e-5
+    assert rel(fused, comfy) <= 1e-5
 
 
 def test_engine_falls_back_to_comfyui_and_says_why_once(comfy, models, pack, caplog):
@@ -491,17 +382,17 @@ def test_engine_falls_back_to_comfyui_and_says_why_once(comfy, models, pack, cap
     other = comfy_model.clone()
     other.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
         lambda func, *args, **kwargs: func(*args, **kwargs)
-    engine = _engine(pack, other)
+    engine = engine_for(other)
     assert engine.name == "comfy" and "overrides its attention" in engine.reason
 
-    pos = _prompt(1)
+    pos = prompt(1)
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=2, chunk_frames=1, seed=3)
     with caplog.at_level(logging.INFO):
         out = [pack.samplers.sample(other, [[pos, {}]], None, settings)["samples"] for _ in range(2)]
     said = [r.getMessage() for r in caplog.records if "engine comfy" in r.getMessage()]
     assert len(said) == 1 and "overrides its attention" in said[0]
     ref = _core_rollout(core, pos, frames=2, chunk=1, seed=3, cache=TempCacheConfig())  # patched at the defaults
-    assert _rel(out[1], comfy_model.model.process_latent_out(ref)) <= TOL  # still correct
+    assert rel(out[1], comfy_model.model.process_latent_out(ref)) <= TOL  # still correct
 
 
 def test_weights_patched_per_call_run_on_comfyuis_forward(models, pack):
@@ -509,7 +400,7 @@ def test_weights_patched_per_call_run_on_comfyuis_forward(models, pack):
     q = comfy_model.model.diffusion_model.blocks[0].self_attn.q
     q.weight_function = [lambda w: w]  # what ComfyUI sets on a module when it loads it in low-VRAM mode
     try:
-        engine = _engine(pack, comfy_model)
+        engine = engine_for(comfy_model)
     finally:
         q.weight_function = []
     assert engine.name == "comfy" and "blocks.0.self_attn.q" in engine.reason
@@ -520,7 +411,7 @@ def test_rollout_runs_without_autograd_however_it_is_called(models, pack):
     modes = []
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=2, chunk_frames=1)
     assert not torch.is_inference_mode_enabled()
-    out = pack.samplers.sample(comfy_model, [[_prompt(1), {}]], None, settings,
+    out = pack.samplers.sample(comfy_model, [[prompt(1), {}]], None, settings,
                                on_chunk=lambda r: modes.append(torch.is_inference_mode_enabled()))
     assert modes == [True, True] and not out["samples"].requires_grad
 
@@ -554,13 +445,13 @@ def test_a_wan_shaped_plain_module_is_recognised_and_runs_fused(comfy, models, p
     base.diffusion_model = _PlainWan(comfy_model.model.diffusion_model)
     patcher = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
     patched = pack.patching.patch_model(patcher)
-    pos = _prompt(2)
+    pos = prompt(2)
     seen = []
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=3, seed=6)
     out = pack.samplers.sample(patched, [[pos, {}]], None, settings, on_engine=seen.append)["samples"]
     assert [e.name for e in seen] == ["fused"]
     ref = _core_rollout(core, pos, frames=3, chunk=3, seed=6, cache=TempCacheConfig())  # patched at the defaults
-    assert _rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(out, comfy_model.model.process_latent_out(ref)) <= TOL
 
 
 def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(models):
@@ -606,7 +497,7 @@ def test_nothing_accumulates_from_chunk_to_chunk(models, pack, monkeypatch, engi
     cache = TempCacheConfig(merge_threshold=0.5, max_cache_frames=3, sink_frames=1)
     model = pack.patching.patch_model(comfy_model, pack.settings.FastARSettings(cache=cache))
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=10, chunk_frames=1, seed=1)
-    pack.samplers.sample(model, [[_prompt(3), {}]], None, settings, on_chunk=count)
+    pack.samplers.sample(model, [[prompt(3), {}]], None, settings, on_chunk=count)
     tensors, objects = zip(*live[4:])
     assert len(set(tensors)) == 1, tensors
     assert max(objects[1:]) <= objects[0] + 10, objects  # not one more object a chunk
@@ -618,19 +509,19 @@ def test_fp8_stored_weights_run_fused_and_stay_the_models_own(comfy, checkpoint,
     fp8 = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float8_e4m3fn})
     dm = fp8.model.diffusion_model
     assert dm.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
-    engine = _engine(pack, fp8)
+    engine = engine_for(fp8)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(dm.named_parameters())
     ours = dict(engine.model.named_parameters())
     assert ours.keys() == theirs.keys() and all(ours[n].data_ptr() == theirs[n].data_ptr() for n in ours)
     assert engine.model.dtype == pack.wan.compute_dtype(fp8) == torch.float32  # (on a CPU ComfyUI computes in fp32)
 
-    pos = _prompt(4)
+    pos = prompt(4)
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=2)
     fused = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
     monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
     ref = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
-    assert _rel(fused, ref) <= 1e-5
+    assert rel(fused, ref) <= 1e-5
 
 
 def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypatch):
@@ -642,7 +533,7 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypat
     delta = 0.05 * torch.randn(original.shape, generator=torch.Generator().manual_seed(8))
     lora = comfy_model.clone()
     lora.add_patches({"diffusion_model.blocks.0.self_attn.q.weight": (delta,)}, 1.0)
-    pos = _prompt(5)
+    pos = prompt(5)
     settings = pack.samplers.SampleSettings(width=W, height=H, frames=3, chunk_frames=1, seed=4)
     read = []
 
@@ -656,6 +547,6 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypat
     comfy = pack.samplers.sample(lora, [[pos, {}]], None, settings)["samples"]
     (name, same_tensor, patched), = read
     assert name == "fused" and same_tensor
-    assert _rel(fused, comfy) <= 1e-5
+    assert rel(fused, comfy) <= 1e-5
     if patched:  # (the pip-installable ComfyUI keeps a model loaded for one patcher as it is for the next)
-        assert _rel(fused, plain) > 1e-3  # the patch is in
+        assert rel(fused, plain) > 1e-3  # the patch is in

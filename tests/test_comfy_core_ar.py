@@ -7,40 +7,21 @@ written with the metadata that makes ComfyUI's loader pick the causal model.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "comfy/ldm/wan/ar_model.py").is_file(),
-                                reason="COMFYUI_PATH does not name a ComfyUI tree with core's autoregressive path")
+from comfyui_fastar.testing.comfy_harness import H, W, comfyui_path, prompt, rel, tiny_wan, write_wan
 
-TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
-H = W = 32
-CAUSAL = {"config": json.dumps({"transformer": {"causal_ar": True}})}
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    from test_comfy_bridge import _import_comfy
-
-    return _import_comfy()
+pytestmark = [pytest.mark.comfyui, pytest.mark.core_ar]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    from comfyui_fastar.fastar.models import WanConfig, WanModel
-
-    state = {k: v.contiguous() for k, v in WanModel(WanConfig(**TINY)).init_random(seed=7).state_dict().items()}
-    d = tmp_path_factory.mktemp("ckpt")
-    save_file(state, str(d / "causal.safetensors"), metadata=CAUSAL)
-    save_file(state, str(d / "plain.safetensors"))
-    return d / "causal.safetensors", d / "plain.safetensors"
+    """The tiny model with core's causal metadata, and without."""
+    plain, causal = write_wan(tiny_wan(), tmp_path_factory.mktemp("ckpt"))
+    return causal, plain
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +29,8 @@ def causal(comfy, checkpoints):
     return comfy.sd.load_diffusion_model(str(checkpoints[0]), model_options={"dtype": torch.float32})
 
 
-def _conditioning(seed, tokens=512):
-    return [[torch.randn(1, tokens, 4096, generator=torch.Generator().manual_seed(seed)), {}]]
+def _conditioning(seed):
+    return [[prompt(seed), {}]]
 
 
 def _sample_custom(model, sampler, *, frames=6, seed=5, steps=4, cfg=1.0, negative=2):
@@ -62,11 +43,6 @@ def _sample_custom(model, sampler, *, frames=6, seed=5, steps=4, cfg=1.0, negati
     out = SamplerCustom.execute(model, True, seed, cfg, _conditioning(1), _conditioning(negative), sampler, sigmas,
                                 latent)
     return out.result[0]["samples"]
-
-
-def _rel(a, b):
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_the_loader_picks_the_causal_model_by_its_metadata(comfy, checkpoints, causal):
@@ -106,7 +82,7 @@ def test_fastar_sampler_matches_cores_sampler_on_a_dense_cache(causal, block, en
     ours = _sample_custom(dense, ARVideo.execute(block).result[0])
     assert seen == [engine]
     assert ours.shape == core.shape == (1, 16, 6, H // 8, W // 8)
-    assert _rel(ours, core) <= 1e-4
+    assert rel(ours, core) <= 1e-4
 
 
 def test_an_unpatched_model_gets_the_default_cache_on_either_engine(causal, monkeypatch):
@@ -117,7 +93,7 @@ def test_an_unpatched_model_gets_the_default_cache_on_either_engine(causal, monk
 
     fused = _sample_custom(causal, ARVideo.execute(3).result[0])
     monkeypatch.setattr(engines, "_fused_blocker", lambda *a: "forced for the test")
-    assert _rel(_sample_custom(causal, ARVideo.execute(3).result[0]), fused) <= 1e-5
+    assert rel(_sample_custom(causal, ARVideo.execute(3).result[0]), fused) <= 1e-5
 
 
 def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
@@ -127,8 +103,8 @@ def test_fastar_sampler_guides_with_the_graphs_cfg_and_negative(causal):
 
     sampler = ARVideo.execute(3).result[0]
     plain = _sample_custom(causal, sampler)
-    assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=1), plain) <= 1e-5
-    assert _rel(_sample_custom(causal, sampler, cfg=2.5, negative=2), plain) > 1e-3
+    assert rel(_sample_custom(causal, sampler, cfg=2.5, negative=1), plain) <= 1e-5
+    assert rel(_sample_custom(causal, sampler, cfg=2.5, negative=2), plain) > 1e-3
 
 
 def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
@@ -143,7 +119,7 @@ def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
     story = PromptSchedule.execute(_conditioning(1), prompt_2=_conditioning(7), start_2=9).result[0]
     switched = _sample_custom(causal, ARVideo.execute(1, prompts=story).result[0])
     assert torch.equal(switched[:, :, :3], plain[:, :, :3])  # latent 3 starts at video frame 9
-    assert _rel(switched[:, :, 3:], plain[:, :, 3:]) > 1e-3
+    assert rel(switched[:, :, 3:], plain[:, :, 3:]) > 1e-3
 
 
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
@@ -198,7 +174,7 @@ def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import comfy_bench
 
-    results = comfy_bench.main(["--comfyui", COMFYUI_PATH, "--smoke", "--out", str(tmp_path)])
+    results = comfy_bench.main(["--comfyui", comfyui_path(), "--smoke", "--out", str(tmp_path)])
     engines = {name: r["engine"] for name, r in results["runs"].items()}
     assert engines.pop("core-sampler/dense") == "core"
     assert engines.pop("comfy-fallback/fastar") == "comfy"

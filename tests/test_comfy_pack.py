@@ -1,8 +1,14 @@
-"""The pack without ComfyUI: imports, the web extension and the example workflows' structure."""
+"""The pack without ComfyUI: imports, the web extension and the example workflows' structure. These need no
+ComfyUI tree and run everywhere; marked ``comfyui``, they also run in each ComfyUI tree's environment, where
+ComfyUI's own packages are importable and must still not be pulled in by importing the pack."""
 import json
 import re
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.comfyui
 
 REPO = Path(__file__).resolve().parents[1]
 # the template files: their names are the titles ComfyUI shows on the template cards

@@ -24,12 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from comfyui_fastar.testing import comfy_harness
+
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH, "main.py").is_file(),
-                                reason="COMFYUI_PATH does not name a ComfyUI checkout with main.py")
+pytestmark = [pytest.mark.comfyui,
+              pytest.mark.skipif(bool(COMFYUI_PATH) and not Path(COMFYUI_PATH, "main.py").is_file(),
+                                 reason="COMFYUI_PATH does not name a ComfyUI checkout with main.py")]
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
 NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
          "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo"}
 
@@ -82,21 +84,6 @@ except ImportError:
     pass
 '''
 
-# ComfyUI imports torchvision at module scope; where the installed one cannot load against this
-# torch build, the server gets an empty stand-in (the Wan path never calls it).
-STUB = (Path(__file__).parent / "test_comfy_bridge.py").read_text().split("class _MissingTorchvision", 1)[1]
-SITECUSTOMIZE = '''
-import importlib.abc, importlib.machinery, sys, types
-try:
-    import torchvision  # noqa: F401
-except Exception:
-    for _n in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[_n]
-    class _MissingTorchvision''' + STUB.split("\n\ndef _import_comfy", 1)[0].replace("\n", "\n    ") + '''
-    sys.meta_path.insert(0, _MissingTorchvision())
-'''
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,32 +116,21 @@ def _post(url, data):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    from comfyui_fastar.fastar.models import WanConfig, WanModel
-
+def server(comfy, tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy_base")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / "ComfyUI-FastAR").symlink_to(REPO, target_is_directory=True)
     (base / "custom_nodes" / "fastar_test_conditioning.py").write_text(TEST_NODE)
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
-    model = WanModel(WanConfig(**TINY)).init_random(seed=7)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(models / "fastar_tiny.safetensors"))
-    # the metadata that makes core ComfyUI's loader pick its causal model (WAN21_CausalAR)
-    save_file(state, str(models / "fastar_tiny_causal.safetensors"),
-              metadata={"config": json.dumps({"transformer": {"causal_ar": True}})})
+    # fastar_tiny.safetensors, and fastar_tiny_causal.safetensors that core ComfyUI loads as WAN21_CausalAR
+    comfy_harness.write_wan(comfy_harness.tiny_wan(), models, "fastar_tiny")
     (base / "models" / "vae").mkdir()
-    from test_comfy_bridge import _import_comfy
-    from test_comfy_video import wan_vae_file
-
-    _import_comfy()
-    wan_vae_file(base / "models" / "vae" / "fastar_tiny_vae.safetensors")
+    comfy_harness.wan_vae_file(base / "models" / "vae" / "fastar_tiny_vae.safetensors")
+    # ComfyUI imports optional packages at module scope; where one cannot load, the server gets a stand-in
     stub = base / "stub"
     stub.mkdir()
-    (stub / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (stub / "sitecustomize.py").write_text(comfy_harness.sitecustomize())
 
     port = _free_port()
     paths = [str(stub), os.environ.get("PYTHONPATH", "")]
@@ -519,6 +495,9 @@ CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video grap
 # the same graph on the stock Empty Hunyuan Latent Video: every ComfyUI runs it
 STOCK_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video).json"
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json")) if CORE_AR or p != CORE_AR_WORKFLOW]
+# every template, the core AR one marked core_ar: it runs only where core's autoregressive nodes exist
+TEMPLATES = [pytest.param(p, id=p.stem, marks=[pytest.mark.core_ar] if p == CORE_AR_WORKFLOW else [])
+             for p in sorted((REPO / "example_workflows").glob("*.json"))]
 FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
 FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
 
@@ -574,7 +553,7 @@ def _to_api_prompt(workflow: dict, info: dict) -> dict:
     return prompt
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+@pytest.mark.parametrize("path", TEMPLATES)
 def test_example_workflow_validates(server, path):
     info = _get(server["url"] + "/object_info")
     workflow = json.loads(path.read_text())
@@ -627,8 +606,6 @@ def test_the_story_workflow_runs_to_a_playable_file(server):
     """The story template as a prompt on the tiny model and a tiny Wan VAE, shortened: three prompts
     switch on schedule (the widget says which is active) and FAST-AR Save Video writes a file that
     plays back whole, shown as the node's output."""
-    from test_comfy_video import _read
-
     prompt = _to_api_prompt(json.loads(STORY_WORKFLOW.read_text()), _get(server["url"] + "/object_info"))
     by_type = {}
     for node_id, node in prompt.items():
@@ -649,7 +626,7 @@ def test_the_story_workflow_runs_to_a_playable_file(server):
         (1, 1, 3), (2, 2, 3), (3, 3, 3), (4, 3, 3)]
     history = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]
     (saved,) = history["outputs"][by_type["FastARSaveVideo"][0]]["images"]
-    frames, rate, size = _read(server["base"] / "output" / saved["subfolder"] / saved["filename"])
+    frames, rate, size = comfy_harness.read_video(server["base"] / "output" / saved["subfolder"] / saved["filename"])
     assert (len(frames), size, rate) == (45, (32, 32), 16)
 
 
@@ -682,8 +659,9 @@ def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
             assert served[".jpg"] is not None and served[".jpg"][:3] == b"\xff\xd8\xff"  # a JPEG beside it
 
 
-if CORE_AR:  # only a ComfyUI with core's autoregressive nodes can run it (collected nowhere else)
-    test_core_ar_workflow_runs_to_a_latent = _core_ar_workflow_runs_to_a_latent
+@pytest.mark.core_ar
+def test_core_ar_workflow_runs_to_a_latent(server):
+    _core_ar_workflow_runs_to_a_latent(server)
 
 
 def test_the_stock_node_ar_graph_template_runs_on_every_comfyui(server):

@@ -1,45 +1,14 @@
 """FAST-AR Save Video against a real ComfyUI: the streamed frames are VAE Decode's, the file plays
 back with the right frame count, size and rate, a cancel leaves a playable file, bad input is
 refused in the node's words. The VAE is Wan 2.1's architecture with random weights the test writes."""
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-pytestmark = pytest.mark.skipif(not COMFYUI_PATH or not Path(COMFYUI_PATH).is_dir(),
-                                reason="COMFYUI_PATH does not name a ComfyUI checkout")
+from comfyui_fastar.testing.comfy_harness import read_video, wan_vae_file
 
-
-@pytest.fixture(scope="module")
-def comfy():
-    from test_comfy_bridge import _import_comfy
-
-    return _import_comfy()
-
-
-def wan_vae_file(path, seed=0):
-    """A Wan 2.1 VAE safetensors file (ComfyUI's architecture, random weights scaled so frames vary)."""
-    import comfy.ldm.wan.vae
-    from safetensors.torch import save_file
-
-    with torch.device("meta"):
-        model = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                                         temperal_downsample=[False, True, True])
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("gamma"):  # RMS norm scales
-            state[name] = torch.ones(p.shape)
-        elif name.endswith("bias"):
-            state[name] = torch.zeros(p.shape)
-        else:
-            fan_in = max(1, p[0].numel())
-            state[name] = torch.randn(p.shape, generator=g) / fan_in ** 0.5
-    save_file(state, str(path))
-    return path
+pytestmark = pytest.mark.comfyui
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +22,6 @@ def vae(comfy, tmp_path_factory):
 
 def _latent(frames, batch=1, h=4, w=6, seed=1):
     return torch.randn(batch, 16, frames, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-def _read(path):
-    import av
-
-    with av.open(str(path)) as f:
-        stream = f.streams.video[0]
-        frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(stream)]
-        return frames, stream.average_rate, (stream.codec_context.width, stream.codec_context.height)
 
 
 def test_streamed_frames_are_vae_decodes(vae):
@@ -84,7 +44,7 @@ def test_the_file_decodes_back_to_the_video(vae, tmp_path, container):
     path = tmp_path / f"clip.{container}"
     latent = _latent(4)
     assert video.write_video(str(path), video.decoded_frames(vae, latent), 16.0, container) == 13
-    frames, rate, size = _read(path)
+    frames, rate, size = read_video(path)
     assert len(frames) == 13 and size == (48, 32) and rate == 16
     stock = vae.decode(latent)[0]
     # lossy codecs: the file is near the decoded frames, not equal
@@ -105,7 +65,7 @@ def test_a_cancel_leaves_a_shorter_playable_file(vae, tmp_path):
     path = tmp_path / "cancelled.mp4"
     with pytest.raises(Cancelled):
         video.write_video(str(path), video.decoded_frames(vae, _latent(6), tick), 16.0, "mp4")
-    frames, _, _ = _read(path)
+    frames, _, _ = read_video(path)
     assert len(frames) == 1 + 4 + 4  # three latent frames were written whole
     def cancelled_at_once():
         raise Cancelled
@@ -128,7 +88,7 @@ def test_the_node_saves_to_the_output_folder_and_refuses_bad_input(vae, tmp_path
     out = video_nodes.SaveVideo.execute({"samples": _latent(3)}, vae, 16.0, "video/story", "mp4")
     (saved,) = out.ui.as_dict()["images"]
     assert saved["subfolder"] == "video" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
-    assert len(_read(tmp_path / "video" / saved["filename"])[0]) == 9
+    assert len(read_video(tmp_path / "video" / saved["filename"])[0]) == 9
 
     with pytest.raises(FastARError, match="FAST-AR Save Video: the VAE is Linear, not Wan 2.1's"):
         video_nodes.SaveVideo.execute({"samples": _latent(3)}, SimpleNamespace(first_stage_model=torch.nn.Linear(1, 1)),
@@ -169,4 +129,4 @@ def test_cancel_from_the_ui_stops_the_node_and_leaves_a_playable_file(vae, tmp_p
     assert type(info.value).__name__ == "InterruptProcessingException"  # (its module differs by version)
     assert seen == [1, 2]
     (path,) = (tmp_path / "video").glob("cancel_*.mp4")
-    assert len(_read(path)[0]) == 1 + 4
+    assert len(read_video(path)[0]) == 1 + 4

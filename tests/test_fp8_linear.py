@@ -2,7 +2,6 @@
 without the GELU) and keeps every value within half an e4m3 step; the scaled matmul equals its
 twin; a layer's error against bf16 is e4m3's few %; ``fp8_linears`` builds a model over the same
 tensors whose forward and rollout stay close to the original's, which it leaves as it was."""
-import importlib
 import json
 import os
 import subprocess
@@ -29,6 +28,7 @@ from comfyui_fastar.kernels.fp8_linear import (
     quantize_weight,
     scaled_mm_runs,
 )
+from comfyui_fastar.testing import comfy_harness
 
 E4M3 = torch.float8_e4m3fn
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -444,39 +444,18 @@ def test_fp8_rollout_on_the_gpu_graphed_equals_eager():
 
 
 # -- ComfyUI's fp8 checkpoints through the fused engine ---------------------------------------------
-@pytest.fixture(scope="module")
-def comfy_bridge(tmp_path_factory):
-    """ComfyUI (``COMFYUI_PATH``, on the CPU, as tests/test_comfy_bridge.py imports it), the node package
-    with the modules these tests call into, that test module's helpers and a tiny checkpoint file."""
-    if not os.environ.get("COMFYUI_PATH"):
-        pytest.skip("COMFYUI_PATH is not set (no ComfyUI checkout to test against)")
-    from safetensors.torch import save_file
-
-    from comfyui_fastar.fastar.models import WanConfig, WanModel
-
-    helpers = importlib.import_module("test_comfy_bridge")
-    comfy = helpers._import_comfy()
-    from comfyui_fastar import nodes
-    from comfyui_fastar.nodes import engines, fused, patching, samplers, settings  # noqa: F401
-
-    path = tmp_path_factory.mktemp("ckpt") / "wan_tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in WanModel(WanConfig(**helpers.TINY)).init_random(seed=7).state_dict()
-               .items()}, str(path))
-    return comfy, nodes, helpers, path
-
-
-def test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors(comfy_bridge, monkeypatch):
+@pytest.mark.comfyui
+def test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors(comfy, pack, checkpoint, monkeypatch):
     """With fp8_linears, where fp8 matmuls run (forced here: the CPU runs the twins), the blocks' e4m3
     linear weights become ``Fp8Linear`` over the model's own tensors, everything else is read in the
     compute dtype as before, and the samples stay within e4m3's error of ComfyUI's own forward's; without
     it they are cast on read, as ever."""
-    comfy, pack, helpers, path = comfy_bridge
-    stored = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
+    stored = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float8_e4m3fn})
     dm = stored.model.diffusion_model
     monkeypatch.setattr(pack.fused, "_fp8_matmuls", lambda wan, dtype: True)
-    assert not any(isinstance(m, Fp8Linear) for m in helpers._engine(pack, stored).model.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in comfy_harness.engine_for(stored).model.modules())
     fp8 = pack.patching.patch_model(stored, pack.settings.FastARSettings(fp8_linears=True))
-    engine = helpers._engine(pack, fp8)
+    engine = comfy_harness.engine_for(fp8)
     assert (engine.name, engine.reason) == ("fused", None)
     theirs = dict(dm.named_parameters())
     ours = dict(engine.model.named_parameters())
@@ -487,17 +466,18 @@ def test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors(comfy_bridg
     assert not isinstance(block.cross_attn.k, Fp8Linear) and block.cross_attn.k.weight.dtype == torch.float32
     assert engine.model.text_embedding[0].weight.dtype == torch.float32  # cast on read, as before
 
-    pos = helpers._prompt(4)
-    settings = pack.samplers.SampleSettings(width=helpers.W, height=helpers.H, frames=3, chunk_frames=1, seed=2)
+    pos = comfy_harness.prompt(4)
+    settings = pack.samplers.SampleSettings(width=comfy_harness.W, height=comfy_harness.H, frames=3,
+                                            chunk_frames=1, seed=2)
     fused = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
     monkeypatch.setattr(pack.engines, "_fused_blocker", lambda *a: "forced for the test")
     ref = pack.samplers.sample(fp8, [[pos, {}]], None, settings)["samples"]
-    assert 0 < helpers._rel(fused, ref) <= 1e-2  # measured 1.4e-3 (v0.3.64)
+    assert 0 < comfy_harness.rel(fused, ref) <= 1e-2  # measured 1.4e-3 (v0.3.64)
 
 
-def test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype(comfy_bridge, monkeypatch):
-    comfy, pack, helpers, path = comfy_bridge
-    dm = comfy.sd.load_diffusion_model(str(path)).model.diffusion_model
+@pytest.mark.comfyui
+def test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype(comfy, pack, checkpoint, monkeypatch):
+    dm = comfy.sd.load_diffusion_model(str(checkpoint)).model.diffusion_model
     assert dm.blocks[0].ffn[0].weight.dtype == torch.float32
     monkeypatch.setattr(pack.fused, "_fp8_matmuls", lambda wan, dtype: True)
     plain = pack.fused.fused_wan(dm, torch.float32)
@@ -511,17 +491,17 @@ def test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype(comfy_bridge, m
     assert not any(isinstance(m, Fp8Linear) for m in unquantized.modules())
 
 
-def test_comfy_patch_model_fp8_linears_reach_the_fused_engine(comfy_bridge, monkeypatch):
+@pytest.mark.comfyui
+def test_comfy_patch_model_fp8_linears_reach_the_fused_engine(comfy, pack, checkpoint, monkeypatch):
     """FAST-AR Patch Model's fp8_linears widget is what the fused engine quantizes by (off by default)."""
-    comfy, pack, helpers, path = comfy_bridge
     from comfyui_fastar.nodes.settings_nodes import PatchModel
 
-    model = comfy.sd.load_diffusion_model(str(path))
+    model = comfy.sd.load_diffusion_model(str(checkpoint))
     monkeypatch.setattr(pack.fused, "_fp8_matmuls", lambda wan, dtype: True)
     for flag, want in ((True, len(FP8_LINEARS) * len(model.model.diffusion_model.blocks)), (False, 0)):
         patched = PatchModel.execute(model, fp8_linears=flag).result[0]
         assert pack.settings.settings_of(patched).fp8_linears is flag
-        engine = helpers._engine(pack, patched)
+        engine = comfy_harness.engine_for(patched)
         assert engine.name == "fused"
         assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == want
     assert pack.settings.settings_of(PatchModel.execute(model).result[0]).fp8_linears is False

@@ -1,4 +1,4 @@
-"""Real-video-derived latents (bench/realvideo.py): shapes, determinism, no repeated content, real structure."""
+"""Real-video-derived latents (bench/common/realvideo.py): shapes, determinism, no repeated content, real structure."""
 import os
 import sys
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import realvideo  # noqa: E402
+from common import realvideo  # noqa: E402
 
 SMALL = dict(height=96, width=160)  # 12 x 20 latent positions: keeps the CPU tests fast
 N_WAN, N_LTX, N_HUNYUAN = 33, 97, 121

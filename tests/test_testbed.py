@@ -1,5 +1,5 @@
-"""The benchmarks' shared parts (bench/common.py, bench/testbed.py) and the scripts' CPU smoke runs (marked slow:
-each runs a script end to end on the tiny model)."""
+"""The benchmarks' shared parts (the package bench/common) and the scripts' CPU smoke runs (marked slow: each runs
+a script end to end on the tiny model)."""
 import json
 import os
 import statistics
@@ -15,8 +15,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 sys.path.insert(0, BENCH)
 import common  # noqa: E402
-import testbed  # noqa: E402
-from testbed import fastar  # noqa: E402
+from common import fastar, testbed  # noqa: E402
 
 
 def test_sensitize_ties_keys_to_queries_and_touches_nothing_else():
@@ -268,7 +267,7 @@ def test_chunk_profile_smoke(tmp_path):
                            "--settings", "fastar,sink+window"], env=TWINS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "chunk_profile_smoke.json").read_text())
-    assert set(result) == {"device", "chunk", "fastar", "sink+window"}
+    assert set(result) == {*common.HEADER, "chunk", "prompt", "fastar", "sink+window"}
     assert all(result[name]["wall_ms"] > 0 for name in ("fastar", "sink+window"))
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "chunk_profile.py"), "--smoke", "--settings", "lsh"],
                          env=TWINS, capture_output=True, text=True, timeout=300)
@@ -282,10 +281,12 @@ def test_reproduce_makes_every_figure_in_results_and_the_readme():
 
     names = {f.name for f in reproduce.FIGURES}
     results = os.path.join(BENCH, "results")
-    assert names == {f[:-4] for f in os.listdir(results) if f.endswith(".png")}
+    pngs = {f[:-4] for f in os.listdir(results) if f.endswith(".png")}
+    archived = {f[:-4] for f in os.listdir(os.path.join(results, "archive")) if f.endswith(".png")}
+    assert pngs <= names and names - pngs <= archived  # (a run older than its script's output waits in archive/)
     with open(os.path.join(os.path.dirname(BENCH), "README.md")) as f:
         shown = re.findall(r"!\[[^\]]*\]\(bench/results/([^)/]+)\.png\)", f.read())
-    assert set(shown) <= names
+    assert set(shown) <= pngs
     for fig in reproduce.FIGURES:  # the script named writes that figure: by its own name, or as the --tag given
         with open(os.path.join(BENCH, fig.args[0])) as f:
             assert fig.name in f.read() or fig.args[fig.args.index("--tag") + 1] == fig.name
@@ -298,9 +299,87 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     lines = capsys.readouterr().out.splitlines()
     assert [x.split()[0] for x in lines[:-1:2]] == [f"{n}.png" for n in ("core_bench", "tempcache_bench", "ann_bench",
                                                                            "ann_bench_random", "e2e_bench", "frontier",
-                                                                           "comfy_bench", "stream_memory")]
+                                                                           "frontier_wan", "comfy_bench", "stream_memory")]
     assert f"ann_bench.py --prompt random --tag ann_bench_random --out {tmp_path}" in lines[7]
     assert lines[-1] == f"in all ~{sum(f.minutes for f in reproduce.FIGURES):g} minutes"
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
     assert "stream_memory: skipped, needs --comfyui" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_every_result_file_names_its_commit_command_and_device():
+    """Each committed result (outside archive/) says what wrote it: the commit (one of this repository's, where
+    it has its history; "unknown" off git) and the command, and the device; one written before results
+    recorded these carries them reconstructed (dirty unknown), with a note saying so."""
+    results = os.path.join(BENCH, "results")
+    names = sorted(f for f in os.listdir(results) if f.endswith(".json"))
+    assert names
+    git = subprocess.run(["git", "-C", common.ROOT, "rev-parse", "HEAD"], capture_output=True).returncode == 0
+    for name in names:
+        with open(os.path.join(results, name)) as f:
+            result = json.load(f)
+        assert {"commit", "dirty", "command", "device"} <= set(result), name
+        assert result["command"].startswith("python bench/"), name
+        if result["commit"] == "unknown":  # written off git (a copied tree): nothing more to check
+            assert result["dirty"] is None, name
+            continue
+        if result["dirty"] is None:  # a commit but no dirty flag: not recorded when written
+            assert result["provenance"].startswith("reconstructed: "), name
+        if git:
+            found = subprocess.run(["git", "-C", common.ROOT, "cat-file", "-e", result["commit"] + "^{commit}"])
+            assert found.returncode == 0, (name, result["commit"])
+
+
+def test_header_records_the_commit_the_command_and_write_json_insists(tmp_path):
+    import subprocess as sp
+
+    argv = [os.path.join(BENCH, "e2e_bench.py"), "--smoke", "--out", str(tmp_path / "a b")]
+    result = common.header("cpu", argv)
+    assert result["command"] == f"python bench/e2e_bench.py --smoke --out '{tmp_path / 'a b'}'"
+    assert result["device"].startswith("CPU")
+    try:
+        head = sp.run(["git", "-C", common.ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                      check=True).stdout.strip()
+    except (OSError, sp.CalledProcessError):  # a copied tree
+        assert (result["commit"], result["dirty"]) == ("unknown", None)
+    else:
+        assert result["commit"] == head and isinstance(result["dirty"], bool)
+    path = common.write_json(str(tmp_path), "x.json", {**result, "rows": [1]})
+    with open(path) as f:
+        assert json.load(f) == {**result, "rows": [1]}
+    with pytest.raises(ValueError, match="lacks commit, dirty, command"):
+        common.write_json(str(tmp_path), "y.json", {k: result[k] for k in ("device", "date", "torch")})
+    assert not (tmp_path / "y.json").exists()
+
+
+def _imports(path: str) -> set:
+    """The top-level modules a file imports by absolute name."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_bench_script_imports_another_script_and_no_test_another_test():
+    """What the scripts share lives in bench/common; a script imports from there, never from another script,
+    and nothing in bench/ imports from tests/; no test imports another test module (shared helpers: conftest's
+    fixtures and comfyui_fastar.testing)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    scripts = {f[:-3]: os.path.join(BENCH, f) for f in os.listdir(BENCH) if f.endswith(".py")}
+    shared = {f[:-3]: os.path.join(BENCH, "common", f) for f in os.listdir(os.path.join(BENCH, "common"))
+              if f.endswith(".py")}
+    tests = {f[:-3]: os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py")}
+    assert {"e2e_bench", "frontier", "comfy_bench"} <= set(scripts) and "rollouts" in shared
+    for name, path in {**scripts, **{"common." + n: p for n, p in shared.items()}}.items():
+        imported = _imports(path)
+        assert not imported & (set(scripts) - {name}), (path, imported & set(scripts))
+        assert not imported & set(tests), (path, imported & set(tests))
+    for name, path in tests.items():
+        assert not _imports(path) & (set(tests) - {name}), (path, _imports(path) & set(tests))

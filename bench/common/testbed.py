@@ -23,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fastar, random_prompt, testbed_model  # noqa: E402
-from realvideo import DATA, _orthogonal, real_latents  # noqa: E402
+from . import fastar, random_prompt, testbed_model
+from .realvideo import DATA, _orthogonal, real_latents
 
 CacheConfig, FastARAttention = fastar.CacheConfig, fastar.FastARAttention
 PACKAGE = fastar.__name__.rsplit(".", 1)[0]  # the pack's own modules: their objects hold a rollout's state

@@ -1,10 +1,15 @@
 """What the benchmark scripts share: the package they measure, their arguments, timing, result files and the
-random-weight model.
+random-weight model; the package's modules hold the rest (``testbed``, ``realvideo``, ``rollouts``, ``annsa``,
+``comfyui``). Every script in ``bench/`` imports from this package only, never from another script.
 
 ``from common import fastar`` imports the checkout this folder belongs to as ``comfyui_fastar`` (pip-installed
 or not: the GPU machines run it from the tree) and gives its ``fastar`` package, the models included.
 ``load_package`` imports any exported tree under a name of its own (``bench/ab.py`` holds two revisions side
 by side that way); nothing here imports the package until a script asks for ``fastar``.
+
+Every result file starts with ``header``: the device, the date, torch's version, and where the numbers come
+from (``provenance``: the commit, whether the tree differed from it, the command); ``write_json`` writes
+nothing without them.
 """
 from __future__ import annotations
 
@@ -15,13 +20,15 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(BENCH)
 RESULTS = os.path.join(BENCH, "results")
 
@@ -75,13 +82,41 @@ def device_name(device) -> str:
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
-def header(device) -> dict:
-    """What every result file starts with: the device, the date and torch's version."""
-    return {"device": device_name(device), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+def _git(*args) -> str:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """Where a result comes from: ``commit`` (this checkout's HEAD, "unknown" off git), ``dirty`` (whether
+    the tracked files differed from it; None off git) and ``command`` (``python`` and ``argv``: the script's
+    path and its arguments, default ``sys.argv``; paths inside the repository relative to its root)."""
+    try:
+        commit = _git("rev-parse", "HEAD")
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", None
+    argv = list(sys.argv if argv is None else argv)
+    script = os.path.abspath(argv[0])
+    if script.startswith(ROOT + os.sep):
+        script = os.path.relpath(script, ROOT)
+    return {"commit": commit, "dirty": dirty, "command": shlex.join(["python", script, *argv[1:]])}
+
+
+#: What ``header`` gives and ``write_json`` insists on.
+HEADER = ("device", "date", "torch", "commit", "dirty", "command")
+
+
+def header(device, argv: list[str] | None = None) -> dict:
+    """What every result file starts with: the device, the date, torch's version and ``provenance(argv)``."""
+    return {"device": device_name(device), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            **provenance(argv)}
 
 
 def write_json(out: str, name: str, result: dict) -> str:
-    """``result`` as ``out/name``; returns the path."""
+    """``result`` as ``out/name``; returns the path. ``result`` must hold ``header``'s keys."""
+    missing = [k for k in HEADER if k not in result]
+    if missing:
+        raise ValueError(f"{name}: the result lacks {', '.join(missing)} (start it with common.header)")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path, "w") as f:
@@ -162,7 +197,7 @@ SENSITIVE = {"qk_gain": 1.5, "k_noise": 0.5, "self_gain": 5.0}
 
 @torch.no_grad()
 def sensitize(model, qk_gain: float = 1.5, k_noise: float = 0.5, self_gain: float = 5.0, seed: int = 0):
-    """Make a random Wan model attend as a trained one does (bench/testbed.py says why): tie each
+    """Make a random Wan model attend as a trained one does (bench/common/testbed.py says why): tie each
     self-attention's key projection to its query projection (plus ``k_noise`` of fresh noise), set the
     q/k RMS norm gains to ``qk_gain`` (logits scale by its square: sharply peaked softmaxes) and scale
     the output projection by ``self_gain`` (the gated branch is otherwise a few % of the residual

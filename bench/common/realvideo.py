@@ -6,7 +6,7 @@ redundancy and make every compression look either useless or free. No Wan VAE or
 GPU machine is offline, so the inputs come from real generated clips stored beside this file (see
 ``bench/data/LICENSE.md``) and a fixed linear stand-in for the VAE encoder (``latents_like``).
 
-    from realvideo import load_clip, latents_like, real_latents   # with bench/ on sys.path
+    from common.realvideo import load_clip, latents_like, real_latents   # with bench/ on sys.path
     x = real_latents(21, temporal_stride=4)   # [1, 16, 21, 60, 104] float32
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageSequence
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # bench/data
 
 # name -> (file, (period, phase) of frames that repeat their predecessor, or None).
 # The Hunyuan clip was apparently frame-rate converted: every 5th frame (index = 1 mod 5) is a near-copy of the one

@@ -1,0 +1,214 @@
+"""The pack inside a real ComfyUI tree, as the tests (``tests/test_comfy_*.py``) and the benchmarks
+(``bench/comfy_bench.py``, ``bench/prompt_switch.py``, ``bench/stream_memory.py``) run it.
+
+``import_comfy`` imports the ComfyUI tree named by ``COMFYUI_PATH`` (or a path given), on the CPU unless
+told otherwise, with empty stand-ins for the optional packages ComfyUI imports at module scope for
+models and nodes that are never run here (``stand_in_missing``). ``tiny_wan`` and ``write_wan`` make
+the smallest Wan 2.1 T2V model ComfyUI's detection builds and write it as ComfyUI's loaders read it,
+plain and with core ComfyUI's causal metadata; ``wan_vae_file`` writes a Wan 2.1 VAE with random
+weights. The rest are the checks the tests share: a prompt's features, the relative error, the
+engine a rollout picks, the frames of a video file.
+
+Importing this module imports nothing but the standard library: a ComfyUI server's ``sitecustomize``
+(``sitecustomize``) loads it from its file to install the stand-ins before ComfyUI starts.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+# ComfyUI's Wan detection reads the head count as dim // 128, its frequency size as 256 and its text
+# width as 4096, so the smallest model it builds has two heads of 128.
+TINY = dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+H = W = 32  # pixels: a 4x4 latent, 2x2 tokens a frame
+TOKENS = 512  # prompt tokens: Wan's text length, as ComfyUI's umT5 encoder pads them
+#: The safetensors metadata that makes core ComfyUI's loader build its causal model (``WAN21_CausalAR``).
+CAUSAL_METADATA = {"config": json.dumps({"transformer": {"causal_ar": True}})}
+#: Packages ComfyUI imports at module scope for what these runs never call: torchvision (image models;
+#: an installed one may not load against this torch build) and PyAV (video files).
+OPTIONAL = ("torchvision", "av")
+
+
+# -- stand-ins for optional packages ---------------------------------------------------------------
+class _Unavailable:
+    """Anything reached through a stand-in: its attributes resolve, calling it raises."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(f"{self._name} cannot be used: its package does not import here")
+
+
+class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an empty package in place of ``name`` and its submodules."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _Unavailable(spec.name).__getattr__
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def stand_in_missing(names=OPTIONAL) -> list[str]:
+    """Each of ``names`` that does not import (absent, or failing against this torch build) is replaced by
+    an empty stand-in from then on: ComfyUI's module-scope imports of it succeed, and anything that calls
+    into it raises ``ImportError``. Returns the names stood in for."""
+    stood_in = []
+    for name in names:
+        if any(isinstance(f, _StandIn) and f.name == name for f in sys.meta_path):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+            sys.meta_path.insert(0, _StandIn(name))
+            stood_in.append(name)
+    return stood_in
+
+
+def sitecustomize() -> str:
+    """A ``sitecustomize.py`` that installs ``stand_in_missing`` in a ComfyUI server's process (put its
+    folder on the server's ``PYTHONPATH``): it loads this file by its path, so it needs the pack nowhere
+    on that process's path."""
+    return ("import importlib.util\n"
+            f"_spec = importlib.util.spec_from_file_location('fastar_comfy_harness', {str(Path(__file__))!r})\n"
+            "_harness = importlib.util.module_from_spec(_spec)\n"
+            "_spec.loader.exec_module(_harness)\n"
+            "_harness.stand_in_missing()\n")
+
+
+# -- ComfyUI ---------------------------------------------------------------------------------------
+def comfyui_path() -> str | None:
+    """The ComfyUI tree ``COMFYUI_PATH`` names, or None where it is unset."""
+    return os.environ.get("COMFYUI_PATH") or None
+
+
+def import_comfy(path: str | None = None, cpu: bool = True):
+    """ComfyUI's ``comfy`` package from the tree at ``path`` (default ``COMFYUI_PATH``), with
+    ``comfy.model_management`` and ``comfy.sd`` imported; ``cpu``: ComfyUI runs on the CPU (its
+    ``--cpu``), as the tests do. Optional packages that do not import get stand-ins first."""
+    path = path or comfyui_path()
+    if not path:
+        raise RuntimeError("no ComfyUI tree: pass its path or set COMFYUI_PATH")
+    stand_in_missing()
+    if cpu:
+        os.environ["COMFYUI_CPU"] = "true"  # (read by the pip-installable ComfyUI's arguments)
+    path = os.path.abspath(path)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import comfy.cli_args
+
+    if cpu:
+        comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import comfy.sd  # noqa: F401
+
+    return comfy
+
+
+# -- model files -----------------------------------------------------------------------------------
+def tiny_wan(seed: int = 7):
+    """The library's Wan 2.1 T2V model at ``TINY``'s sizes, random weights (fp32)."""
+    from ..fastar.models import WanConfig, WanModel
+
+    return WanModel(WanConfig(**TINY)).init_random(seed=seed)
+
+
+def write_wan(model, folder, name: str = "wan", dtype=None) -> tuple[Path, Path]:
+    """``model``'s weights as ComfyUI's diffusion-model loaders read them (no fastar metadata), in
+    ``folder``: ``name.safetensors``, from which ComfyUI builds its stock Wan model, and
+    ``name_causal.safetensors`` with ``CAUSAL_METADATA``. ``dtype``: the weights cast to it (default: as
+    they are). Returns the two paths."""
+    from safetensors.torch import save_file
+
+    state = {k: (v.detach().to("cpu", dtype) if dtype is not None else v.detach().cpu()).contiguous()
+             for k, v in model.state_dict().items()}
+    plain, causal = Path(folder, f"{name}.safetensors"), Path(folder, f"{name}_causal.safetensors")
+    save_file(state, str(plain))
+    save_file(state, str(causal), metadata=CAUSAL_METADATA)
+    return plain, causal
+
+
+def wan_vae_file(path, seed: int = 0, dim: int = 96) -> Path:
+    """A Wan 2.1 VAE safetensors file at ``path``: ComfyUI's architecture (``comfy.ldm.wan.vae``, so ComfyUI
+    must be imported; base width ``dim``, Wan's own 96 by default), random weights scaled so frames vary."""
+    import comfy.ldm.wan.vae
+    import torch
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                         temperal_downsample=[False, True, True])
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("gamma"):  # RMS norm scales
+            state[name] = torch.ones(p.shape)
+        elif name.endswith("bias"):
+            state[name] = torch.zeros(p.shape)
+        else:
+            fan_in = max(1, p[0].numel())
+            state[name] = torch.randn(p.shape, generator=g) / fan_in ** 0.5
+    save_file(state, str(path))
+    return Path(path)
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def prompt(seed: int, tokens: int = TOKENS):
+    """Seeded Gaussian prompt features [1, tokens, 4096]: a text encoder's output, as CONDITIONING carries it."""
+    import torch
+
+    return torch.randn(1, tokens, TINY["text_dim"], generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b) -> float:
+    """``|a - b| / |b|`` in fp32, both required finite."""
+    import torch
+
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def engine_for(model):
+    """The engine a rollout of the ComfyUI ``model`` runs on, as the pack chooses it (``model`` patched
+    first where it is not)."""
+    from ..nodes import engines, patching
+
+    patched = model if patching.is_patched(model) else patching.patch_model(model)
+    options = patching.transformer_options(patched, patched.model_options)
+    return engines.choose_engine(patched, options, patched.model_options, "test node")
+
+
+def read_video(path):
+    """A video file's frames (RGB arrays), frame rate and (width, height), through PyAV."""
+    import av
+
+    with av.open(str(path)) as f:
+        stream = f.streams.video[0]
+        frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(stream)]
+        return frames, stream.average_rate, (stream.codec_context.width, stream.codec_context.height)
