@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENVS=${COMFY_ENVS:-$ROOT/.comfyui}
 TESTS=("$ROOT/tests/test_comfy_bridge.py" "$ROOT/tests/test_comfy_server.py" "$ROOT/tests/test_comfy_pack.py"
-       "$ROOT/tests/test_comfy_video.py")
+       "$ROOT/tests/test_comfy_video.py" "$ROOT/tests/test_comfy_checkpoints.py")
 # test_fp8_linear.py's ComfyUI tests only (its others are the everyday run's and the GPU's)
 for t in test_comfy_fp8_weights_run_as_fp8_linears_over_their_own_tensors \
          test_comfy_fp8_linears_opt_in_for_weights_in_a_compute_dtype \

@@ -1,6 +1,7 @@
 """Each published causal Wan 2.1 checkpoint, as its training code writes it (entries, key names,
 wrapper prefixes, dtypes, what else the file holds; tiny shapes, random values), converts with its
-preset and loads back to the weights written, with its sampling in the metadata."""
+preset and loads back to the weights written, with its sampling in the metadata. ``write_checkpoint``
+is shared with the ComfyUI loader's tests (test_comfy_checkpoints.py)."""
 import json
 
 import pytest
@@ -21,9 +22,10 @@ BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cr
                  "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
 
 
-def wan_weights(seed, dtype=torch.float32):
+def wan_weights(seed, dtype=torch.float32, config=None):
     """Every key of a 2-block Wan 2.1 T2V model (embeddings, each block's full set, head), random values."""
-    return {k: v.to(dtype) for k, v in build_model("tiny", seed=seed).state_dict().items()}
+    model = build_model("tiny", seed=seed) if config is None else WanModel(config).init_random(seed)
+    return {k: v.to(dtype) for k, v in model.state_dict().items()}
 
 
 def prefixed(state, prefix):
@@ -33,46 +35,6 @@ def prefixed(state, prefix):
 def converted(path):
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-
-
-def assert_loads_as(dst, expected, sampling):
-    """The converted file holds exactly ``expected`` (bare Wan names), is marked causal, records
-    ``sampling``, and load_wan builds the model from it."""
-    tensors, metadata = converted(dst)
-    assert sorted(tensors) == sorted(expected)
-    assert all(torch.equal(tensors[k], v.to(tensors[k].dtype)) for k, v in expected.items())
-    assert json.loads(metadata["config"]) == {"transformer": {"causal_ar": True}}
-    assert json.loads(metadata[SAMPLING_METADATA_KEY]) == json.loads(sampling.to_json())
-    assert checkpoint_sampling(dst) == sampling
-    model = load_wan(dst)
-    assert all(torch.equal(model.state_dict()[k], v.to(model.dtype)) for k, v in expected.items())
-    return model
-
-
-def test_self_forcing(tmp_path):
-    """guandeh17/Self-Forcing trainer/distillation.py save(): generator and critic are FSDP full state
-    dicts of the wrapper (``model.`` + Wan names); generator_ema is EMA_FSDP's shadow, named by the FSDP
-    module's parameters (``model._fsdp_wrapped_module.``), float32. Its inference (--use_ema) reads the EMA."""
-    gen, critic, ema = wan_weights(1), wan_weights(2), wan_weights(3)
-    src, dst = tmp_path / "self_forcing_dmd.pt", tmp_path / "self_forcing_dmd.safetensors"
-    torch.save({"generator": prefixed(gen, "model."), "critic": prefixed(critic, "model."),
-                "generator_ema": prefixed(ema, "model._fsdp_wrapped_module.")}, src)
-    done = convert_checkpoint(src, dst, preset="self-forcing", dtype=torch.float32, num_heads=HEADS)
-    assert done.sampling == Sampling(3, (1000, 750, 500, 250), 5.0, "self-forcing") and done.lora_layers == 0
-    assert_loads_as(dst, ema, done.sampling)
-
-
-def test_causvid(tmp_path):
-    """tianweiy/CausVid causvid/train_distillation.py save(): generator and critic only; its
-    autoregressive inference reads 'generator'. configs/wan_causal_dmd.yaml: steps 1000, 757, 522 (and
-    the 0 the pipeline drops), not warped: a shift of 1 here."""
-    gen, critic = wan_weights(1), wan_weights(2)
-    src, dst = tmp_path / "model.pt", tmp_path / "causvid.safetensors"
-    torch.save({"generator": prefixed(gen, "model."), "critic": prefixed(critic, "model.")}, src)
-    done = convert_checkpoint(src, dst, preset="causvid", dtype=torch.float32, num_heads=HEADS)
-    assert done.sampling == Sampling(3, (1000, 757, 522), 1.0, "causvid")
-    assert done.sampling.schedule().sigmas() == pytest.approx([1.0, 0.757, 0.522])  # the steps as listed
-    assert_loads_as(dst, gen, done.sampling)
 
 
 def _longlive_base(path, gen, ema, critic):
@@ -105,7 +67,7 @@ def _longlive_lora(base, rank, seed):
     return lora
 
 
-def _merged_independently(base, lora, scale):
+def merged_independently(base, lora, scale):
     """W + scale * B @ A in float64, per adapted layer, from the LoRA's own names."""
     out = {k: v.double() for k, v in base.items()}
     for k, a in lora.items():
@@ -116,40 +78,115 @@ def _merged_independently(base, lora, scale):
     return out
 
 
+LORA_RANK = 4
+
+
+def write_checkpoint(preset, directory, weights):
+    """The file(s) ``preset``'s training or release code writes, from ``weights(seed, dtype)``: returns
+    the source, convert_checkpoint's extra arguments, and the Wan weights the conversion must give."""
+    gen, critic, ema = weights(1, torch.float32), weights(2, torch.float32), weights(3, torch.float32)
+    src = directory / f"{preset}.pt"
+    if preset in ("self-forcing", "rolling-forcing"):
+        # guandeh17/Self-Forcing and TencentARC/RollingForcing trainer/distillation.py save(): generator and
+        # critic are FSDP full state dicts of the wrapper ("model." + Wan names); generator_ema is EMA_FSDP's
+        # shadow, named by the FSDP module's parameters ("model._fsdp_wrapped_module."), float32. Their
+        # README inference runs --use_ema.
+        torch.save({"generator": prefixed(gen, "model."), "critic": prefixed(critic, "model."),
+                    "generator_ema": prefixed(ema, "model._fsdp_wrapped_module.")}, src)
+        return src, {}, ema
+    if preset == "causvid":
+        # tianweiy/CausVid causvid/train_distillation.py save(): generator and critic only; its
+        # autoregressive inference reads 'generator'
+        torch.save({"generator": prefixed(gen, "model."), "critic": prefixed(critic, "model.")}, src)
+        return src, {}, gen
+    if preset == "longlive":
+        # longlive_base.pt (inference reads 'generator', use_ema false) and lora.pt ({'generator_lora',
+        # 'critic_lora', 'step'}; configs/longlive_inference.yaml: rank 256, alpha 256)
+        _longlive_base(src, gen, ema, critic)
+        lora, lora_file = _longlive_lora(gen, LORA_RANK, seed=7), directory / "lora.pt"
+        torch.save({"generator_lora": lora, "critic_lora": _longlive_lora(critic, LORA_RANK, seed=8), "step": 1200},
+                   lora_file)
+        return src, {"lora": lora_file}, merged_independently(gen, lora, 256 / LORA_RANK)
+    if preset.startswith("causal-forcing"):
+        # thu-ml/Causal-Forcing trainer/distillation.py save(): one entry, generator_ema (EMA_FSDP.full_state_dict:
+        # the shadow's names, "model._fsdp_wrapped_module.") once EMA has started, else generator; README:
+        # the chunk-wise model runs without --use_ema, the frame-wise one with it
+        entry = KNOWN_CHECKPOINTS[preset].key
+        torch.save({entry: prefixed(gen, "model." if entry == "generator" else "model._fsdp_wrapped_module.")}, src)
+        return src, {}, gen
+    assert preset == "krea-realtime-14b"
+    # krea-ai/realtime-video release_server.py load_transformer: a safetensors state dict of the
+    # WanDiffusionWrapper ("model." + Wan names)
+    src, bf16 = directory / "krea-realtime-video-14b.safetensors", weights(5, torch.bfloat16)
+    save_file(prefixed(bf16, "model."), str(src))
+    return src, {}, bf16
+
+
+SAMPLINGS = {  # read off each repository's configs and inference code (fastar/models/checkpoints.py)
+    "self-forcing": (3, (1000, 750, 500, 250), 5.0),
+    "causvid": (3, (1000, 757, 522), 1.0),  # configs/wan_causal_dmd.yaml, not warped
+    "longlive": (3, (1000, 750, 500, 250), 5.0),
+    "causal-forcing-chunkwise": (3, (1000, 750, 500, 250), 5.0),
+    "causal-forcing-framewise": (1, (1000, 750, 500, 250), 5.0),
+    "rolling-forcing": (3, (1000, 800, 600, 400, 200), 5.0),
+    "krea-realtime-14b": (3, (1000, 750, 500, 250), 5.0),
+}
+
+
+def test_every_known_checkpoint_is_tested():
+    assert sorted(SAMPLINGS) == sorted(KNOWN_CHECKPOINTS)
+
+
+@pytest.mark.parametrize("preset", sorted(SAMPLINGS))
+def test_each_known_checkpoint_converts_to_the_weights_it_holds(tmp_path, preset):
+    """The converted file holds the entry its inference reads under bare Wan names (a LoRA merged in),
+    is marked causal, records the checkpoint's sampling, and load_wan builds the model from it."""
+    src, extra, expected = write_checkpoint(preset, tmp_path, lambda seed, dtype: wan_weights(seed, dtype))
+    dst = tmp_path / "converted.safetensors"
+    out = torch.bfloat16 if preset == "krea-realtime-14b" else torch.float32  # as the file came
+    done = convert_checkpoint(src, dst, preset=preset, dtype=out, num_heads=HEADS, **extra)
+    sampling = Sampling(*SAMPLINGS[preset], preset)
+    assert done.sampling == sampling and done.lora_layers == (20 if preset == "longlive" else 0)
+    tensors, metadata = converted(dst)
+    assert sorted(tensors) == sorted(expected)
+    assert max((tensors[k].double() - v.double()).abs().max().item() for k, v in expected.items()) < 1e-5
+    if preset != "longlive":
+        assert all(torch.equal(tensors[k], v.to(out)) for k, v in expected.items())  # exactly
+    assert json.loads(metadata["config"]) == {"transformer": {"causal_ar": True}}
+    assert json.loads(metadata[SAMPLING_METADATA_KEY]) == json.loads(sampling.to_json())
+    assert checkpoint_sampling(dst) == sampling
+    model = load_wan(dst)
+    assert all(torch.equal(model.state_dict()[k], tensors[k]) for k in tensors)
+
+
+def test_causvids_steps_are_used_as_listed():
+    assert Sampling(*SAMPLINGS["causvid"]).schedule().sigmas() == pytest.approx([1.0, 0.757, 0.522])
+
+
 def test_longlive_base_and_lora_merge_into_one_model(tmp_path, capsys):
-    """LongLive ships longlive_base.pt (inference reads 'generator', use_ema false) and lora.pt
-    ({'generator_lora', 'critic_lora', 'step'}; configs/longlive_inference.yaml: rank 256, alpha 256).
-    The merged file is W + alpha / rank * B @ A on the adapted layers (checked against float64 to 1e-5)
-    and the base's weights elsewhere."""
-    gen, ema, critic = wan_weights(1), wan_weights(2), wan_weights(3)
-    base, lora_file, dst = tmp_path / "longlive_base.pt", tmp_path / "lora.pt", tmp_path / "longlive.safetensors"
-    _longlive_base(base, gen, ema, critic)
-    rank = 4
-    lora = _longlive_lora(gen, rank, seed=7)
-    torch.save({"generator_lora": lora, "critic_lora": _longlive_lora(critic, rank, seed=8), "step": 1200},
-               lora_file)
-    assert main(["convert", str(base), str(dst), "--preset", "longlive", "--lora", str(lora_file),
+    """The merged file is W + alpha / rank * B @ A on the adapted layers (against float64, to 1e-5) and
+    the base's weights elsewhere; the CLI says so."""
+    base, extra, expected = write_checkpoint("longlive", tmp_path, lambda seed, dtype: wan_weights(seed, dtype))
+    gen, dst = wan_weights(1), tmp_path / "longlive.safetensors"
+    assert main(["convert", str(base), str(dst), "--preset", "longlive", "--lora", str(extra["lora"]),
                  "--dtype", "float32", "--num-heads", str(HEADS)]) == 0
     said = capsys.readouterr().out
     assert "LoRA lora.pt merged into 20 linear layers" in said
     assert "sampling: 3 frames per block, timesteps 1000,750,500,250, shift 5" in said
     tensors, _ = converted(dst)
-    expected = _merged_independently(gen, lora, 256 / rank)  # the preset's alpha over the file's rank
-    assert sorted(tensors) == sorted(gen)
     assert max((tensors[k].double() - v).abs().max().item() for k, v in expected.items()) < 1e-5
     adapted = {f"blocks.{i}.{layer}.weight" for i in range(2) for layer in BLOCK_LINEARS}
     assert all(torch.equal(tensors[k], v) for k, v in gen.items() if k not in adapted)  # biases, norms, head
     assert not any(torch.allclose(tensors[k], gen[k]) for k in adapted)
-    assert checkpoint_sampling(dst) == KNOWN_CHECKPOINTS["longlive"].sampling
-    load_wan(dst)
 
     # LongLive's inference also takes the adapters as the whole file; --lora-alpha sets the scale
+    lora = torch.load(extra["lora"], weights_only=True)["generator_lora"]
     flat = tmp_path / "lora_flat.pt"
     torch.save(lora, flat)
     convert_checkpoint(base, dst, preset="longlive", lora=flat, lora_alpha=2.0, dtype=torch.float32,
                        num_heads=HEADS)
     tensors, _ = converted(dst)
-    expected = _merged_independently(gen, lora, 2.0 / rank)
+    expected = merged_independently(gen, lora, 2.0 / LORA_RANK)
     assert max((tensors[k].double() - v).abs().max().item() for k, v in expected.items()) < 1e-5
 
 
@@ -185,54 +222,29 @@ def test_a_lora_that_does_not_fit_is_refused_and_nothing_is_written(tmp_path):
     assert not dst.exists()
 
 
-@pytest.mark.parametrize("preset,entry,prefix,frames", [
-    # thu-ml/Causal-Forcing trainer/distillation.py save(): one entry, generator_ema (EMA_FSDP.full_state_dict:
-    # the shadow's names, model._fsdp_wrapped_module.) once EMA has started, else generator; README: the
-    # chunk-wise model runs without --use_ema, the frame-wise one with it
-    ("causal-forcing-chunkwise", "generator", "model.", 3),
-    ("causal-forcing-framewise", "generator_ema", "model._fsdp_wrapped_module.", 1),
-])
-def test_causal_forcing(tmp_path, preset, entry, prefix, frames):
-    gen = wan_weights(4)
-    src, dst = tmp_path / "causal_forcing.pt", tmp_path / f"{preset}.safetensors"
-    torch.save({entry: prefixed(gen, prefix)}, src)
-    done = convert_checkpoint(src, dst, preset=preset, dtype=torch.float32, num_heads=HEADS)
-    assert done.sampling == Sampling(frames, (1000, 750, 500, 250), 5.0, preset)
-    assert_loads_as(dst, gen, done.sampling)
-    other = tmp_path / "other.pt"  # the other entry than the one its inference reads
-    torch.save({("generator" if entry == "generator_ema" else "generator_ema"): prefixed(gen, prefix)}, other)
+@pytest.mark.parametrize("preset", ["causal-forcing-chunkwise", "causal-forcing-framewise"])
+def test_a_file_without_the_entry_its_inference_reads_is_refused(tmp_path, preset):
+    """Causal-Forcing's files hold one entry: the chunk-wise model's other entry is not silently taken."""
+    entry = KNOWN_CHECKPOINTS[preset].key
+    other, dst = tmp_path / "causal_forcing.pt", tmp_path / "out.safetensors"
+    torch.save({("generator" if entry == "generator_ema" else "generator_ema"): prefixed(wan_weights(4), "model.")},
+               other)
     with pytest.raises(FastARError, match=f"has no entry '{entry}', where thu-ml/Causal-Forcing's inference "
                                           f"reads the {preset} weights .*--key"):
         convert_checkpoint(other, dst, preset=preset, num_heads=HEADS)
+    assert not dst.exists()
 
 
-def test_rolling_forcing(tmp_path):
-    """TencentARC/RollingForcing trainer/distillation.py save(): as Self-Forcing's; README --use_ema
-    (inference.py strips _fsdp_wrapped_module.); configs/rolling_forcing_dmd.yaml: 5 steps."""
-    gen, critic, ema = wan_weights(1), wan_weights(2), wan_weights(3)
-    src, dst = tmp_path / "rolling_forcing_dmd.pt", tmp_path / "rolling_forcing_dmd.safetensors"
-    torch.save({"generator": prefixed(gen, "model."), "critic": prefixed(critic, "model."),
-                "generator_ema": prefixed(ema, "model._fsdp_wrapped_module.")}, src)
-    done = convert_checkpoint(src, dst, preset="rolling-forcing", dtype=torch.float32, num_heads=HEADS)
-    assert done.sampling == Sampling(3, (1000, 800, 600, 400, 200), 5.0, "rolling-forcing")
-    assert_loads_as(dst, ema, done.sampling)
-
-
-def test_krea_realtime_14b_loads_as_it_is_and_converts_for_its_metadata(tmp_path):
-    """krea-ai/realtime-video release_server.py load_transformer: a safetensors state dict of the
-    WanDiffusionWrapper (``model.`` + Wan names), loaded into the 14B (40 heads of 128, dim 5120)."""
-    weights = wan_weights(5, torch.bfloat16)
-    src, dst = tmp_path / "krea-realtime-video-14b.safetensors", tmp_path / "krea_realtime_14b.safetensors"
-    save_file(prefixed(weights, "model."), str(src))
+def test_krea_realtime_14b_loads_as_it_is(tmp_path):
+    """Its safetensors file loads without conversion (the ``model.`` prefix stripped, no sampling
+    recorded); its real names and shapes read as 40 heads of 128 at dim 5120."""
+    src, _, weights = write_checkpoint("krea-realtime-14b", tmp_path, lambda seed, dtype: wan_weights(seed, dtype))
     as_is = load_wan(src, num_heads=HEADS)
     assert all(torch.equal(as_is.state_dict()[k], v) for k, v in weights.items())
     assert checkpoint_sampling(src) is None
-    done = convert_checkpoint(src, dst, preset="krea-realtime-14b", num_heads=HEADS)  # bf16, as it came
-    assert done.sampling == Sampling(3, (1000, 750, 500, 250), 5.0, "krea-realtime-14b")
-    assert_loads_as(dst, weights, done.sampling)
     with pytest.raises(FastARError, match="not over it"):
         convert_checkpoint(src, src, preset="krea-realtime-14b")
-    with torch.device("meta"):  # its real shapes and names: 40 heads read off dim 5120
+    with torch.device("meta"):
         full = prefixed(WanModel(WAN_CONFIGS["14B"]).state_dict(), "model.")
     config = infer_config(strip_prefix(full))
     assert (config.dim, config.num_heads, config.num_layers) == (5120, 40, 40)
