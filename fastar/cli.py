@@ -2,8 +2,9 @@
 
 With no arguments it runs an embedded default, all of FAST-AR (TempCache + AnnSA) on a tiny
 random Wan model on the CPU, or on the Wan 2.1 1.3B shapes (480x832, bf16, random weights) when
-a GPU is present. ``fastar convert SRC.pt DST.safetensors`` turns a causal model's training
-checkpoint into the file ComfyUI and ``--checkpoint`` load.
+a GPU is present. ``fastar convert SRC.pt DST.safetensors [--preset NAME]`` turns a causal model's
+training checkpoint into the file ComfyUI and ``--checkpoint`` load, recording its sampling, which
+``--checkpoint`` then samples with.
 
 Under torchrun (``torchrun --nproc-per-node N -m comfyui_fastar.fastar ...``) the N processes run one
 rollout head-parallel (``fastar.parallel``): each holds 1/N of the attention heads and of the KV
@@ -22,7 +23,8 @@ from .config import CACHE_MODES, AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
 from .frames import video_frames
 from .parallel import group_size, init_group
-from .models import WAN_CONFIGS, build_model, convert_checkpoint, fp8_linears, load_wan
+from .models import (KNOWN_CHECKPOINTS, WAN_CONFIGS, Sampling, build_model, checkpoint_sampling,
+                     convert_checkpoint, fp8_linears, load_wan)
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
@@ -30,6 +32,7 @@ from .schedule import FlowMatchSchedule
 # (model size, pixel height, width, latent frames, dtype) of the embedded defaults
 DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
 TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with (a random prompt fills it)
+DEFAULT_SAMPLING = Sampling(3, (1000, 750, 500, 250), 5.0)  # Self-Forcing's, where a checkpoint records none
 
 
 def parse_args(argv):
@@ -37,7 +40,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, help="latent frames to generate (N of them decode to 1 + 4 (N - 1) video "
                                               "frames); default 96 on CPU, 120 on GPU")
-    p.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (1 or 3; default 3)")
+    p.add_argument("--chunk-frames", type=int, help="latent frames per chunk (1 or 3; default: the frames per block "
+                                                     "the --checkpoint records, else 3)")
     p.add_argument("--cache", choices=CACHE_MODES + ("tempcache",), default="tempcache",
                    help="KV cache: every frame (unbounded, the dense baseline), a sink + sliding window, or "
                         "TempCache: sink + a token budget with merging (default)")
@@ -67,8 +71,10 @@ def parse_args(argv):
                                      "(default: seeded random features)")
     p.add_argument("--height", type=int, help="pixel height, a multiple of 16 (default 256 CPU / 480 GPU)")
     p.add_argument("--width", type=int, help="pixel width, a multiple of 16 (default 256 CPU / 832 GPU)")
-    p.add_argument("--timesteps", default="1000,750,500,250", help="denoising timesteps (default 1000,750,500,250)")
-    p.add_argument("--shift", type=float, default=5.0, help="flow-matching timestep shift (default 5)")
+    p.add_argument("--timesteps", help="denoising timesteps (default: the --checkpoint's recorded ones, else "
+                                       "1000,750,500,250)")
+    p.add_argument("--shift", type=float, help="flow-matching timestep shift (default: the --checkpoint's recorded "
+                                               "one, else 5)")
     p.add_argument("--context-noise", type=float, default=0.0, help="timestep of the clean cache pass (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
@@ -124,9 +130,15 @@ def _run(args, device, group) -> list[dict]:
     say = print if rank == 0 else (lambda *a, **k: None)
     size, height, width, frames, dtype = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     dtype = getattr(torch, args.dtype or dtype)
+    sampling = DEFAULT_SAMPLING
     if args.checkpoint:
         model = load_wan(args.checkpoint, device=device, dtype=dtype)
         label = args.checkpoint
+        recorded = checkpoint_sampling(args.checkpoint)
+        if recorded is not None:
+            sampling = recorded
+            if None in (args.chunk_frames, args.timesteps, args.shift):
+                label += f" (sampled as it records: {recorded.describe()})"
     else:
         size = args.model or size
         model = build_model(size, device=device, dtype=dtype, seed=args.seed)
@@ -148,7 +160,10 @@ def _run(args, device, group) -> list[dict]:
         cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames, **sink)
     else:
         cache = CacheConfig(args.cache, window_frames=args.window_frames, **sink)
-    schedule = FlowMatchSchedule.parse(args.timesteps, args.shift)
+    args.chunk_frames = args.chunk_frames or sampling.frames_per_block
+    shift = sampling.shift if args.shift is None else args.shift
+    schedule = (FlowMatchSchedule.parse(args.timesteps, shift) if args.timesteps is not None
+                else FlowMatchSchedule(sampling.timesteps, shift))
     if frames % args.chunk_frames:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
@@ -215,25 +230,62 @@ def _run(args, device, group) -> list[dict]:
 
 
 def parse_convert_args(argv):
+    known = ", ".join(f"{c.name} ({c.repo})" for c in KNOWN_CHECKPOINTS.values())
     p = argparse.ArgumentParser(prog="fastar convert",
-                                description="Write a causal Wan 2.1 training checkpoint (.pt: Self-Forcing, CausVid, "
-                                            "Causal-Forcing ...) as a .safetensors file for ComfyUI's "
-                                            "models/diffusion_models/ and fastar --checkpoint. The .pt file is read "
-                                            "with torch's weights-only unpickler: no code in it runs.")
-    p.add_argument("src", help="the training checkpoint (.pt)")
+                                description="Write a causal Wan 2.1 checkpoint (a training .pt: Self-Forcing, CausVid, "
+                                            "LongLive, Causal-Forcing, Rolling Forcing ...; or a .safetensors file) "
+                                            "as a .safetensors file for ComfyUI's models/diffusion_models/ and fastar "
+                                            "--checkpoint, with the checkpoint's sampling in its metadata. A .pt "
+                                            "file is read with torch's weights-only unpickler: no code in it runs.")
+    p.add_argument("src", help="the checkpoint (.pt or .safetensors)")
     p.add_argument("dst", help="the .safetensors file to write")
-    p.add_argument("--key", help="the entry holding the model's weights (default: the first of "
+    p.add_argument("--preset", choices=sorted(KNOWN_CHECKPOINTS), metavar="NAME",
+                   help=f"which published checkpoint SRC is: its entry, LoRA settings and sampling. One of: {known}")
+    p.add_argument("--key", help="the entry holding the model's weights (default: the preset's, else the first of "
                                  "generator_ema, generator, model, state_dict, module)")
+    p.add_argument("--lora", help="a LoRA file (LongLive's lora.pt) to merge into the weights")
+    p.add_argument("--lora-key", help="the LoRA file's entry holding the generator's adapters (default "
+                                      "generator_lora where the file has one)")
+    p.add_argument("--lora-alpha", type=float, help="the LoRA's alpha: each layer gets W + alpha / rank * B @ A "
+                                                    "(default: the preset's, else alpha = rank)")
+    p.add_argument("--frames-per-block", type=int, help="latent frames per block the model was trained with "
+                                                         "(recorded; default: the preset's)")
+    p.add_argument("--timesteps", help="its denoising timesteps, comma-separated (recorded; default: the preset's)")
+    p.add_argument("--shift", type=float, help="the shift that warps them (recorded; 1 keeps them as listed; "
+                                               "default: the preset's)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="stored precision (default bfloat16, as the models are trained)")
     p.add_argument("--num-heads", type=int, help="attention heads, for a model whose width is not 128 per head")
     return p.parse_args(argv)
 
 
+def _convert_sampling(args) -> Sampling | None:
+    """The sampling --frames-per-block / --timesteps / --shift give, over the preset's where one is named."""
+    given = {"frames_per_block": args.frames_per_block, "shift": args.shift,
+             "timesteps": None if args.timesteps is None else FlowMatchSchedule.parse(args.timesteps).timesteps}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    base = KNOWN_CHECKPOINTS[args.preset].sampling if args.preset else None
+    if base is None and len(given) < 3:
+        missing = [f"--{k.replace('_', '-')}" for k in ("frames_per_block", "timesteps", "shift") if k not in given]
+        raise FastARError(f"the sampling to record needs {', '.join(missing)} too (or a --preset to start from)")
+    settings = {} if base is None else {"frames_per_block": base.frames_per_block, "timesteps": base.timesteps,
+                                         "shift": base.shift}
+    return Sampling(**{**settings, **given})
+
+
 def convert(args) -> None:
-    config = convert_checkpoint(args.src, args.dst, key=args.key, dtype=getattr(torch, args.dtype),
-                                num_heads=args.num_heads)
-    print(f"wrote {args.dst}: Wan 2.1 T2V, dim {config.dim}, {config.num_layers} blocks, {args.dtype}")
+    done = convert_checkpoint(args.src, args.dst, preset=args.preset, key=args.key, lora=args.lora,
+                              lora_key=args.lora_key, lora_alpha=args.lora_alpha, sampling=_convert_sampling(args),
+                              dtype=getattr(torch, args.dtype), num_heads=args.num_heads)
+    config = done.config
+    print(f"wrote {args.dst}: Wan 2.1 T2V, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
+          f"{args.dtype}"
+          + (f"; LoRA {os.path.basename(args.lora)} merged into {done.lora_layers} linear layers" if args.lora else "")
+          + (f"; sampling: {done.sampling.describe()}" if done.sampling is not None else
+             "; no sampling recorded (name the checkpoint with --preset, or give --frames-per-block, --timesteps "
+             "and --shift)"))
 
 
 def main(argv=None) -> int:

@@ -96,7 +96,7 @@ def test_a_training_checkpoint_converts_to_the_file_comfyui_and_the_cli_load(mod
     src, dst = tmp_path / "self_forcing_dmd.pt", tmp_path / "self_forcing_dmd.safetensors"
     _training_checkpoint(model, src)
     assert main(["convert", str(src), str(dst), "--dtype", "float32", "--num-heads", "2"]) == 0
-    assert "dim 64, 2 blocks, float32" in capsys.readouterr().out
+    assert "dim 64, 2 heads, 2 blocks, float32" in capsys.readouterr().out
     loaded = load_wan(dst)  # the config is in the metadata now
     assert loaded.config == model.config
     assert torch.equal(outputs(loaded), outputs(model))  # the EMA generator, exactly
