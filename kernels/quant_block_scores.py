@@ -49,7 +49,7 @@ def quantize_blocks(q: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
     return levels.view(b, h, nqb * block_q, d), inv
 
 
-def _check(q, key_means, logit_scale, block_bias, block_q):
+def check_scores_inputs(q, key_means, logit_scale, block_bias, block_q):
     if q.ndim != 4:
         raise ValueError(f"q must be [B, H, Lq, D], got {tuple(q.shape)}")
     b, h, lq, d = q.shape
@@ -69,7 +69,7 @@ def _check(q, key_means, logit_scale, block_bias, block_q):
 def quant_block_scores_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor,
                              block_q: int) -> Tensor:
     """Reference twin: scores [B, H, n_query_blocks, n_key_blocks] (fp32)."""
-    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    b, h, lq, d, nqb, nkb = check_scores_inputs(q, key_means, logit_scale, block_bias, block_q)
     levels, inv = quantize_blocks(q, block_q)
     pad_rows = (torch.arange(nqb * block_q, device=q.device) >= lq)[:, None]
     dots = torch.stack([  # one head at a time: [B, Lq, nkb] stays small
@@ -78,13 +78,13 @@ def quant_block_scores_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, 
     return dots * (logit_scale[..., None] / inv)[..., None] + block_bias[:, :, None]
 
 
-def _kernel_fits(d: int, block_q: int) -> bool:
+def kernel_fits(d: int, block_q: int) -> bool:
     """The shapes both kernels take: D a power of two in [16, 256], block_q <= 256."""
     return 16 <= d <= 256 and power_of_two(d) and block_q <= 256
 
 
-def _check_kernel(q, d: int, block_q: int) -> None:
-    if not _kernel_fits(d, block_q):
+def check_kernel(q, d: int, block_q: int) -> None:
+    if not kernel_fits(d, block_q):
         raise ValueError(f"kernel needs D a power of two in [16, 256] and block_q <= 256, got D={d}, block_q={block_q}")
     check_triton_runs_on(q)
 
@@ -92,7 +92,7 @@ def _check_kernel(q, d: int, block_q: int) -> None:
 if HAS_TRITON:
 
     @triton.jit
-    def _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql, stride_qd,
+    def query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql, stride_qd,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
         """A query block's int8 levels [BLOCK_M, D] (in DOT_DTYPE), its ``inv`` and which rows are queries."""
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
@@ -111,7 +111,7 @@ if HAS_TRITON:
                              DOT_DTYPE: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         offs_d, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_K)
-        qt, inv, row_ok = _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
+        qt, inv, row_ok = query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
                                         stride_qd, D, BLOCK_M, DOT_DTYPE)
         logit_scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         k_base = k_ptr + pid_bh.to(tl.int64) * NKB * D
@@ -133,8 +133,8 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
     """Triton kernel with the twin's contract (D a power of two in [16, 256], block_q <= 256)."""
     if not HAS_TRITON:
         raise RuntimeError("quant_block_scores needs triton, which is not importable")
-    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
-    _check_kernel(q, d, block_q)
+    b, h, lq, d, nqb, nkb = check_scores_inputs(q, key_means, logit_scale, block_bias, block_q)
+    check_kernel(q, d, block_q)
     scores = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     if scores.numel():
         _quant_scores_kernel[(nqb, b * h)](
@@ -149,6 +149,6 @@ def quant_block_scores(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
 def quant_block_scores_auto(q, key_means, logit_scale, block_bias, block_q: int) -> Tensor:
     """The kernel where Triton runs and the shapes suit it, else the twin."""
     d = q.shape[-1]
-    fits = _kernel_fits(d, block_q) and q.dtype != torch.float64
+    fits = kernel_fits(d, block_q) and q.dtype != torch.float64
     fn = quant_block_scores if use_kernel(q, fits) else quant_block_scores_torch
     return fn(q, key_means, logit_scale, block_bias, block_q)

@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 
 from . import HAS_TRITON, use_kernel
-from .quant_block_scores import _check, _check_kernel, _kernel_fits, quantize_blocks
+from .quant_block_scores import check_scores_inputs, check_kernel, kernel_fits, quantize_blocks
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant_block_scores import _query_levels
+    from .quant_block_scores import query_levels
 
 __all__ = ["quant_block_shares", "quant_block_shares_auto", "quant_block_shares_torch"]
 
@@ -49,7 +49,7 @@ def _check_fixed(q, fixed_means, fixed_counts):
 def quant_block_shares_torch(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_bias: Tensor, fixed_means: Tensor,
                              fixed_counts: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
     """Reference twin: (log_share [B, H, nqb, nkb], log_fixed_share [B, H, nqb]), fp32."""
-    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    b, h, lq, d, nqb, nkb = check_scores_inputs(q, key_means, logit_scale, block_bias, block_q)
     _check_fixed(q, fixed_means, fixed_counts)
     levels, inv = quantize_blocks(q, block_q)
     valid = (torch.arange(nqb * block_q, device=q.device) < lq).view(nqb, block_q)
@@ -118,7 +118,7 @@ if HAS_TRITON:
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         offs_d, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_K)
-        q, inv, row_ok = _query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
+        q, inv, row_ok = query_levels(q_ptr, pid_m, pid_bh, H, Lq, block_q, stride_qb, stride_qh, stride_ql,
                                        stride_qd, D, BLOCK_M, DOT_DTYPE)
         scale = tl.math.div_rn(tl.load(scale_ptr + pid_bh), inv)
         fscale = tl.math.div_rn(fixed_scale, inv)
@@ -152,9 +152,9 @@ def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
     """Triton kernel with the twin's contract (D a power of two in [16, 256], block_q <= 256)."""
     if not HAS_TRITON:
         raise RuntimeError("quant_block_shares needs triton, which is not importable")
-    b, h, lq, d, nqb, nkb = _check(q, key_means, logit_scale, block_bias, block_q)
+    b, h, lq, d, nqb, nkb = check_scores_inputs(q, key_means, logit_scale, block_bias, block_q)
     _check_fixed(q, fixed_means, fixed_counts)
-    _check_kernel(q, d, block_q)
+    check_kernel(q, d, block_q)
     shares = torch.empty(b, h, nqb, nkb, dtype=torch.float32, device=q.device)
     fixed_shares = torch.empty(b, h, nqb, dtype=torch.float32, device=q.device)
     if fixed_shares.numel():
@@ -172,6 +172,6 @@ def quant_block_shares_auto(q, key_means, logit_scale, block_bias, fixed_means, 
                             block_q: int) -> tuple[Tensor, Tensor]:
     """The kernel where Triton runs and the shapes suit it, else the twin."""
     d = q.shape[-1]
-    fits = _kernel_fits(d, block_q) and q.dtype != torch.float64
+    fits = kernel_fits(d, block_q) and q.dtype != torch.float64
     fn = quant_block_shares if use_kernel(q, fits) else quant_block_shares_torch
     return fn(q, key_means, logit_scale, block_bias, fixed_means, fixed_counts, block_q)

@@ -1,11 +1,13 @@
 """The node pack's modules stay readable at once and import one another without a cycle (a cycle
-works only while every name is looked up late, and breaks on the first import moved up)."""
+works only while every name is looked up late, and breaks on the first import moved up); a kernel
+file uses another's public names only (what one shares is its interface, not its internals)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 NODES = Path(__file__).resolve().parents[1] / "nodes"
+KERNELS = NODES.parent / "kernels"
 MAX_LINES = 300
 
 
@@ -72,3 +74,21 @@ def test_a_cycle_is_found(tmp_path):
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     (tmp_path / "c.py").write_text("from ..fastar import x\n")
     assert find_cycle(import_graph(tmp_path)) is None
+
+
+def private_imports(package: Path) -> dict[str, list[str]]:
+    """Module -> the underscored names it imports from the package's other modules (anywhere in the file)."""
+    found = {}
+    for path in package.glob("*.py"):
+        names = [f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+                 for alias in node.names if alias.name.startswith("_")]
+        if names:
+            found[path.stem] = names
+    return found
+
+
+def test_no_kernel_file_imports_another_ones_private_names(tmp_path):
+    assert private_imports(KERNELS) == {}
+    (tmp_path / "a.py").write_text("def f():\n    from .b import _g, h\n")
+    assert private_imports(tmp_path) == {"a": ["b._g"]}
