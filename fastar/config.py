@@ -45,6 +45,11 @@ class CacheConfig:
         """Whether AnnSA may bucket-sort the history: not a window's ring of frame slots."""
         return not self.bounded
 
+    @property
+    def history_frames(self) -> int | None:
+        """The most recent frames past the sink this cache holds (None: every frame)."""
+        return self.window_frames if self.bounded else None
+
 
 @dataclass(frozen=True)
 class TempCacheConfig:
@@ -75,6 +80,7 @@ class TempCacheConfig:
 
     @property
     def history_frames(self) -> int:
+        """The budget past the sink: the most recent frames' worth of tokens this cache holds."""
         return self.max_cache_frames - self.sink_frames
 
     @property

@@ -109,6 +109,7 @@ class KVCache:
         self.key_pad = key_pad
         self.frames_cached = 0    # frames committed so far
         self.frames_held = 0      # committed frames in frame slots (TempCache: sink frames only)
+        self._skipped = 0         # frames passed without being cached (``skip_to``)
         self.layout: Layout | None = None
         self._open: tuple[int, int] | None = None  # (first frame slot, frames) of the open chunk
         self._writing = False
@@ -133,6 +134,21 @@ class KVCache:
         self._writing = False
         self.layout = self._begin(frames)
         return self.layout
+
+    def skip_to(self, frame: int) -> None:
+        """Count the frames before ``frame`` as passed without caching them: a bounded cache re-encoding
+        only the frames it would still hold (``Rollout.switch_prompt``). The sink must be whole; the
+        later frames are what the cache's own policy would have dropped or merged by now."""
+        if self.config.history_frames is None:
+            raise FastARError("an unbounded cache holds every frame: it cannot skip any")
+        if self.layout is not None:
+            raise FastARError("KVCache.skip_to inside a chunk")
+        if frame < self.frames_cached or self.frames_cached < self.config.sink_frames:
+            raise FastARError(f"a cache holding {self.frames_cached} frames (sink {self.config.sink_frames}) "
+                              f"cannot skip to frame {frame}")
+        self._skipped += frame - self.frames_cached
+        self.frames_cached = frame
+        self.frames_held = self._held(frame)
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows where ``attend`` puts the open chunk's K/V of ``layer`` ([B, n, H, D] views):
@@ -296,12 +312,12 @@ class FrameCache(KVCache):
         cfg = self.config
         if not cfg.bounded or frame < cfg.sink_frames:
             return frame
-        return cfg.sink_frames + (frame - cfg.sink_frames) % cfg.window_frames
+        return cfg.sink_frames + (frame - cfg.sink_frames - self._skipped) % cfg.window_frames  # the ring, in write order
 
     def _held(self, frames_cached: int) -> int:
         cfg = self.config
         if not cfg.bounded:
             return frames_cached
         sink = min(frames_cached, cfg.sink_frames)
-        return sink + min(frames_cached - sink, cfg.window_frames)
+        return sink + min(frames_cached - sink - self._skipped, cfg.window_frames)
 

@@ -328,16 +328,35 @@ class Rollout:
         self.cache.join_writes()  # inside the chunk's CUDA graph, which must end on its own stream
         return x0
 
+    def recache_chunks(self, frames_done: int) -> tuple[range, range]:
+        """The chunks a switch after ``frames_done`` frames re-encodes: those holding the sink, and those
+        holding the most recent frames the cache keeps past it (every chunk for the unbounded cache).
+        A bounded cache's re-cache so costs the same however long the video."""
+        chunks, c = frames_done // self.chunk_frames, self.chunk_frames
+        recent = self.cache.config.history_frames
+        if recent is None:
+            return range(chunks), range(chunks, chunks)
+        sink = min(-(-self.cache.config.sink_frames // c), chunks)
+        return range(sink), range(max(sink, (frames_done - recent) // c), chunks)
+
     def switch_prompt(self, context: torch.Tensor, done: torch.Tensor) -> None:
         """From the next chunk on, condition on ``context``; first re-encode the history (``done``:
-        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache. On
-        CUDA the clean passes replay from one graph once the cache's key repeats, as chunks do."""
+        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache of
+        the same policy, only as far back as that cache reaches (``recache_chunks``): the state a
+        cache given just those frames holds. A window then holds what it would have held; TempCache's
+        merged groups count only those frames' tokens, not the older ones merged into them before.
+        On CUDA the clean passes replay from one graph once the cache's key repeats, as chunks do."""
         self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
         self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = make_cache(**self._cache_args)
         self.attention = self._attention()
-        CleanPasses(self).run(done)
+        passes, c = CleanPasses(self), self.chunk_frames
+        for part in self.recache_chunks(done.shape[2]):
+            if part:
+                if part.start * c > self.cache.frames_cached:
+                    self.cache.skip_to(part.start * c)
+                passes.run(done[:, :, part.start * c:part.stop * c], part.start * c)
 
     def _sparse_share(self) -> float | None:
         annsa = self.attention.annsa

@@ -27,7 +27,8 @@ class PromptSchedule(io.ComfyNode):
             display_name="FAST-AR Prompt Schedule",
             description="Prompts that change along the video, for the prompts input of Autoregressive Long Sampler "
                         "or FAST-AR AR Video: at each switch the new text conditions the chunks that follow and the "
-                        "cached history is re-encoded with it (one clean pass per chunk so far), so the video "
+                        "frames the cache holds are re-encoded with it (the sink and the budget or window of "
+                        "recent frames: a fixed cost; every frame so far with the unbounded cache), so the video "
                         "follows without a cut. Every frame before a switch is the earlier prompt's.",
             inputs=inputs,
             outputs=[PromptsType.Output()],

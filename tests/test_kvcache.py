@@ -57,6 +57,40 @@ def test_window_ring_slots():
     assert st.tokens_held == 4 * TPF and st.dense_tokens == 10 * TPF and st.frames_cached == 10
 
 
+def test_a_window_that_skips_frames_holds_what_it_would_have_held():
+    """A re-cache of only the frames a window reaches: the sink, a skip, the last frames. Its held rows
+    are those of a window given the same K/V for consecutive frames (the cache is blind to positions),
+    and the frames after it go on in the ring as in a window that never skipped."""
+    skipped, plain = make("window", sink_frames=1, window_frames=3), make("window", sink_frames=1, window_frames=3)
+    for kv in (skipped, plain):
+        chunk(kv, 0)  # frames 0, 1: the sink and the ring's first
+    skipped.skip_to(9)  # 7 frames: not a whole turn of the ring
+    assert skipped.frames_cached == 9 and skipped.stats().tokens_held == 2 * TPF  # the skipped frames: not held
+    for value in (1, 2):
+        chunk(skipped, value)  # frames 9..12
+        chunk(plain, value)    # frames 2..5
+    assert skipped.stats().frames_cached == 13 and skipped.stats().tokens_held == plain.stats().tokens_held == 4 * TPF
+    assert torch.equal(skipped.k, plain.k) and torch.equal(skipped.v, plain.v)
+    for kv in (skipped, plain):
+        kv.begin_chunk(kv.frames_cached, 2)
+    assert skipped.layout == plain.layout
+
+
+@pytest.mark.parametrize("why, setup, frame, match", [
+    ("unbounded", lambda: make(max_frames=8), 4, "unbounded cache holds every frame"),
+    ("sink not whole", lambda: make("window", sink_frames=3, window_frames=3), 6, r"holding 0 frames \(sink 3\)"),
+    ("backwards", lambda: chunk_of(make("window", sink_frames=1, window_frames=3)), 1, "cannot skip to frame 1"),
+])
+def test_what_a_cache_cannot_skip(why, setup, frame, match):
+    with pytest.raises(FastARError, match=match):
+        setup().skip_to(frame)
+
+
+def chunk_of(kv):
+    chunk(kv, 0)
+    return kv
+
+
 def test_protocol_misuse_is_an_error():
     kv = make(max_frames=8)
     with pytest.raises(FastARError, match="begin_chunk first"):

@@ -5,7 +5,7 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, rollout)
-from comfyui_fastar.fastar.rollout import pad_context
+from comfyui_fastar.fastar.rollout import CleanPasses, pad_context
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
@@ -407,6 +407,41 @@ def test_a_prompt_switch_keeps_the_frames_before_it_and_re_encodes_the_history(m
     fresh.switch_prompt(other, out[:, :, :3])
     fresh.cache.begin_chunk(3, 1)
     assert torch.equal(fresh.sample_chunk(3), out[:, :, 3:4])
+
+
+@pytest.mark.parametrize("cache, encoded", [
+    (CacheConfig("window", sink_frames=1, window_frames=2), [0, 1, 6, 7]),  # the sink's chunk, the last 2 frames
+    (TempCacheConfig(max_cache_frames=4, sink_frames=1, merge_threshold=0.5), [0, 1, 4, 5, 6, 7]),
+    (CacheConfig("unbounded"), list(range(8))),
+], ids=["window", "tempcache", "unbounded"])
+def test_a_switch_re_encodes_only_what_the_cache_reaches(model, cache, encoded):
+    """A bounded cache re-encodes its sink's chunks and its most recent frames' (whole chunks), the
+    same count however long the video; the chunks after the switch are those a fresh cache of the same
+    policy, given just those frames at their positions, leads to."""
+    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    kw = dict(frames=10, height=H, width=W, chunk_frames=2, cache=cache, seed=3)
+    run = Rollout(model, ctx, prompts=[(4, other)], **kw)
+    offsets = []
+    fill = run.fill_cache
+    run.fill_cache = lambda x0, offset: (offsets.append(int(offset)), fill(x0, offset))[1]
+    out = run.run()
+    switch = offsets[4:-1]  # chunks 0-3's clean passes, then the switch's, then chunk 4's
+    assert [f + i for f in switch for i in range(2)] == encoded
+    sink, recent = Rollout(model, ctx, **{**kw, "frames": 400}).recache_chunks(398)  # after 199 chunks
+    if cache.history_frames is None:
+        assert (sink, recent) == (range(199), range(199, 199))
+    else:
+        assert sink == range(1) and recent.stop == 199 and 2 * len(recent) == len(encoded) - 2
+
+    # the reference: a fresh cache of the same policy given the same frames through the cache protocol
+    ref = Rollout(model, other, **kw)
+    passes = CleanPasses(ref)
+    passes.run(out[:, :, :2], 0)
+    if encoded[2] > 2:
+        ref.cache.skip_to(encoded[2])
+    passes.run(out[:, :, encoded[2]:8], encoded[2])
+    ref.cache.begin_chunk(8, 2)
+    assert torch.equal(ref.sample_chunk(4), out[:, :, 8:10])
 
 
 def test_a_switch_works_with_guidance_and_annsa(model):
