@@ -11,21 +11,19 @@ from . import fastar  # noqa: F401  (this checkout as comfyui_fastar: the harnes
 
 from comfyui_fastar.testing import comfy_harness as harness  # noqa: F401
 
-SETTINGS = ("fastar", "window")  # FAST-AR defaults; dense sink 3 + window 12
+SETTINGS = ("fastar", "window")  # FAST-AR's defaults (TempCache alone); dense sink 3 + window 12
 
 
 def fastar_nodes(setting: str):
-    """The cache and sparsity nodes' outputs of a setting, at their defaults (the window: sink 3 + window 12,
-    no sparsity)."""
-    from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
-    from comfyui_fastar.nodes.settings_nodes import AnnSparsity, TempCacheSettings, WindowCache
+    """The cache and sparsity nodes' outputs of a setting, at the pack's defaults: TempCache Settings as it
+    comes, no ANN Sparsity (off by default); the window: sink 3 + window 12."""
+    from comfyui_fastar.fastar import TempCacheConfig
+    from comfyui_fastar.nodes.settings_nodes import TempCacheSettings, WindowCache
 
     if setting != "fastar":
         return WindowCache.execute(3, 12, False).result[0], None
-    t, a = TempCacheConfig(), AnnConfig()
-    cache = TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames).result[0]
-    ann = AnnSparsity.execute(a.annsa, a.annca, a.keep_mass, a.keep_fraction, a.dense_steps_fraction).result[0]
-    return cache, ann
+    t = TempCacheConfig()
+    return TempCacheSettings.execute(t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames).result[0], None
 
 
 def load_unet(comfy, name: str, dtype_flag: str | None):
