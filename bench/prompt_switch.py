@@ -1,5 +1,5 @@
-"""What a prompt switch costs: the KV re-cache (one clean pass per earlier chunk, through a fresh
-cache) and the chunks after it (eager until the CUDA graph is captured again), on the library path
+"""What a prompt switch costs: the KV re-cache (a clean pass per earlier chunk the cache reaches,
+through a fresh cache) and the chunks after it (eager until the CUDA graph is captured again), on the library path
 at Wan 2.1 1.3B shapes (832x480, 3-frame chunks, 4 steps + clean pass), random weights made
 sensitive (bench/common/testbed.py), the real clip's prompt and a second random prompt.
 
