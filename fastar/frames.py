@@ -49,18 +49,21 @@ def chunk_video_frames(chunk_frames: int) -> int:
     return VIDEO_FRAMES_PER_LATENT * chunk_frames
 
 
-def chunk_first_frame(chunk: int, chunk_frames: int) -> int:
-    """The first video frame of chunk ``chunk`` (chunks of ``chunk_frames`` latent frames)."""
-    return first_video_frame(chunk * chunk_frames)
+def chunk_first_frame(chunk: int, chunk_frames: int, first: int = 0) -> int:
+    """The first video frame of chunk ``chunk`` (chunks of ``chunk_frames`` latent frames after ``first``
+    latent frames that are no chunk's: a start image's)."""
+    return first_video_frame(first + chunk * chunk_frames)
 
 
-def first_chunk_from(video_frame: int, chunk_frames: int) -> int:
-    """The first chunk all of whose video frames come at or after video frame ``video_frame``."""
-    return whole_chunks(first_latent_from(video_frame), chunk_frames)
+def first_chunk_from(video_frame: int, chunk_frames: int, first: int = 0) -> int:
+    """The first chunk all of whose video frames come at or after video frame ``video_frame`` (chunks after
+    ``first`` latent frames, as ``chunk_first_frame``)."""
+    return whole_chunks(max(first_latent_from(video_frame) - first, 0), chunk_frames)
 
 
-def chunked_lengths(frames: int, chunk_frames: int) -> list[int]:
+def chunked_lengths(frames: int, chunk_frames: int, first: int = 0) -> list[int]:
     """The video lengths of the whole-chunk latent frame counts either side of ``frames`` (the lower one
-    only where it has a chunk): what a latent that does not divide into chunks should be instead."""
-    lo = frames // chunk_frames * chunk_frames
-    return [video_frames(n) for n in (lo, lo + chunk_frames) if n >= 1]
+    only where it has a chunk; chunks after ``first`` latent frames, a start image's): what a latent that
+    does not divide into chunks should be instead."""
+    lo = max(frames - first, 0) // chunk_frames * chunk_frames
+    return [video_frames(first + n) for n in (lo, lo + chunk_frames) if n >= 1]

@@ -132,12 +132,13 @@ class CleanPasses:
         self.rollout.cache.join_writes()
 
     def run(self, latents: torch.Tensor, start: int = 0) -> None:
-        """latents [B, C, F, h, w]: whole chunks, the first one's first frame ``start``."""
+        """latents [B, C, F, h, w]: chunks (the last may be short: a start latent), the first one's first
+        frame ``start``."""
         r = self.rollout
         r.attention.num_steps = len(r.sigmas)
         for i in range(0, latents.shape[2], r.chunk_frames):
             x0, frame = latents[:, :, i:i + r.chunk_frames], start + i
-            r.cache.begin_chunk(frame, r.chunk_frames)
+            r.cache.begin_chunk(frame, x0.shape[2])
             key = r.attention.graph_key() if r.cuda_graphs and r.attention.graph_safe else None
             r.attention.begin_clean_pass()
             if key is None or key != self.last:
@@ -166,17 +167,28 @@ def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, i
 
 
 def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height: int, width: int,
-                  chunk_frames: int, context_noise: float = 0.0) -> tuple[int, int, int]:
+                  chunk_frames: int, context_noise: float = 0.0, start: torch.Tensor | None = None
+                  ) -> tuple[int, int, int]:
     """Validate a rollout's settings before any work; returns ``latent_grid``."""
     if not isinstance(frames, int) or frames < 1:
         raise FastARError(f"frames must be a positive integer (latent frames), got {frames!r}")
     if not isinstance(chunk_frames, int) or chunk_frames < 1:
         raise FastARError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
-    if frames % chunk_frames:
-        raise FastARError(f"frames={frames} is not divisible by chunk_frames={chunk_frames}")
     grid = latent_grid(model, height, width)
+    first = 0
+    if start is not None:
+        first = start.shape[2] if start.ndim == 5 else 0
+        want = (model.latent_channels, grid[0], grid[1])
+        if start.ndim != 5 or (start.shape[1], *start.shape[3:]) != want or not 1 <= first <= chunk_frames:
+            raise FastARError(f"the start latent must be [B, {want[0]}, 1..{chunk_frames} frames, {want[1]}, {want[2]}] "
+                              f"(chunk_frames at most), got {tuple(start.shape)}")
+    if (frames - first) % chunk_frames or frames <= first:
+        after = f" after the start latent's {first}" if first else ""
+        raise FastARError(f"frames={frames}{after} is not a whole number of chunks of chunk_frames={chunk_frames}")
     if context.ndim != 3 or context.shape[-1] != model.text_dim:
         raise FastARError(f"context must be [B, tokens, {model.text_dim}], got {tuple(context.shape)}")
+    if start is not None and start.shape[0] != context.shape[0]:
+        raise FastARError(f"the start latent's batch {start.shape[0]} must match the context's {context.shape[0]}")
     if not 0 <= context_noise < 1000:
         raise FastARError(f"context_noise must lie in [0, 1000), got {context_noise}")
     return grid
@@ -202,6 +214,11 @@ class Rollout:
 
     ``sample_chunk(c)`` runs chunk c's denoising steps and clean pass inside an open cache
     chunk; ``run`` loops ``begin_chunk -> sample_chunk -> commit`` over all chunks.
+
+    ``start`` (image-to-video): the clean latent of the video's first frames [B, C, n, h, w], n at
+    most ``chunk_frames`` (a start image encodes to one): cached by one clean pass before the first
+    chunk, as core ComfyUI's autoregressive sampler seeds its cache, and the video's first n frames;
+    the chunks follow from frame n (``first_frame``).
     """
 
     def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,
@@ -209,8 +226,10 @@ class Rollout:
                  cache: CacheConfig | TempCacheConfig | None = None, seed: int = 0, context_noise: float = 0.0,
                  negative_context: torch.Tensor | None = None, cfg: float = 1.0, ann: AnnConfig | None = None,
                  cuda_graphs: bool = True, noise: Callable | None = None,
-                 prompts: Sequence[tuple[int, torch.Tensor]] = (), group=None):
-        h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise)
+                 prompts: Sequence[tuple[int, torch.Tensor]] = (), group=None, start: torch.Tensor | None = None):
+        h, w, tokens_per_frame = check_rollout(model, context, frames, height, width, chunk_frames, context_noise,
+                                               start)
+        self.start, self.first_frame = start, 0 if start is None else start.shape[2]
         # head parallelism over a torch.distributed process group of more than one rank (fastar.parallel):
         # every rank runs this rollout with the same arguments and holds 1/world of the heads
         self.parallel = None
@@ -221,7 +240,7 @@ class Rollout:
                     raise FastARError(f"{type(model).__name__} does not run head-parallel over several processes; "
                                       f"the library's WanModel does (fastar.models)")
                 self.parallel = HeadParallel(group, num_heads=model.num_heads, tokens_per_frame=tokens_per_frame)
-        self.switches = check_prompts(prompts, context, frames // chunk_frames)
+        self.switches = check_prompts(prompts, context, (frames - self.first_frame) // chunk_frames)
         self.negative_context = negative_context
         self.guided = cfg != 1.0
         if self.guided:
@@ -265,7 +284,11 @@ class Rollout:
 
     @property
     def num_chunks(self) -> int:
-        return self.frames // self.chunk_frames
+        return (self.frames - self.first_frame) // self.chunk_frames
+
+    def chunk_start(self, c: int) -> int:
+        """Chunk c's first frame."""
+        return self.first_frame + c * self.chunk_frames
 
     def _inputs(self, x: torch.Tensor, timestep: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's latent and timestep inputs: twice the batch when guided (cfg != 1)."""
@@ -291,7 +314,7 @@ class Rollout:
     def sample_chunk(self, c: int) -> torch.Tensor:
         """Few-step sampling of chunk c, then the clean pass that writes its K/V; returns x0.
         Replayed from a CUDA graph where the chunk's key equals the previous chunk's."""
-        start = c * self.chunk_frames
+        start = self.chunk_start(c)
         self.attention.num_steps = len(self.sigmas)
         key = self.attention.graph_key() if self.cuda_graphs and self.attention.graph_safe else None
         repeat, self._last_key = key is not None and key == self._last_key, key
@@ -329,15 +352,17 @@ class Rollout:
         return x0
 
     def recache_chunks(self, frames_done: int) -> tuple[range, range]:
-        """The chunks a switch after ``frames_done`` frames re-encodes: those holding the sink, and those
-        holding the most recent frames the cache keeps past it (every chunk for the unbounded cache).
-        A bounded cache's re-cache so costs the same however long the video."""
-        chunks, c = frames_done // self.chunk_frames, self.chunk_frames
+        """The chunks a switch after ``frames_done`` frames re-encodes (besides a start latent's frames,
+        always): those holding the sink, and those holding the most recent frames the cache keeps past it
+        (every chunk for the unbounded cache). A bounded cache's re-cache so costs the same however long
+        the video."""
+        c, first = self.chunk_frames, self.first_frame
+        chunks = (frames_done - first) // c
         recent = self.cache.config.history_frames
         if recent is None:
             return range(chunks), range(chunks, chunks)
-        sink = min(-(-self.cache.config.sink_frames // c), chunks)
-        return range(sink), range(max(sink, (frames_done - recent) // c), chunks)
+        sink = min(max(0, -(-(self.cache.config.sink_frames - first) // c)), chunks)
+        return range(sink), range(max(sink, (frames_done - recent - first) // c), chunks)
 
     def switch_prompt(self, context: torch.Tensor, done: torch.Tensor) -> None:
         """From the next chunk on, condition on ``context``; first re-encode the history (``done``:
@@ -351,12 +376,15 @@ class Rollout:
         self.cache = self.attention = None  # free the old cache before the new one is allocated
         self.cache = make_cache(**self._cache_args)
         self.attention = self._attention()
-        passes, c = CleanPasses(self), self.chunk_frames
+        passes = CleanPasses(self)
+        if self.first_frame:
+            passes.run(done[:, :, :self.first_frame])
         for part in self.recache_chunks(done.shape[2]):
             if part:
-                if part.start * c > self.cache.frames_cached:
-                    self.cache.skip_to(part.start * c)
-                passes.run(done[:, :, part.start * c:part.stop * c], part.start * c)
+                a, b = self.chunk_start(part.start), self.chunk_start(part.stop)
+                if a > self.cache.frames_cached:
+                    self.cache.skip_to(a)
+                passes.run(done[:, :, a:b], a)
 
     def _sparse_share(self) -> float | None:
         annsa = self.attention.annsa
@@ -368,9 +396,12 @@ class Rollout:
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
         b, ch, _, h, w = self.chunk_shape
         out = torch.empty(b, ch, self.frames, h, w, device=self.device)
+        if self.start is not None:
+            out[:, :, :self.first_frame] = self.start
+            CleanPasses(self).run(out[:, :, :self.first_frame])
         for c in range(self.num_chunks):
             tic = time.perf_counter()
-            start = c * self.chunk_frames
+            start = self.chunk_start(c)
             if c in self.switches:
                 self.prompt += 1
                 self.switch_prompt(self.switches[c], out[:, :, :start])
@@ -410,7 +441,8 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it) and
     prompts ((chunk, context) pairs: the prompt from that chunk on, the history re-encoded with it) and
     group (a torch.distributed process group: every rank calls ``rollout`` alike and holds 1/world of
-    the heads, ``fastar.parallel``; None or one rank: this process alone).
+    the heads, ``fastar.parallel``; None or one rank: this process alone) and start (image-to-video:
+    the clean latent of the first frames, cached before the first chunk; frames counts them).
     ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
     ``context`` and ``negative_context`` are padded to the model's ``text_len`` where it has one.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).

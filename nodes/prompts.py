@@ -47,49 +47,53 @@ def _match_tokens(*contexts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(c if c.shape[1] == n else c.repeat(1, n // c.shape[1], 1) for c in contexts)
 
 
-def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str) -> list[int]:
+def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str, first: int = 0) -> list[int]:
     """The chunk each scheduled prompt after the first starts at: the first chunk all of whose video
-    frames come at or after the prompt's start frame, so every frame before it keeps the earlier prompt."""
+    frames come at or after the prompt's start frame, so every frame before it keeps the earlier prompt.
+    ``first``: latent frames before chunk 0 (a start image's)."""
     last_frame = video_frames(frames) - 1  # the last video frame of ``frames`` latent frames
-    chunks = []
+    chunks, count = [], whole_chunks(frames - first, chunk_frames)
     for i, start in enumerate(starts[1:], 2):
         if start > last_frame:
             raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompt {i} starts at frame {start}, past the "
                               f"video's end (its last frame is {last_frame})")
-        chunk = first_chunk_from(start, chunk_frames)
-        if chunk >= whole_chunks(frames, chunk_frames):
+        chunk = first_chunk_from(start, chunk_frames, first)
+        if chunk >= count:
             raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompt {i} starts at frame {start}, inside the "
                               f"last chunk; the last a prompt can start at is frame "
-                              f"{chunk_first_frame(whole_chunks(frames, chunk_frames) - 1, chunk_frames)}")
+                              f"{chunk_first_frame(count - 1, chunk_frames, first)}")
+        if chunk == 0:
+            raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompt {i} starts at frame {start}, with the "
+                              f"first chunk; start it at frame {chunk_first_frame(1, chunk_frames, first)} or later")
         if chunks and chunk == chunks[-1]:
             raise FastARError(f"{node}: FAST-AR Prompt Schedule's prompts {i - 1} and {i} both start with the "
-                              f"chunk at frame {chunk_first_frame(chunk, chunk_frames)}: start them at least one "
-                              f"chunk ({chunk_video_frames(chunk_frames)} frames) apart")
+                              f"chunk at frame {chunk_first_frame(chunk, chunk_frames, first)}: start them at least "
+                              f"one chunk ({chunk_video_frames(chunk_frames)} frames) apart")
         chunks.append(chunk)
     return chunks
 
 
 def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int, chunk_frames: int,
-                       node: str) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+                       node: str, first: int = 0) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
     """A FAST-AR Prompt Schedule as the rollout's first context and its (chunk, context) switches;
     logs where each prompt starts (a chunk's first frame, at or after the asked one)."""
-    chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node)
+    chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node, first)
     contexts = [conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
                 for i, (_, cond) in enumerate(schedule, 1)]
-    starts = "".join(f"; prompt {i} from frame {chunk_first_frame(c, chunk_frames)} (asked {start})"
+    starts = "".join(f"; prompt {i} from frame {chunk_first_frame(c, chunk_frames, first)} (asked {start})"
                      for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2))
     logging.info("%s: the prompt schedule conditions the video (positive is not used)%s", node, starts)
     return contexts[0], list(zip(chunks, contexts[1:]))
 
 
 def prompt_contexts(patcher, prompts, positive, negative, encode: Callable, noise: torch.Tensor, device,
-                    frames: int, chunk_frames: int, node: str):
+                    frames: int, chunk_frames: int, node: str, first: int = 0):
     """(first context, [(chunk, context)] prompt switches, negative context or None) at one token count.
     A prompt schedule conditions the video instead of ``positive``; ``encode(conditioning, name)`` turns
-    the sampler's own positive / negative into a context."""
+    the sampler's own positive / negative into a context. ``first``: latent frames before chunk 0."""
     switches = []
     if prompts:
-        context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node)
+        context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node, first)
     else:
         context = encode(positive, "positive")
     negative = None if negative is None else encode(negative, "negative")

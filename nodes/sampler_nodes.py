@@ -8,7 +8,7 @@ from ..fastar import FastARError, FlowMatchSchedule
 from ..fastar.frames import is_video_length, latent_frames, nearest_video_lengths, whole_chunks
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
-from .samplers import ARVideoSampler, SampleSettings, sample
+from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
 from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema
 
 FRAMES_PER_CHUNK = ("3", "1")
@@ -25,7 +25,7 @@ def _check_length(length: int) -> int:
 
 
 def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk, context_noise, cfg,
-              prompts) -> SampleSettings:
+              prompts, start=None) -> SampleSettings:
     """Validated rollout settings (raises FastARError with one clear line)."""
     if str(frames_per_chunk) not in FRAMES_PER_CHUNK:
         raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
@@ -37,7 +37,7 @@ def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_
             raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
     return SampleSettings(width=int(width), height=int(height), frames=frames, batch_size=int(batch_size),
                           seed=int(seed), timesteps=timesteps, shift=float(shift), chunk_frames=chunk,
-                          context_noise=float(context_noise), cfg=float(cfg), prompts=prompts)
+                          context_noise=float(context_noise), cfg=float(cfg), prompts=prompts, start=start)
 
 
 class AutoregressiveLongSampler(io.ComfyNode):
@@ -79,6 +79,11 @@ class AutoregressiveLongSampler(io.ComfyNode):
                 io.Conditioning.Input("negative", optional=True,
                                       tooltip="Negative prompt, used only when cfg > 1."),
                 prompts_input("positive"),
+                io.Image.Input("start_image", optional=True,
+                               tooltip="Image-to-video: the video's first frame (resized to width x height), "
+                                       "encoded by the vae input and cached before the first chunk, as core's "
+                                       "AR Video I2V does. Needs vae."),
+                io.Vae.Input("vae", optional=True, tooltip="The Wan VAE that encodes start_image."),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -105,16 +110,23 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                context_noise, cfg, negative=None, prompts=None) -> io.NodeOutput:
+                context_noise, cfg, negative=None, prompts=None, start_image=None, vae=None) -> io.NodeOutput:
         if not is_patched(model):  # FAST-AR's defaults; a model that is no Wan fails here, in Patch Model's words
             model = patch_model(model)
         with in_words("Autoregressive Long Sampler"):
+            if (start_image is None) != (vae is None):
+                raise FastARError(f"start_image needs vae (the Wan VAE that encodes it), and vae is used only with "
+                                  f"start_image: connect {'vae' if vae is None else 'start_image'}")
+            start = None if start_image is None else encode_start_image(vae, start_image, int(width), int(height))
             settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                                 context_noise, cfg, prompts)
+                                 context_noise, cfg, prompts, start)
+            if start is not None and settings.frames <= start.shape[2]:
+                raise FastARError(f"length {length} holds only the start image; make it at least 5 video frames")
         events = CacheEvents(node_id(cls))
-        chunks = whole_chunks(settings.frames, settings.chunk_frames)
-        events.start(chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk whole,
-                     length=int(length))                                                   # cut to length
+        first = 0 if start is None else start.shape[2]
+        chunks = whole_chunks(settings.frames - first, settings.chunk_frames)
+        events.start(first + chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk
+                     length=int(length))                                                # whole, cut to length
         try:
             latent = sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:

@@ -39,6 +39,17 @@ class SampleSettings:
     context_noise: float = 0.0
     cfg: float = 1.0
     prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
+    start: torch.Tensor | None = None  # a start image's latent (VAE space, ``encode_start_image``): image-to-video
+
+
+def encode_start_image(vae, image: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """A start image's latent [1, C, 1, h, w], as core's AR Video I2V makes it: the first image, resized to
+    the video's size (bilinear, centre crop) and encoded by the VAE."""
+    import comfy.utils
+
+    with torch.no_grad():
+        image = comfy.utils.common_upscale(image[:1].movedim(-1, 1), width, height, "bilinear", "center")
+        return vae.encode(image.movedim(1, -1)[:, :, :, :3])
 
 
 def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
@@ -64,7 +75,8 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     fastar = settings_of(model)
     fastar.check(settings.chunk_frames, node)
     warn_if_not_causal(model, node)
-    whole = whole_chunks(settings.frames, settings.chunk_frames) * settings.chunk_frames
+    first = 0 if settings.start is None else settings.start.shape[2]
+    whole = first + whole_chunks(settings.frames - first, settings.chunk_frames) * settings.chunk_frames
     latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
     noise_like = torch.zeros(latent_shape)
@@ -80,11 +92,16 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
         model.pre_run()
         texts = prompt_contexts(model, settings.prompts, positive, negative if guided else None,
                                 lambda c, name: conditioning_context(model, c, noise_like, device, node, name),
-                                noise_like, device, whole, settings.chunk_frames, node)
+                                noise_like, device, whole, settings.chunk_frames, node, first)
+        start = None
+        if settings.start is not None:  # the model's latent space, every video of the batch
+            start = real_model.process_latent_in(settings.start.to(device, torch.float32))
+            start = start.expand(settings.batch_size, -1, -1, -1, -1)
         rollout = engine_rollout(model, transformer_options(model, model_options, prepared=True), model_options,
                                  texts, device, node, on_engine, fastar, frames=whole, height=settings.height,
                                  width=settings.width, chunk_frames=settings.chunk_frames, schedule=schedule,
-                                 seed=settings.seed, context_noise=settings.context_noise, cfg=settings.cfg)
+                                 seed=settings.seed, context_noise=settings.context_noise, cfg=settings.cfg,
+                                 start=start)
         progress = ChunkProgress(model, rollout.num_chunks, preview)
 
         def report(r):
@@ -105,12 +122,13 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
 
 
 # -- core's autoregressive graph: a SAMPLER for SamplerCustom / SamplerCustomAdvanced -------------
-def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int) -> Callable:
-    """Noise as core's ``sample_ar_video`` draws it: a chunk starts from the graph's noisy latent, and
-    the re-noise after step i of chunk c comes from ``torch.manual_seed(seed + 1000 * c + i)``."""
+def _graph_noise(x: torch.Tensor, seed: int, chunk_frames: int, first: int = 0) -> Callable:
+    """Noise as core's ``sample_ar_video`` draws it: a chunk starts from the graph's noisy latent (its
+    frames after the ``first`` a start image holds), and the re-noise after step i of chunk c comes from
+    ``torch.manual_seed(seed + 1000 * c + i)``."""
     def noise(c, s, shape, device, out=None):
         if s == 0:
-            n = x[:, :, c * chunk_frames:(c + 1) * chunk_frames]
+            n = x[:, :, first + c * chunk_frames:first + (c + 1) * chunk_frames]
         else:
             torch.manual_seed(seed + c * 1000 + s - 1)
             n = torch.randn(shape, device=device)
@@ -147,32 +165,33 @@ class ARVideoSampler(comfy.samplers.Sampler):
             self.events.finish("done")
         return out
 
-    def _check(self, sigmas, noise, denoise_mask, options) -> list[float]:
+    def _check(self, sigmas, noise, denoise_mask, first: int) -> list[float]:
         node = self.node
         if noise.ndim != 5:
             raise FastARError(f"{node}: the latent must be a video latent [B, C, T, H, W] (Empty AR Video Latent), "
                               f"got {list(noise.shape)}")
         if denoise_mask is not None:
             raise FastARError(f"{node}: a latent noise mask is not supported by the autoregressive sampler")
-        if (options.get("ar_config") or {}).get("initial_latent") is not None:
-            raise FastARError(f"{node}: image-to-video (AR Video I2V's start image) is not supported yet; "
-                              f"use Sampler AR Video for it")
         s = [float(v) for v in sigmas]
         if len(s) < 2 or s[-1] != 0.0 or any(a <= b for a, b in zip(s, s[1:])) or s[0] > 1.0:
             raise FastARError(f"{node}: sigmas must fall strictly from at most 1 to 0 (a full denoise), got "
                               f"{[round(v, 4) for v in s]}")
         frames = noise.shape[2]
-        if frames % self.chunk_frames:
-            raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
-                              f"{self.chunk_frames}; set Empty AR Video Latent's length to "
-                              f"{' or '.join(map(str, chunked_lengths(frames, self.chunk_frames)))}")
+        if not 0 <= first <= self.chunk_frames or (frames - first) % self.chunk_frames or frames <= first:
+            lengths = chunked_lengths(frames, self.chunk_frames, first)
+            image = f" after AR Video I2V's start image ({first} latent frame{'s' if first > 1 else ''})" if first else ""
+            raise FastARError(f"{node}: the latent has {frames} frames, not a whole number of blocks of "
+                              f"num_frame_per_block {self.chunk_frames}{image}; set the length to "
+                              f"{' or '.join(map(str, lengths))}")
         return s[:-1]
 
     def _sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask):
         patcher, base, node = model_wrap.model_patcher, model_wrap.inner_model, self.node
         model_options = extra_args.get("model_options", {})
         options = transformer_options(patcher, model_options, prepared=True)
-        steps = self._check(sigmas, noise, denoise_mask, options)
+        initial = (options.get("ar_config") or {}).get("initial_latent")  # AR Video I2V's start image
+        first = 0 if initial is None else initial.shape[2]
+        steps = self._check(sigmas, noise, denoise_mask, first)
         fastar = settings_of(patcher)
         fastar.check(self.chunk_frames, node)
         warn_if_not_causal(patcher, node)
@@ -187,14 +206,17 @@ class ARVideoSampler(comfy.samplers.Sampler):
             negative, cfg = None, 1.0
         texts = prompt_contexts(patcher, self.prompts, model_wrap.conds.get("positive"), negative,
                                 lambda conds, name: text_context(conds, batch, device, node, name),
-                                torch.zeros_like(noise), device, frames, self.chunk_frames, node)
+                                torch.zeros_like(noise), device, frames, self.chunk_frames, node, first)
+        start = None
+        if initial is not None:  # as core seeds its cache with it: in the model's latent space, every video
+            start = base.process_latent_in(initial).to(device=device, dtype=torch.float32).expand(batch, -1, -1, -1, -1)
         if self.events is not None:
-            self.events.start(frames, whole_chunks(frames, self.chunk_frames), 1 + len(texts[1]))
+            self.events.start(frames, whole_chunks(frames - first, self.chunk_frames), 1 + len(texts[1]))
         rollout = engine_rollout(patcher, options, model_options, texts, device, node,
                                  None if self.events is None else self.events.engine, fastar,
                                  frames=frames, height=h * 8, width=w * 8, chunk_frames=self.chunk_frames,
-                                 schedule=FlowMatchSchedule.from_sigmas(steps), seed=seed, cfg=cfg,
-                                 noise=_graph_noise(x.to(device), seed, self.chunk_frames))
+                                 schedule=FlowMatchSchedule.from_sigmas(steps), seed=seed, cfg=cfg, start=start,
+                                 noise=_graph_noise(x.to(device), seed, self.chunk_frames, first))
         done = torch.zeros_like(x)
         total = len(sigmas) - 1
 

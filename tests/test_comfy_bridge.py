@@ -28,12 +28,12 @@ def models(comfy, checkpoint):
     return comfy_model, core
 
 
-def _core_rollout(core, context, *, frames, chunk, cfg=1.0, negative=None, cache=None, seed=3, batch=1):
+def _core_rollout(core, context, *, frames, chunk, cfg=1.0, negative=None, cache=None, seed=3, batch=1, start=None):
     from comfyui_fastar.fastar import CacheConfig, FlowMatchSchedule, rollout
 
     return rollout(core, context.repeat(batch, 1, 1), frames=frames, height=H, width=W, chunk_frames=chunk,
                    schedule=FlowMatchSchedule(), cache=cache or CacheConfig(), seed=seed,
-                   negative_context=None if negative is None else negative.repeat(batch, 1, 1), cfg=cfg)
+                   negative_context=None if negative is None else negative.repeat(batch, 1, 1), cfg=cfg, start=start)
 
 
 def test_comfyui_builds_the_stock_wan_model(models):
@@ -550,3 +550,35 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypat
     assert rel(fused, comfy) <= 1e-5
     if patched:  # (the pip-installable ComfyUI keeps a model loaded for one patcher as it is for the next)
         assert rel(fused, plain) > 1e-3  # the patch is in
+
+
+def test_the_long_sampler_starts_from_an_image(comfy, models, tmp_path):
+    """start_image + vae: the image encoded as core's AR Video I2V encodes it is the video's first latent
+    frame, cached before the first chunk; the rollout is the library's with that start latent."""
+    from comfyui_fastar.fastar import FastARError, TempCacheConfig
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.samplers import encode_start_image
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
+    from comfyui_fastar.testing.comfy_harness import wan_vae_file
+
+    comfy_model, core = models
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(tmp_path / "vae.safetensors"))))
+    image = torch.rand(1, 2 * H, W, 3, generator=torch.Generator().manual_seed(3))  # resized to the video's size
+    tc = TempCacheConfig(max_cache_frames=3, sink_frames=1, merge_threshold=0.5)
+    patched = PatchModel.execute(comfy_model, tc).result[0]
+    pos = prompt(1)
+
+    def sample(length, **kw):
+        return AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, length, 1, 3, "1000,750,500,250", 5.0,
+                                                 "1", 0.0, 1.0, **kw).result[0]["samples"]
+
+    latent = sample(13, start_image=image, vae=vae)  # 4 latent frames: the image's, then 3 chunks of 1
+    start = encode_start_image(vae, image, W, H)
+    assert latent.shape[2] == 4 and rel(latent[:, :, :1], start) <= 1e-5
+    ref = _core_rollout(core, pos, frames=4, chunk=1, cache=tc, start=comfy_model.model.process_latent_in(start))
+    assert rel(latent, comfy_model.model.process_latent_out(ref)) <= TOL
+    assert rel(latent[:, :, 1:], sample(13)[:, :, 1:]) > 1e-3  # the image conditions what follows
+    with pytest.raises(FastARError, match="start_image needs vae"):
+        sample(13, start_image=image)
+    with pytest.raises(FastARError, match="length 1 holds only the start image"):
+        sample(1, start_image=image, vae=vae)

@@ -181,3 +181,57 @@ def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twi
     assert {n for n, e in engines.items() if e == "library"} == {"library/fastar", "library/window"}
     assert {e for n, e in engines.items() if not n.startswith("library")} == {"fused"}
     assert (tmp_path / "comfy_bench.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def vae(comfy, tmp_path_factory):
+    from comfyui_fastar.testing.comfy_harness import wan_vae_file
+
+    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(tmp_path_factory.mktemp("vae") / "vae.safetensors"))))
+
+
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("engine", ["fused", "comfy"])
+def test_fastar_sampler_matches_cores_sampler_from_a_start_image(causal, vae, block, engine, monkeypatch):
+    """AR Video I2V's start image: core seeds its cache with the image's latent and samples the blocks
+    after it; FAST-AR AR Video on an unbounded cache does the same, within 1e-4."""
+    from comfy_extras.nodes.nodes_ar_video import ARVideoI2V, SamplerARVideo
+    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
+
+    from comfyui_fastar.nodes import engines
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
+    from comfyui_fastar.nodes.settings_nodes import PatchModel, WindowCache
+
+    image = torch.rand(1, H, W, 3, generator=torch.Generator().manual_seed(4))
+    length = 25  # 7 latent frames: the image's, then 2 blocks of 3 or 6 of 1
+
+    def run(model, sampler, image=image):
+        model, latent = ARVideoI2V.execute(model, vae, image, W, H, length, 1).result
+        sigmas = BasicScheduler.execute(model, "simple", 4, 1.0).result[0]
+        return SamplerCustom.execute(model, True, 5, 1.0, _conditioning(1), _conditioning(2), sampler, sigmas,
+                                     latent).result[0]["samples"]
+
+    core = run(causal, SamplerARVideo.execute(block).result[0])
+    if engine == "comfy":
+        monkeypatch.setattr(engines, "_fused_blocker", lambda *a: "forced for the test")
+    dense = PatchModel.execute(causal, WindowCache.execute(3, 12, True).result[0]).result[0]  # every frame kept
+    ours = run(dense, ARVideo.execute(block).result[0])
+    assert ours.shape == core.shape == (1, 16, 7, H // 8, W // 8)
+    assert rel(ours, core) <= 1e-4
+    other = run(dense, ARVideo.execute(block).result[0], 1 - image)
+    assert rel(ours[:, :, 1:], other[:, :, 1:]) > 1e-3  # the image conditions what follows
+
+
+def test_a_start_image_needs_whole_blocks_after_it(causal, vae):
+    from comfy_extras.nodes.nodes_ar_video import ARVideoI2V
+    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
+
+    from comfyui_fastar.fastar import FastARError
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
+
+    model, latent = ARVideoI2V.execute(causal, vae, torch.rand(1, H, W, 3), W, H, 21, 1).result  # 6 latent frames
+    sigmas = BasicScheduler.execute(model, "simple", 4, 1.0).result[0]
+    with pytest.raises(FastARError, match=r"not a whole number of blocks of num_frame_per_block 3 after AR Video "
+                                          r"I2V's start image \(1 latent frame\); set the length to 13 or 25"):
+        SamplerCustom.execute(model, True, 5, 1.0, _conditioning(1), _conditioning(2), ARVideo.execute(3).result[0],
+                              sigmas, latent)

@@ -40,10 +40,12 @@ def test_frame_positions_of_latents_and_chunks():
             if c:
                 last = F.chunk_first_frame(c + 1, chunk_frames) if (c + 1) * chunk_frames < 30 else len(of)
                 assert last - F.chunk_first_frame(c, chunk_frames) == F.chunk_video_frames(chunk_frames)
-        for v in range(1, len(of) - 12):
-            chunk = F.first_chunk_from(v, chunk_frames)
-            assert F.chunk_first_frame(chunk, chunk_frames) >= v  # every frame of it at or after v
-            assert chunk == 0 or F.chunk_first_frame(chunk - 1, chunk_frames) < v  # the first such chunk
+        for first in (0, 1):  # chunks after a start image's latent frame
+            for v in range(1, len(of) - 12):
+                chunk = F.first_chunk_from(v, chunk_frames, first)
+                assert F.chunk_first_frame(chunk, chunk_frames, first) >= v  # every frame of it at or after v
+                assert chunk == 0 or F.chunk_first_frame(chunk - 1, chunk_frames, first) < v  # the first such
+            assert F.chunk_first_frame(0, chunk_frames, first) == of.index(first)
 
 
 def test_whole_chunks_and_the_lengths_that_fit_them():
@@ -51,6 +53,7 @@ def test_whole_chunks_and_the_lengths_that_fit_them():
     assert F.chunked_lengths(5, 3) == [F.video_frames(3), F.video_frames(6)] == [9, 21]
     assert F.chunked_lengths(2, 3) == [F.video_frames(3)]  # no chunk below 3 frames
     assert F.chunked_lengths(7, 1) == [25, 29]
+    assert F.chunked_lengths(6, 3, first=1) == [F.video_frames(4), F.video_frames(7)] == [13, 25]  # a start image's
 
 
 def test_settings_that_cannot_run_together():

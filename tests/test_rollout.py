@@ -469,3 +469,40 @@ def test_bad_prompt_switches_name_the_problem(model, prompts, message):
     with pytest.raises(FastARError, match=message):
         Rollout(model, ctx, frames=6, height=H, width=W, chunk_frames=1,
                 prompts=[(c, texts[t]) for c, t in prompts])
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["unbounded", "window", "tempcache"])
+def test_a_start_latent_is_cached_first_and_the_chunks_follow_it(model, cache):
+    """Image-to-video: the start latent's frame is the video's first, cached by a clean pass before the
+    first chunk (as core ComfyUI seeds its cache), and the chunks follow from frame 1: chunk 0 equals a
+    rollout's chunk over a cache that was given that frame; another start image changes the video."""
+    ctx = pad_context(torch.randn(1, 7, model.text_dim), model.text_len)
+    g = torch.Generator().manual_seed(5)
+    start = torch.randn(1, model.latent_channels, 1, H // 8, W // 8, generator=g)
+    kw = dict(frames=7, height=H, width=W, chunk_frames=2, cache=cache, seed=3)
+    out = rollout(model, ctx, start=start, **kw)
+    assert out.shape[2] == 7 and torch.equal(out[:, :, :1], start)
+    ref = Rollout(model, ctx, start=start, **kw)
+    ref.cache.begin_chunk(0, 1)
+    ref.attention.begin_clean_pass()
+    ref.fill_cache(start, 0)
+    ref.cache.commit()
+    ref.cache.begin_chunk(1, 2)
+    assert torch.equal(ref.sample_chunk(0), out[:, :, 1:3])
+    other = rollout(model, ctx, start=torch.randn(start.shape, generator=g), **kw)
+    assert rel(other[:, :, 1:], out[:, :, 1:]) > 1e-4  # (the tiny random model leans little on its history)
+    # a prompt switch re-encodes the start frame too: switching to the same prompt while every frame is in
+    # the cache's reach changes nothing
+    assert rel(rollout(model, ctx, start=start, prompts=[(1, ctx.clone())], **kw), out) < 1e-6
+
+
+@pytest.mark.parametrize("start, frames, message", [
+    ((1, 16, 4, 8, 12), 9, r"start latent must be \[B, 16, 1..2 frames, 8, 12\]"),
+    ((1, 16, 1, 4, 12), 9, r"start latent must be"),
+    ((1, 16, 1, 8, 12), 8, r"frames=8 after the start latent's 1 is not a whole number of chunks"),
+    ((2, 16, 1, 8, 12), 9, r"start latent's batch 2 must match the context's 1"),
+])
+def test_a_bad_start_latent_names_the_problem(model, start, frames, message):
+    ctx = pad_context(torch.randn(1, 7, model.text_dim), model.text_len)
+    with pytest.raises(FastARError, match=message):
+        Rollout(model, ctx, frames=frames, height=H, width=W, chunk_frames=2, start=torch.zeros(start))
