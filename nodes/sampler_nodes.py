@@ -161,8 +161,9 @@ class ARVideo(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, num_frame_per_block):
         """Block sizes the causal Wan 2.1 checkpoints are trained with, refused by /prompt otherwise
-        (ComfyUI skips its own min / max for the input read here: checked here too). No checkpoint file
-        records its block size (ComfyUI keeps no such metadata), so the known sizes are the check."""
+        (ComfyUI skips its own min / max for the input read here: checked here too). The block size a
+        converted file records is checked when the sampler runs (``wan.check_sampling``): /prompt does not
+        know which file the graph's model will come from."""
         try:
             check_widget(cls, "num_frame_per_block", num_frame_per_block)
             if str(num_frame_per_block) not in FRAMES_PER_CHUNK:

@@ -22,7 +22,7 @@ from .patching import is_patched, patch_model, transformer_options
 from .progress import ChunkProgress
 from .prompts import conditioning_context, prompt_contexts, text_context
 from .settings import settings_of
-from .wan import warn_if_not_causal
+from .wan import check_sampling, warn_if_not_causal
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     fastar = settings_of(model)
     fastar.check(settings.chunk_frames, node)
+    check_sampling(model, settings.chunk_frames, node, "frames_per_chunk", schedule)
     warn_if_not_causal(model, node)
     first = 0 if settings.start is None else settings.start.shape[2]
     whole = first + whole_chunks(settings.frames - first, settings.chunk_frames) * settings.chunk_frames
@@ -194,6 +195,7 @@ class ARVideoSampler(comfy.samplers.Sampler):
         steps = self._check(sigmas, noise, denoise_mask, first)
         fastar = settings_of(patcher)
         fastar.check(self.chunk_frames, node)
+        check_sampling(patcher, self.chunk_frames, node, "num_frame_per_block")
         warn_if_not_causal(patcher, node)
         device, batch, seed = patcher.load_device, noise.shape[0], int(extra_args.get("seed", 0))
         if latent_image is None:

@@ -2,11 +2,14 @@
 parts, not its class), whether it was loaded as a causal checkpoint, and the dtype ComfyUI computes it in."""
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 
 import torch
 
 from ..fastar import FastARError
+from ..fastar.models import checkpoint_sampling
 
 # The parts every Wan 2.1 T2V DiT ComfyUI builds has, under the names its checkpoints use: the stock
 # ``WanModel`` and core's ``CausalWanModel`` (a plain ``nn.Module`` in one version, a ``WanModel``
@@ -81,3 +84,48 @@ def warn_if_not_causal(patcher, node: str) -> None:
         logging.info("%s: this ComfyUI loads every Wan 2.1 T2V file as WanModel, so it cannot tell a causal "
                      "checkpoint from a plain T2V one; the video holds together only with a causal checkpoint "
                      "(Self-Forcing, CausVid, Causal-Forcing)", node)
+
+
+def _checkpoint_path(patcher) -> str | None:
+    """The diffusion-model file the MODEL was loaded from, where this ComfyUI says (newer trees name it on
+    the model, by its base name; 0.3.x keep no trace) and one file of that name is in diffusion_models."""
+    name = getattr(patcher, "ckpt_name", None)
+    if not name:
+        return None
+    try:
+        folder_paths = importlib.import_module("folder_paths")
+    except ImportError:
+        folder_paths = importlib.import_module("comfy.cmd.folder_paths")  # the pip-installable ComfyUI
+    try:
+        found = [f for f in folder_paths.get_filename_list("diffusion_models") if os.path.basename(f) == name]
+    except Exception:  # no such folder registered
+        return None
+    return folder_paths.get_full_path("diffusion_models", found[0]) if len(found) == 1 else None
+
+
+def recorded_sampling(patcher):
+    """(file name, the ``fastar.models.Sampling`` it records) for the MODEL's checkpoint file, or None where
+    the file or its record is unknown."""
+    path = _checkpoint_path(patcher)
+    try:
+        sampling = None if path is None else checkpoint_sampling(path)
+    except FastARError:
+        return None
+    return None if sampling is None else (os.path.basename(path), sampling)
+
+
+def check_sampling(patcher, chunk_frames: int, node: str, widget: str, schedule=None) -> None:
+    """Refuse a block size other than the one the checkpoint file records (``fastar convert --preset``
+    writes it), where the file is known; log where the sampler's steps or shift (``schedule``, a
+    ``FlowMatchSchedule``) differ from the file's."""
+    recorded = recorded_sampling(patcher)
+    if recorded is None:
+        return
+    name, sampling = recorded
+    if sampling.frames_per_block != chunk_frames:
+        raise FastARError(f"{node}: {widget} is {chunk_frames}, but {name} records {sampling.frames_per_block} "
+                          f"latent frames per block ({sampling.describe()}); set {widget} to "
+                          f"{sampling.frames_per_block}")
+    if schedule is not None and sampling.schedule().sigmas() != schedule.sigmas():
+        logging.warning("%s: %s records %s; the sampler's timesteps and shift differ from them", node, name,
+                        sampling.describe())

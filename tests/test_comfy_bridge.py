@@ -582,3 +582,46 @@ def test_the_long_sampler_starts_from_an_image(comfy, models, tmp_path):
         sample(13, start_image=image)
     with pytest.raises(FastARError, match="length 1 holds only the start image"):
         sample(1, start_image=image, vae=vae)
+
+
+def test_the_samplers_keep_the_block_size_the_checkpoint_records(comfy, tmp_path, caplog):
+    """A file ``fastar convert --preset`` wrote records its sampling: where ComfyUI says which file the
+    MODEL came from (newer trees; 0.3.x keep no trace of it), a sampler with another block size is refused
+    before it runs, and other steps or shift are logged."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    from comfyui_fastar.fastar import FastARError
+    from comfyui_fastar.fastar.models import SAMPLING_METADATA_KEY, Sampling
+    from comfyui_fastar.nodes.progress import comfy_module
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.wan import recorded_sampling
+    from comfyui_fastar.testing.comfy_harness import tiny_wan
+
+    sampling = Sampling(3, (1000, 757, 522), 1.0, "causvid")
+    path = tmp_path / "causvid_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()}, str(path),
+              metadata={SAMPLING_METADATA_KEY: sampling.to_json()})
+    comfy_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
+    model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
+
+    def sample(block, timesteps="1000,757,522", shift=1.0):
+        return AutoregressiveLongSampler.execute(model, [[prompt(1), {}]], W, H, 9, 1, 3, timesteps, shift, block,
+                                                 0.0, 1.0).result[0]["samples"]
+
+    if getattr(model, "ckpt_name", None) is None:  # this ComfyUI keeps no trace of the file
+        assert recorded_sampling(model) is None
+        assert sample("1").shape[2] == 3
+        return
+    assert recorded_sampling(model) == ("causvid_tiny.safetensors", sampling)
+    with pytest.raises(FastARError, match=r"frames_per_chunk is 1, but causvid_tiny.safetensors records 3 latent "
+                                          r"frames per block \(3 frames per block, timesteps 1000,757,522, shift 1\)"):
+        sample("1")
+    with caplog.at_level(logging.WARNING):
+        assert sample("3").shape[2] == 3
+    assert "records 3 frames per block" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        sample("3", "1000,750,500,250", 5.0)
+    assert "causvid_tiny.safetensors records 3 frames per block, timesteps 1000,757,522, shift 1; the sampler's" \
+           in caplog.text
