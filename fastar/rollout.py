@@ -182,9 +182,11 @@ def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height:
         if start.ndim != 5 or (start.shape[1], *start.shape[3:]) != want or not 1 <= first <= chunk_frames:
             raise FastARError(f"the start latent must be [B, {want[0]}, 1..{chunk_frames} frames, {want[1]}, {want[2]}] "
                               f"(chunk_frames at most), got {tuple(start.shape)}")
-    if (frames - first) % chunk_frames or frames <= first:
-        after = f" after the start latent's {first}" if first else ""
-        raise FastARError(f"frames={frames}{after} is not a whole number of chunks of chunk_frames={chunk_frames}")
+    if first and ((frames - first) % chunk_frames or frames <= first):
+        raise FastARError(f"frames={frames} after the start latent's {first} is not a whole number of chunks of "
+                          f"chunk_frames={chunk_frames}")
+    if not first and frames % chunk_frames:
+        raise FastARError(f"frames={frames} is not divisible by chunk_frames={chunk_frames}")
     if context.ndim != 3 or context.shape[-1] != model.text_dim:
         raise FastARError(f"context must be [B, tokens, {model.text_dim}], got {tuple(context.shape)}")
     if start is not None and start.shape[0] != context.shape[0]:

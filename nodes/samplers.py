@@ -179,11 +179,14 @@ class ARVideoSampler(comfy.samplers.Sampler):
                               f"{[round(v, 4) for v in s]}")
         frames = noise.shape[2]
         if not 0 <= first <= self.chunk_frames or (frames - first) % self.chunk_frames or frames <= first:
-            lengths = chunked_lengths(frames, self.chunk_frames, first)
-            image = f" after AR Video I2V's start image ({first} latent frame{'s' if first > 1 else ''})" if first else ""
-            raise FastARError(f"{node}: the latent has {frames} frames, not a whole number of blocks of "
-                              f"num_frame_per_block {self.chunk_frames}{image}; set the length to "
-                              f"{' or '.join(map(str, lengths))}")
+            lengths = " or ".join(map(str, chunked_lengths(frames, self.chunk_frames, first)))
+            if first:
+                raise FastARError(f"{node}: the latent has {frames} frames, not a whole number of blocks of "
+                                  f"num_frame_per_block {self.chunk_frames} after AR Video I2V's start image "
+                                  f"({first} latent frame{'s' if first > 1 else ''}); set AR Video I2V's length "
+                                  f"to {lengths}")
+            raise FastARError(f"{node}: the latent has {frames} frames, not a multiple of num_frame_per_block "
+                              f"{self.chunk_frames}; set Empty AR Video Latent's length to {lengths}")
         return s[:-1]
 
     def _sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image, denoise_mask):

@@ -160,10 +160,11 @@ def test_fastar_sampler_errors_name_the_node_and_input(causal):
     with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 5 frames, not a multiple of "
                                           r"num_frame_per_block 3; set Empty AR Video Latent's length to 9 or 21"):
         _sample_custom(causal, ARVideo.execute(3).result[0], frames=5)
-    i2v = causal.clone()  # what AR Video I2V leaves on the model
+    i2v = causal.clone()  # what AR Video I2V leaves on the model: 6 latent frames are 1 + 5, not whole blocks
     i2v.model_options.setdefault("transformer_options", {})["ar_config"] = {"initial_latent": torch.zeros(1, 16, 1, 4, 4)}
-    with pytest.raises(FastARError, match=r"FAST-AR AR Video: image-to-video \(AR Video I2V's start image\) is not "
-                                          r"supported yet; use Sampler AR Video for it"):
+    with pytest.raises(FastARError, match=r"FAST-AR AR Video: the latent has 6 frames, not a whole number of blocks "
+                                          r"of num_frame_per_block 3 after AR Video I2V's start image \(1 latent "
+                                          r"frame\); set AR Video I2V's length to 13 or 25"):
         _sample_custom(i2v, ARVideo.execute(3).result[0])
 
 
@@ -220,18 +221,3 @@ def test_fastar_sampler_matches_cores_sampler_from_a_start_image(causal, vae, bl
     assert rel(ours, core) <= 1e-4
     other = run(dense, ARVideo.execute(block).result[0], 1 - image)
     assert rel(ours[:, :, 1:], other[:, :, 1:]) > 1e-3  # the image conditions what follows
-
-
-def test_a_start_image_needs_whole_blocks_after_it(causal, vae):
-    from comfy_extras.nodes.nodes_ar_video import ARVideoI2V
-    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
-
-    from comfyui_fastar.fastar import FastARError
-    from comfyui_fastar.nodes.sampler_nodes import ARVideo
-
-    model, latent = ARVideoI2V.execute(causal, vae, torch.rand(1, H, W, 3), W, H, 21, 1).result  # 6 latent frames
-    sigmas = BasicScheduler.execute(model, "simple", 4, 1.0).result[0]
-    with pytest.raises(FastARError, match=r"not a whole number of blocks of num_frame_per_block 3 after AR Video "
-                                          r"I2V's start image \(1 latent frame\); set the length to 13 or 25"):
-        SamplerCustom.execute(model, True, 5, 1.0, _conditioning(1), _conditioning(2), ARVideo.execute(3).result[0],
-                              sigmas, latent)
