@@ -2,7 +2,6 @@
 parts, not its class), whether it was loaded as a causal checkpoint, and the dtype ComfyUI computes it in."""
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 
@@ -10,6 +9,7 @@ import torch
 
 from ..fastar import FastARError
 from ..fastar.models import checkpoint_sampling
+from .progress import comfy_module
 
 # The parts every Wan 2.1 T2V DiT ComfyUI builds has, under the names its checkpoints use: the stock
 # ``WanModel`` and core's ``CausalWanModel`` (a plain ``nn.Module`` in one version, a ``WanModel``
@@ -92,13 +92,10 @@ def _checkpoint_path(patcher) -> str | None:
     name = getattr(patcher, "ckpt_name", None)
     if not name:
         return None
-    try:
-        folder_paths = importlib.import_module("folder_paths")
-    except ImportError:
-        folder_paths = importlib.import_module("comfy.cmd.folder_paths")  # the pip-installable ComfyUI
+    folder_paths = comfy_module("folder_paths")
     try:
         found = [f for f in folder_paths.get_filename_list("diffusion_models") if os.path.basename(f) == name]
-    except Exception:  # no such folder registered
+    except KeyError:  # no such folder registered
         return None
     return folder_paths.get_full_path("diffusion_models", found[0]) if len(found) == 1 else None
 
