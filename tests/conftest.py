@@ -126,6 +126,15 @@ def checkpoint(tmp_path_factory):
     return comfy_harness.write_wan(comfy_harness.tiny_wan(), tmp_path_factory.mktemp("ckpt"), "wan_tiny")[0]
 
 
+@pytest.fixture(scope="session")
+def vae(comfy, tmp_path_factory):
+    """A Wan 2.1 VAE with random weights (``comfy_harness.wan_vae_file``), as ComfyUI's Load VAE gives it."""
+    from comfyui_fastar.testing import comfy_harness
+
+    path = comfy_harness.wan_vae_file(tmp_path_factory.mktemp("vae") / "wan_2.1_vae.safetensors")
+    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
+
+
 @pytest.fixture
 def twins(monkeypatch):
     """The torch twins instead of the interpreted kernels, for tests of a policy (what a plan reads,

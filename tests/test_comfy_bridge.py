@@ -552,7 +552,7 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypat
         assert rel(fused, plain) > 1e-3  # the patch is in
 
 
-def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, tmp_path):
+def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, vae):
     """start_image + vae: the image encoded as core's AR Video I2V encodes it is the video's first latent
     frame, cached before the first chunk; the rollout is the library's with that start latent. (A model
     of its own: the pip-installable ComfyUI may keep the shared one loaded as an earlier test patched it.)"""
@@ -560,11 +560,9 @@ def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, tmp_pa
     from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
     from comfyui_fastar.nodes.samplers import encode_start_image
     from comfyui_fastar.nodes.settings_nodes import PatchModel
-    from comfyui_fastar.testing.comfy_harness import wan_vae_file
 
     core = models[1]
     comfy_model = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": torch.float32})
-    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(tmp_path / "vae.safetensors"))))
     image = torch.rand(1, 2 * H, W, 3, generator=torch.Generator().manual_seed(3))  # resized to the video's size
     tc = TempCacheConfig(max_cache_frames=3, sink_frames=1, merge_threshold=0.5)
     patched = PatchModel.execute(comfy_model, tc).result[0]

@@ -184,13 +184,6 @@ def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twi
     assert (tmp_path / "comfy_bench.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def vae(comfy, tmp_path_factory):
-    from comfyui_fastar.testing.comfy_harness import wan_vae_file
-
-    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(wan_vae_file(tmp_path_factory.mktemp("vae") / "vae.safetensors"))))
-
-
 @pytest.mark.parametrize("block", [1, 3])
 @pytest.mark.parametrize("engine", ["fused", "comfy"])
 def test_fastar_sampler_matches_cores_sampler_from_a_start_image(causal, vae, block, engine, monkeypatch):

@@ -6,18 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from comfyui_fastar.testing.comfy_harness import read_video, wan_vae_file
+from comfyui_fastar.testing.comfy_harness import read_video
 
 pytestmark = pytest.mark.comfyui
-
-
-@pytest.fixture(scope="module")
-def vae(comfy, tmp_path_factory):
-    import comfy.sd
-    import comfy.utils
-
-    path = wan_vae_file(tmp_path_factory.mktemp("vae") / "wan_2.1_vae.safetensors")
-    return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
 
 
 def _latent(frames, batch=1, h=4, w=6, seed=1):
