@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..fastar import FastARError, FlowMatchSchedule
-from ..fastar.frames import is_video_length, latent_frames, nearest_video_lengths, whole_chunks
+from ..fastar.frames import is_video_length, latent_frames, nearest_video_lengths
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
@@ -120,13 +120,10 @@ class AutoregressiveLongSampler(io.ComfyNode):
             start = None if start_image is None else encode_start_image(vae, start_image, int(width), int(height))
             settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
                                  context_noise, cfg, prompts, start)
-            if start is not None and settings.frames <= start.shape[2]:
+            if settings.first_frame and settings.frames <= settings.first_frame:
                 raise FastARError(f"length {length} holds only the start image; make it at least 5 video frames")
         events = CacheEvents(node_id(cls))
-        first = 0 if start is None else start.shape[2]
-        chunks = whole_chunks(settings.frames - first, settings.chunk_frames)
-        events.start(first + chunks * settings.chunk_frames, chunks, len(prompts) if prompts else 1,  # a last chunk
-                     length=int(length))                                                # whole, cut to length
+        events.start(settings.generated_frames, settings.chunks, len(prompts) if prompts else 1, length=int(length))
         try:
             latent = sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
         except BaseException:

@@ -41,6 +41,21 @@ class SampleSettings:
     prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
     start: torch.Tensor | None = None  # a start image's latent (VAE space, ``encode_start_image``): image-to-video
 
+    @property
+    def first_frame(self) -> int:
+        """Latent frames before the first chunk: the start image's."""
+        return 0 if self.start is None else self.start.shape[2]
+
+    @property
+    def chunks(self) -> int:
+        """Chunks the rollout generates (a last one that is not whole counts whole)."""
+        return whole_chunks(self.frames - self.first_frame, self.chunk_frames)
+
+    @property
+    def generated_frames(self) -> int:
+        """Latent frames the rollout generates: the start image's and whole chunks, cut to ``frames`` after."""
+        return self.first_frame + self.chunks * self.chunk_frames
+
 
 def encode_start_image(vae, image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """A start image's latent [1, C, 1, h, w], as core's AR Video I2V makes it: the first image, resized to
@@ -76,8 +91,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     fastar.check(settings.chunk_frames, node)
     check_sampling(model, settings.chunk_frames, node, "frames_per_chunk", schedule)
     warn_if_not_causal(model, node)
-    first = 0 if settings.start is None else settings.start.shape[2]
-    whole = first + whole_chunks(settings.frames - first, settings.chunk_frames) * settings.chunk_frames
+    first, whole = settings.first_frame, settings.generated_frames
     latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
     noise_like = torch.zeros(latent_shape)
