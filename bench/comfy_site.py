@@ -26,7 +26,7 @@ import subprocess
 import zipfile
 
 DISTRIBUTIONS = [
-    "aio-pika", "aiormq", "backoff", "cattrs", "ConfigArgParse", "frozendict", "gguf", "h2", "hpack", "hyperframe",
+    "aio-pika", "aiormq", "backoff", "chardet", "cattrs", "ConfigArgParse", "frozendict", "gguf", "h2", "hpack", "hyperframe",
     "importlib_metadata", "natsort", "pamqp", "platformdirs", "requests-cache", "sniffio", "torchsde", "trampoline",
     "url-normalize", "googleapis-common-protos", "opentelemetry-api", "opentelemetry-sdk",
     "opentelemetry-semantic-conventions", "opentelemetry-instrumentation", "opentelemetry-distro",
