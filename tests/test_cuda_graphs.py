@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, Rollout, TempCacheConfig
-from comfyui_fastar.fastar import attention as attention_mod
+from comfyui_fastar.fastar import kvcache as kvcache_mod
 from comfyui_fastar.fastar.models import build_model
 
 pytestmark = pytest.mark.cuda
@@ -55,7 +55,7 @@ def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs, monke
                     cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig(keep_fraction=0.5))
     inline, side = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
     with monkeypatch.context() as m:  # the "side" stream is the current one: the writes run in line
-        m.setattr(attention_mod, "side_stream", lambda device, role: torch.cuda.current_stream(device))
+        m.setattr(kvcache_mod, "side_stream", lambda device, role: torch.cuda.current_stream(device))
         want = inline.run()
     got = side.run()
     assert side.cache.write_stream is None  # joined: nothing of the last chunk left running

@@ -127,6 +127,6 @@ def test_tempcache_writes_through_the_row_kernels_equal_the_twins():
     held = a.dump  # every row but the dump row, which of its writes it keeps is unspecified
     assert torch.equal(a.k[:, :, :held], b.k[:, :, :held])
     torch.testing.assert_close(a.v[:, :, :held], b.v[:, :, :held], rtol=1e-2, atol=1e-2)
-    for name in ("count", "newest", "token"):
+    for name in ("_count", "_newest", "_token"):  # the merge state, private to the cache
         assert torch.equal(getattr(a, name), getattr(b, name))
     assert torch.equal(a.log_count_bias, b.log_count_bias)
