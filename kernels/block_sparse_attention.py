@@ -23,8 +23,9 @@ counts to ``[0, R]`` and ranges to ``[0, Lk]`` (a reversed range reads nothing).
 
 Kernel layout: one program per (query block, head) holds the query block in registers and streams
 its ranges' keys in ``block_n`` tiles with an fp32 online softmax in base 2. Each range is its full
-tiles, unmasked, then at most one masked tail tile, so no length or bound need be aligned. Strides
-are explicit, so the KV cache's ``[B, L, H, D]`` storage is read in place through
+tiles, unmasked, then at most one masked tail tile, so no length or bound need be aligned. The
+batch, head and key strides of q, k, v and the prior's output are explicit (D's is 1; o takes
+q's; the plan is contiguous), so the KV cache's ``[B, L, H, D]`` storage is read in place through
 ``.transpose(1, 2)`` views. Items ``launch.split_items`` splits are cut into even shares of their
 keys (on whole tiles), one program each writing an fp32 partial and its lse, joined by a combine
 pass.
@@ -224,9 +225,6 @@ if HAS_TRITON:
         qk_scale,
         HAS_BIAS: tl.constexpr,
         MASKED: tl.constexpr,
-        SCALE_NEG: tl.constexpr,
-        UPCAST: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
     ):
         """One key tile of the online softmax (base-2 logits); returns the updated (acc, l_i, m_i).
 
@@ -247,9 +245,10 @@ if HAS_TRITON:
             vt = tl.load(v_tile + v_offs, mask=col_ok[:, None], other=0.0)
         else:
             kt = tl.load(k_tile + k_offs)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = tl.dot(qt, tl.trans(kt), input_precision=INPUT_PRECISION)
+        if kt.dtype == tl.float32:  # fp32 inputs: an IEEE dot, to match the twin
+            s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(qt, tl.trans(kt))
         if HAS_BIAS:
             # Masked columns: 0 * scale + -inf = -inf. A key with bias -inf likewise.
             t = s * qk_scale + kb[None, :]
@@ -263,38 +262,32 @@ if HAS_TRITON:
             m_use = m_new
             p = tl.math.exp2(t - m_use[:, None])
         else:
-            # Every logit finite: the row max is scale * max(s) (min(s) for a negative scale),
+            # Every logit finite: the row max is scale * max(s) (the wrapper makes the scale positive),
             # so scaling and shifting fuse into one FMA per score.
-            if SCALE_NEG:
-                m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if not MASKED:
             vt = tl.load(v_tile + v_offs)
-        if UPCAST:
-            # Round p as the native path does (to the input dtype), then compute in fp32.
-            p = p.to(v_tile.dtype.element_ty).to(tl.float32)
-            vt = vt.to(tl.float32)
-        else:
-            p = p.to(vt.dtype)
+        p = p.to(vt.dtype)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p, vt, acc, input_precision=INPUT_PRECISION)
+        if vt.dtype == tl.float32:
+            acc = tl.dot(p, vt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, vt, acc)
         return acc, l_i, m_new
 
     @triton.jit
     def _attend_range(acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step, v_step,
-                      qk_scale, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_NEG: tl.constexpr,
-                      UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                      qk_scale, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
         """One range of keys: its full tiles unmasked, then at most one masked tail tile."""
         n_full = n_keys // BLOCK_N
         for _ in range(0, n_full):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, BLOCK_N,
-                qk_scale, HAS_BIAS, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                qk_scale, HAS_BIAS, False,
             )
             k_tile += k_step
             v_tile += v_step
@@ -303,7 +296,7 @@ if HAS_TRITON:
         if n_tail > 0:
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_tail,
-                qk_scale, HAS_BIAS, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                qk_scale, HAS_BIAS, True,
             )
         return acc, l_i, m_i
 
@@ -314,24 +307,24 @@ if HAS_TRITON:
         snapped = tl.sum(tl.where(inside, r_cum + (c - r_cum) // BLOCK_N * BLOCK_N, 0), 0)
         return tl.where(c >= total, total, snapped)
 
-    # Sizes and the plan's R-dependent strides are not specialised on: their divisibility by 16
-    # changes as an unbounded cache grows, and each change would recompile mid-rollout; no
-    # alignment they carry is usable (tiles start at unaligned range starts).
-    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_qblocks", "n_whole",
-                                   "n_split", "stride_rb", "stride_rh", "stride_rq"])
+    # Sizes are not specialised on: their divisibility by 16 changes as an unbounded cache grows,
+    # and each change would recompile mid-rollout; no alignment they carry is usable (tiles start
+    # at unaligned range starts). The wrapper hands over unit strides along D, q and o in one
+    # layout, the plan and the prior's lse contiguous.
+    @triton.jit(do_not_specialize=["H", "Lq", "Lk", "R", "block_q", "bias_lo", "bias_hi", "n_whole", "n_split"])
     def _block_sparse_attention_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
-        o_ptr,
-        ranges_ptr,
-        counts_ptr,
+        o_ptr,  # q's strides
+        ranges_ptr,  # [B, H, n_qblocks, R, 2] contiguous
+        counts_ptr,  # [B, H, n_qblocks] contiguous
         bias_ptr,  # [B, H, Lk] contiguous fp32, already multiplied by log2(e)
-        part_ptr,  # SPLITS: [split items, n_split, BLOCK_M, D] fp32, each share's normalised output
-        lse_ptr,  # SPLITS: [split items, n_split, BLOCK_M] fp32, each share's log2-sum-exp2 per row
-        prior_o_ptr,  # HAS_PRIOR: [B, H, Lq, D] output of a softmax over keys outside the plan
-        prior_lse_ptr,  # HAS_PRIOR: [B, H, Lq] fp32, its log-sum-exp (natural log)
-        qk_scale,  # scale * log2(e): logits live in base 2 so the softmax uses exp2
+        part_ptr,  # SPLITS: each share's normalised output [shares, BLOCK_M, D], then its
+        #            log2-sum-exp2 per row [shares, BLOCK_M], fp32
+        prior_o_ptr,  # HAS_PRIOR: [B, H, Lq, D], unit stride along D, a softmax over keys outside the plan
+        prior_lse_ptr,  # HAS_PRIOR: [B, H, Lq] contiguous fp32, its log-sum-exp (natural log)
+        qk_scale,  # scale * log2(e) > 0: logits live in base 2 so the softmax uses exp2
         H,
         Lq,
         Lk,
@@ -339,54 +332,32 @@ if HAS_TRITON:
         block_q,
         bias_lo,  # keys outside [bias_lo, bias_hi) have bias 0: ranges there skip it
         bias_hi,
-        n_qblocks,
         n_whole,  # SPLITS: items [0, n_whole) run whole, the rest in n_split programs each
         n_split,
         stride_qb,
         stride_qh,
         stride_ql,
-        stride_qd,
         stride_kb,
         stride_kh,
         stride_kl,
-        stride_kd,
         stride_vb,
         stride_vh,
         stride_vl,
-        stride_vd,
-        stride_ob,
-        stride_oh,
-        stride_ol,
-        stride_od,
-        stride_rb,
-        stride_rh,
-        stride_rq,
-        stride_rr,
-        stride_rp,
-        stride_cb,
-        stride_ch,
-        stride_cq,
-        stride_pob,
-        stride_poh,
-        stride_pol,
-        stride_pod,
-        stride_plb,
-        stride_plh,
-        stride_pll,
+        stride_pb,  # the prior's output: cuDNN's layout need not be q's, and a copy would cost what the
+        stride_ph,  # prior saves
+        stride_pl,
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_PRIOR: tl.constexpr,
-        SCALE_NEG: tl.constexpr,
-        UPCAST: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
         SPLITS: tl.constexpr,
         R_BLOCK: tl.constexpr,
     ):
         """One program: one query block of one (b, h) against its ranges' keys (a split program:
         against one share of them, a partial result)."""
         pid = tl.program_id(0)
+        n_qblocks = (Lq + block_q - 1) // block_q
         if SPLITS:
             is_split = pid >= n_whole
             share = tl.maximum(pid - n_whole, 0)
@@ -407,23 +378,22 @@ if HAS_TRITON:
         rows = pid_m * block_q + offs_i  # the block's queries
         row_ok = (offs_i < block_q) & (rows < Lq)
 
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        q_ptrs = q_base + rows.to(tl.int64)[:, None] * stride_ql + offs_d[None, :] * stride_qd
-        qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
+        # q and o share their layout: one set of offsets addresses both.
+        qo_offs = b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_ql + offs_d[None, :]
+        qt = tl.load(q_ptr + qo_offs, mask=row_ok[:, None], other=0.0)
 
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
         bias_base = bias_ptr + pid_bh.to(tl.int64) * Lk
         # In-tile offsets: loop-invariant int32 (the wrapper ensures they fit); the tile's int64
         # base is a scalar pointer advanced per tile.
-        k_offs = offs_n[:, None] * stride_kl + offs_d[None, :] * stride_kd
-        v_offs = offs_n[:, None] * stride_vl + offs_d[None, :] * stride_vd
+        k_offs = offs_n[:, None] * stride_kl + offs_d[None, :]
+        v_offs = offs_n[:, None] * stride_vl + offs_d[None, :]
         k_step = stride_kl.to(tl.int64) * BLOCK_N
         v_step = stride_vl.to(tl.int64) * BLOCK_N
-        r_base = ranges_ptr + b * stride_rb + h * stride_rh + pid_m.to(tl.int64) * stride_rq
-        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
+        block = pid_bh.to(tl.int64) * n_qblocks + pid_m  # the query block's row of the plan
+        r_base = ranges_ptr + block * R * 2
+        count = tl.load(counts_ptr + block)
         count = tl.minimum(tl.maximum(count, 0), R)
 
         if SPLITS:
@@ -431,8 +401,8 @@ if HAS_TRITON:
             # one share); cuts fall on tile boundaries within a range, so splits add no masked tile.
             offs_r = tl.arange(0, R_BLOCK)
             r_ok = offs_r < count
-            r_start = tl.maximum(tl.load(r_base + offs_r * stride_rr, mask=r_ok, other=0), 0)
-            r_end = tl.minimum(tl.load(r_base + offs_r * stride_rr + stride_rp, mask=r_ok, other=0), Lk)
+            r_start = tl.maximum(tl.load(r_base + offs_r * 2, mask=r_ok, other=0), 0)
+            r_end = tl.minimum(tl.load(r_base + offs_r * 2 + 1, mask=r_ok, other=0), Lk)
             r_len = tl.maximum(r_end - r_start, 0)
             r_cum = tl.cumsum(r_len, 0) - r_len  # keys before each range
             total = tl.sum(r_len, 0)
@@ -457,16 +427,14 @@ if HAS_TRITON:
             take = row_ok
             if SPLITS:
                 take = take & (offs_i * 0 + pid_s == 0)
-            r64 = rows.to(tl.int64)
-            p_lse = tl.load(prior_lse_ptr + b * stride_plb + h * stride_plh + r64 * stride_pll, mask=take,
-                            other=float("-inf"))
+            p_lse = tl.load(prior_lse_ptr + pid_bh.to(tl.int64) * Lq + rows, mask=take, other=float("-inf"))
             m_i = p_lse * 1.4426950408889634
             l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
-            p_ptrs = prior_o_ptr + b * stride_pob + h * stride_poh + r64[:, None] * stride_pol + offs_d[None, :] * stride_pod
-            acc = tl.load(p_ptrs, mask=(l_i > 0)[:, None], other=0.0).to(tl.float32)
+            p_offs = b * stride_pb + h * stride_ph + rows.to(tl.int64)[:, None] * stride_pl + offs_d[None, :]
+            acc = tl.load(prior_o_ptr + p_offs, mask=(l_i > 0)[:, None], other=0.0).to(tl.float32)
         for r in range(r_first, r_last):
-            start = tl.maximum(tl.load(r_base + r * stride_rr), 0)
-            end = tl.minimum(tl.load(r_base + r * stride_rr + stride_rp), Lk)
+            start = tl.maximum(tl.load(r_base + r * 2), 0)
+            end = tl.minimum(tl.load(r_base + r * 2 + 1), Lk)
             n_keys = tl.maximum(end - start, 0)  # a reversed range reads nothing
             if SPLITS:
                 skip = tl.minimum(tl.maximum(cut_lo - seen, 0), n_keys)
@@ -483,25 +451,24 @@ if HAS_TRITON:
             if biased:
                 acc, l_i, m_i = _attend_range(
                     acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                    v_step, qk_scale, BLOCK_N, True, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                    v_step, qk_scale, BLOCK_N, True,
                 )
             else:  # the cheaper softmax
                 acc, l_i, m_i = _attend_range(
                     acc, l_i, m_i, qt, k_tile, v_tile, b_tile, k_offs, v_offs, offs_n, n_keys, k_step,
-                    v_step, qk_scale, BLOCK_N, False, SCALE_NEG, UPCAST, INPUT_PRECISION,
+                    v_step, qk_scale, BLOCK_N, False,
                 )
 
         # l_i == 0 only where no key had a finite logit; acc is 0 there, so the row is 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_base = o_ptr + b * stride_ob + h * stride_oh
-        o_ptrs = o_base + rows.to(tl.int64)[:, None] * stride_ol + offs_d[None, :] * stride_od
         if is_split:  # partials by the block's rows, which the combine joins into the output
             row_off = (share * BLOCK_M).to(tl.int64) + offs_i
             lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            lse_ptr = part_ptr + (tl.num_programs(0) - n_whole).to(tl.int64) * (BLOCK_M * D)
             tl.store(lse_ptr + row_off, lse, mask=row_ok)
             tl.store(part_ptr + row_off[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
         else:
-            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptr + qo_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["H", "Lq", "block_q", "n_qblocks", "n_whole", "n_split"])
     def _combine_splits_kernel(
@@ -587,7 +554,7 @@ def block_sparse_attention(
     launch = launch_config(D, block_q, q.element_size(), block_n, num_warps, num_stages, num_splits, wave)
     bn = launch["block_n"]
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # q's layout where q is dense
     if out.numel() == 0:
         return out
     if Lk == 0 or R == 0:
@@ -595,10 +562,22 @@ def block_sparse_attention(
             return out.zero_()
         return out.copy_(torch.where(torch.isneginf(prior[1])[..., None], 0.0, prior[0]))
 
-    # Off-GPU, tiles are upcast to fp32 (exact for bf16/fp16 products): Triton 3.x's interpreter
+    # Off-GPU, the operands are taken in fp32 (exact for bf16/fp16): Triton 3.x's interpreter
     # multiplies bf16 dot operands as raw bits.
-    upcast = q.dtype != torch.float32 and not q.is_cuda
-    precision = "ieee" if (upcast or q.dtype == torch.float32) else None
+    if not q.is_cuda and q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    if scale < 0:  # scale * q.k = |scale| * (-q).k: the kernel's fused max needs a positive scale
+        q, scale = -q, -scale
+    # The kernel's layout: unit strides along D, q and o alike, in-tile offsets that fit int32;
+    # anything else is copied.
+    if q.stride(-1) != 1 or q.stride() != out.stride():
+        q = q.contiguous()
+        out = torch.empty_like(q, dtype=out.dtype)
+    if k.stride(-1) != 1 or not tile_offsets_fit(k, bn):
+        k = k.contiguous()
+    if v.stride(-1) != 1 or not tile_offsets_fit(v, bn):
+        v = v.contiguous()
+    ranges, range_counts = ranges.contiguous(), range_counts.contiguous()
     # The bias in base 2, once per call and contiguous: one vector read per key tile, and the score
     # is one FMA (s * qk_scale + bias). Zeroed outside bias_window, so a range straddling its edge
     # reads the twin's values.
@@ -607,18 +586,17 @@ def block_sparse_attention(
         bias = (key_bias * _LOG2E).contiguous()
         bias[..., :lo] = 0.0
         bias[..., hi:] = 0.0
-    prior_o, prior_lse = prior if prior is not None else (q, q)  # dummy pointers, never read
-    prior_strides = (*prior_o.stride(), *prior_lse.stride()) if prior is not None else (0,) * 7
-    # The kernel's in-tile offsets are int32: a view whose tile spans more is copied.
-    if not tile_offsets_fit(k, bn):
-        k = k.contiguous()
-    if not tile_offsets_fit(v, bn):
-        v = v.contiguous()
+    prior_o = prior_lse = q  # dummy pointers, never read
+    if prior is not None:
+        prior_o, prior_lse = prior[0], prior[1].contiguous()
+        if prior_o.stride(-1) != 1:
+            prior_o = prior_o.contiguous()
+    prior_strides = prior_o.stride()[:3] if prior is not None else (0, 0, 0)
     bm = block_m(block_q)
     n_items = nqb * B * H
-    # Without a split, fp32 stand-ins typed as the split's buffers (never read), so that the wave's
+    # Without a split, an fp32 stand-in typed as the split's buffer (never read), so that the wave's
     # warm-up compiles the very kernel a split launch runs.
-    part = lse = q.new_empty(0, dtype=torch.float32)
+    part = q.new_empty(0, dtype=torch.float32)
     r_block = max(2, 1 << (R - 1).bit_length())  # a split program's ranges as one vector: compiles as R doubles
 
     def run(n_whole: int, n_split: int, warmup: bool = False):
@@ -626,13 +604,11 @@ def block_sparse_attention(
         kernel = _block_sparse_attention_kernel.warmup if warmup else _block_sparse_attention_kernel[
             (n_whole + (n_items - n_whole) * n_split,)]
         return kernel(
-            q, k, v, out, ranges, range_counts, bias, part, lse, prior_o, prior_lse, scale * _LOG2E,
-            H, Lq, Lk, R, block_q, lo, hi, nqb, n_whole, n_split,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ranges.stride(), *range_counts.stride(),
-            *prior_strides,
+            q, k, v, out, ranges, range_counts, bias, part, prior_o, prior_lse, scale * _LOG2E,
+            H, Lq, Lk, R, block_q, lo, hi, n_whole, n_split,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *prior_strides,
             D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=key_bias is not None, HAS_PRIOR=prior is not None,
-            SCALE_NEG=scale < 0, UPCAST=upcast, INPUT_PRECISION=precision, SPLITS=splits,
-            R_BLOCK=r_block if splits else 1,
+            SPLITS=splits, R_BLOCK=r_block if splits else 1,
             num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             **({"grid": (1,)} if warmup else {}),
         )
@@ -643,12 +619,11 @@ def block_sparse_attention(
                                    lambda: device_wave(variant, lambda: run(0, 2, warmup=True)))
     if n_whole < n_items:
         shares = (n_items - n_whole) * n_split
-        part = torch.empty(shares, bm, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(shares, bm, dtype=torch.float32, device=q.device)
+        part = torch.empty(shares * bm * (D + 1), dtype=torch.float32, device=q.device)
     run(n_whole, n_split)
     if n_whole < n_items:
         _combine_splits_kernel[(n_items - n_whole,)](
-            part, lse, out, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(),
+            part, part[shares * bm * D:], out, H, Lq, block_q, nqb, n_whole, n_split, *out.stride(),
             D=D, BLOCK_M=bm, num_warps=4,
         )
     return out

@@ -789,7 +789,7 @@ def test_default_launch_fits_shared_memory_and_int32_offsets_guard():
 # every configuration the benchmark sweeps, on CPU. It runs in a subprocess: the
 # interpreter flag conftest.py sets without a GPU changes how triton imports, and the
 # compiler must see the plain JIT path. Pointers and the strides of a [B, L, H, D] cache
-# are marked 16-divisible and unit strides constant, as Triton's launcher specialises
+# are marked 16-divisible, as Triton's launcher specialises
 # them on a real call.
 _AOT_SCRIPT = r"""
 import json, sys
@@ -805,17 +805,13 @@ for elem, D, block_q, bias, launch in json.loads(sys.argv[1]):
     if launch is None:
         launch = lc.default_launch(D, block_q, 4 if elem == "fp32" else 2)
     ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, o_ptr=elem, ranges_ptr="i32", counts_ptr="i32",
-                bias_ptr="fp32", part_ptr="fp32", lse_ptr="fp32", prior_o_ptr=elem,
-                prior_lse_ptr="fp32")
+                bias_ptr="fp32", part_ptr="fp32", prior_o_ptr=elem, prior_lse_ptr="fp32")
     split = launch.pop("split", 1)
     prior = launch.pop("prior", False)
     const = dict(D=D, BLOCK_M=lc.block_m(block_q), BLOCK_N=launch["block_n"], HAS_BIAS=bias,
-                 HAS_PRIOR=prior, SCALE_NEG=False, UPCAST=False, INPUT_PRECISION=None,
-                 SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
-    const.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_rp",
-                                 "stride_cq")})
+                 HAS_PRIOR=prior, SPLITS=split > 1, R_BLOCK=128 if split > 1 else 1)
     aligned = {"stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
-               "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_ol"}
+               "stride_vb", "stride_vh", "stride_vl", "stride_pb", "stride_ph", "stride_pl"}
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in ptrs:
