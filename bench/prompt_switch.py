@@ -36,10 +36,10 @@ SETTINGS = {
 class TimedRollout(fastar.Rollout):
     """A rollout that times each re-cache on the device."""
 
-    def switch_prompt(self, context, done):
+    def switch_prompt(self, *args):
         torch.cuda.synchronize()
         tic = time.perf_counter()
-        super().switch_prompt(context, done)
+        super().switch_prompt(*args)
         torch.cuda.synchronize()
         self.recache_ms.append(1e3 * (time.perf_counter() - tic))
 

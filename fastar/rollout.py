@@ -366,13 +366,15 @@ class Rollout:
         sink = min(max(0, -(-(self.cache.config.sink_frames - first) // c)), chunks)
         return range(sink), range(max(sink, (frames_done - recent - first) // c), chunks)
 
-    def switch_prompt(self, context: torch.Tensor, done: torch.Tensor) -> None:
-        """From the next chunk on, condition on ``context``; first re-encode the history (``done``:
-        the clean latents of every chunk so far, [B, C, F, h, w]) with it through a fresh cache of
-        the same policy, only as far back as that cache reaches (``recache_chunks``): the state a
-        cache given just those frames holds. A window then holds what it would have held; TempCache's
-        merged groups count only those frames' tokens, not the older ones merged into them before.
-        On CUDA the clean passes replay from one graph once the cache's key repeats, as chunks do."""
+    def switch_prompt(self, context: torch.Tensor, frames_done: int,
+                      frames: Callable[[int, int], torch.Tensor]) -> None:
+        """From the next chunk on, condition on ``context``; first re-encode the history with it through
+        a fresh cache of the same policy, only as far back as that cache reaches (``recache_chunks``
+        after ``frames_done`` frames; ``frames(a, b)``: the clean latents of frames [a, b), [B, C, b - a,
+        h, w]): the state a cache given just those frames holds. A window then holds what it would have
+        held; TempCache's merged groups count only those frames' tokens, not the older ones merged into
+        them before. On CUDA the clean passes replay from one graph once the cache's key repeats, as
+        chunks do."""
         self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
         self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
@@ -380,13 +382,13 @@ class Rollout:
         self.attention = self._attention()
         passes = CleanPasses(self)
         if self.first_frame:
-            passes.run(done[:, :, :self.first_frame])
-        for part in self.recache_chunks(done.shape[2]):
+            passes.run(frames(0, self.first_frame))
+        for part in self.recache_chunks(frames_done):
             if part:
                 a, b = self.chunk_start(part.start), self.chunk_start(part.stop)
                 if a > self.cache.frames_cached:
                     self.cache.skip_to(a)
-                passes.run(done[:, :, a:b], a)
+                passes.run(frames(a, b), a)
 
     def _sparse_share(self) -> float | None:
         annsa = self.attention.annsa
@@ -395,18 +397,22 @@ class Rollout:
         layers = [i for i in range(len(annsa.pays)) if i not in self.ann.dense_layers]
         return sum(annsa.pays[i] for i in layers) / max(len(layers), 1)
 
-    def run(self, on_chunk: Callable[[ChunkReport], None] | None = None) -> torch.Tensor:
+    def run(self, on_chunk: Callable[[ChunkReport], None] | None = None, keep: bool = True) -> torch.Tensor:
+        """Every chunk, then [B, C, frames, h, w]: the video's clean latents. ``keep=False`` (the frames
+        go to ``on_chunk`` as they come): only the last chunk's are returned, and the rollout holds just
+        the frames a later prompt switch re-encodes (``History``), so its memory does not grow with the
+        video (but for the unbounded cache's)."""
         b, ch, _, h, w = self.chunk_shape
-        out = torch.empty(b, ch, self.frames, h, w, device=self.device)
+        history = History(self, keep)
         if self.start is not None:
-            out[:, :, :self.first_frame] = self.start
-            CleanPasses(self).run(out[:, :, :self.first_frame])
+            history.add(0, self.start)
+            CleanPasses(self).run(self.start)
         for c in range(self.num_chunks):
             tic = time.perf_counter()
             start = self.chunk_start(c)
             if c in self.switches:
                 self.prompt += 1
-                self.switch_prompt(self.switches[c], out[:, :, :start])
+                self.switch_prompt(self.switches[c], start, history.frames)
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
             self.cache.commit()
@@ -414,14 +420,55 @@ class Rollout:
             densities = None
             if self.attention.annsa is not None:
                 densities = self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)
-            out[:, :, start:start + self.chunk_frames] = x0
+            history.add(start, x0)
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
                                      time.perf_counter() - tic, self.cache.stats(), x0, densities,
                                      self.prompt, sparse))
-        return out
+        return history.out if keep else x0
+
+
+class History:
+    """The clean latents a rollout has made, as far as it keeps them: every frame (``keep``, in one
+    [B, C, frames, h, w] tensor, ``out``), else only those a later prompt switch re-encodes: the start
+    frames, the sink's chunks and the most recent chunks the cache reaches (``Rollout.recache_chunks``),
+    none once no switch is left."""
+
+    def __init__(self, rollout: Rollout, keep: bool):
+        self.rollout, self.keep = rollout, keep
+        b, ch, _, h, w = rollout.chunk_shape
+        self.out = torch.empty(b, ch, rollout.frames, h, w, device=rollout.device) if keep else None
+        self.held: dict[int, torch.Tensor] = {}  # first frame -> latents, without ``keep``
+
+    def add(self, start: int, x0: torch.Tensor) -> None:
+        stop = start + x0.shape[2]
+        if self.keep:
+            self.out[:, :, start:stop] = x0
+            return
+        self.held[start] = x0
+        r = self.rollout
+        later = [c for c in r.switches if r.chunk_start(c) >= stop]
+        if not later:
+            self.held.clear()
+            return
+        sink, recent = r.recache_chunks(stop)  # a later switch reaches no further back than one now
+        needed = {r.chunk_start(i) for i in (*sink, *range(recent.start, r.num_chunks))}
+        for first in [f for f in self.held if f >= r.first_frame and f not in needed]:
+            del self.held[first]
+
+    def frames(self, a: int, b: int) -> torch.Tensor:
+        """Frames [a, b), which must be held."""
+        if self.keep:
+            return self.out[:, :, a:b]
+        parts, frame = [], a
+        while frame < b:
+            if frame not in self.held:
+                raise FastARError(f"frame {frame} is not held (the history keeps what a prompt switch re-encodes)")
+            parts.append(self.held[frame])
+            frame += parts[-1].shape[2]
+        return torch.cat(parts, 2)[:, :, :b - a]
 
 
 def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:

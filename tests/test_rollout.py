@@ -5,7 +5,7 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, rollout)
-from comfyui_fastar.fastar.rollout import CleanPasses, pad_context
+from comfyui_fastar.fastar.rollout import CleanPasses, History, pad_context
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame
@@ -404,9 +404,42 @@ def test_a_prompt_switch_keeps_the_frames_before_it_and_re_encodes_the_history(m
     # the history at the switch: what a rollout conditioned on the new prompt throughout would cache
     # from the same frames, so chunk 3 equals a fresh rollout's given that cache
     fresh = Rollout(model, other, **kw)
-    fresh.switch_prompt(other, out[:, :, :3])
+    fresh.switch_prompt(other, 3, lambda a, b: out[:, :, a:b])
     fresh.cache.begin_chunk(3, 1)
     assert torch.equal(fresh.sample_chunk(3), out[:, :, 3:4])
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["unbounded", "window", "tempcache"])
+def test_a_rollout_that_keeps_no_video_makes_the_same_chunks_and_holds_only_what_a_switch_re_encodes(model, cache,
+                                                                                                     monkeypatch):
+    """``run(keep=False)``: the chunks (switches included) are those of a rollout that keeps every frame,
+    the last one is returned, and the frames held stay as many however long the video: the sink's chunks and
+    the cache's recent reach while a switch is ahead, none after the last; every frame for the unbounded
+    cache until its last switch."""
+    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    held = []
+    real_add = History.add
+
+    def add(history, start, x0):
+        real_add(history, start, x0)
+        held.append(sum(t.shape[2] for t in history.held.values()))
+
+    for frames in (12, 24):
+        kw = dict(frames=frames, height=H, width=W, chunk_frames=1, cache=cache, seed=3,
+                  prompts=[(4, other), (frames - 2, ctx)])
+        kept, streamed = [], []
+        out = Rollout(model, ctx, **kw).run(lambda r: kept.append(r.latent))
+        held.clear()
+        with monkeypatch.context() as m:
+            m.setattr(History, "add", add)
+            last = Rollout(model, ctx, **kw).run(lambda r: streamed.append(r.latent), keep=False)
+        assert torch.equal(torch.cat(streamed, 2), out) and torch.equal(torch.cat(kept, 2), out)
+        assert torch.equal(last, out[:, :, -1:])
+        assert held[-1] == 0  # no switch ahead
+        if cache.history_frames is None:
+            assert held[frames - 3] == frames - 2  # every frame, up to the last switch
+        else:  # the sink's frame and the recent reach (whole chunks of 1): the same at both lengths
+            assert max(held) <= cache.sink_frames + cache.history_frames + 1, held
 
 
 @pytest.mark.parametrize("cache, encoded", [
