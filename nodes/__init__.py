@@ -2,12 +2,13 @@
 
 The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
 it takes), ``sampler_nodes`` (the two samplers), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
-(the streaming save), over what they share (``schema``). Beneath them, by job: ``settings`` (the frozen
-settings the Patch Model puts on the model), ``wan`` (what the MODEL is), ``patching`` (the attention
-patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward runs a rollout),
-``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts), ``progress``
-(progress bar, previews, the cache widget's events) and ``video`` (the streaming decode). None is
-imported here, so ``import comfyui_fastar.nodes`` works without ComfyUI.
+(the streaming save and the video stream), over what they share (``schema``). Beneath them, by job:
+``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
+``patching`` (the attention patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward
+runs a rollout), ``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts),
+``progress`` (progress bar, previews, the cache widget's events), ``video`` (the streaming decode) and
+``stream`` (frames on disk while sampling). None is imported here, so ``import comfyui_fastar.nodes``
+works without ComfyUI.
 """
 
 
@@ -16,7 +17,7 @@ def node_list() -> list:
     from .prompt_nodes import PromptSchedule
     from .sampler_nodes import ARVideo, AutoregressiveLongSampler
     from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
-    from .video_nodes import SaveVideo
+    from .video_nodes import SaveVideo, VideoStream
 
     return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,
-            PromptSchedule, SaveVideo]
+            PromptSchedule, SaveVideo, VideoStream]

@@ -22,7 +22,8 @@ def comfy_module(name: str):
 
 
 class ChunkProgress:
-    """ComfyUI progress bar per chunk, with a preview of the chunk's last frame."""
+    """ComfyUI progress bar per chunk, with a preview of the chunk's last frame: the latent previewer's,
+    or the frame itself where the video is decoded as it comes (``stream``)."""
 
     def __init__(self, model, num_chunks: int, preview: bool):
         self.pbar = comfy.utils.ProgressBar(num_chunks)
@@ -35,9 +36,18 @@ class ChunkProgress:
             except Exception:
                 self.previewer = None
 
-    def __call__(self, report):
+    def __call__(self, report, frame=None):
         image = None
-        if self.previewer is not None:
+        if frame is not None:  # [H, W, 3] in [0, 1]
+            try:
+                from PIL import Image
+
+                lp = comfy_module("latent_preview")
+                pixels = (frame * 255).clamp(0, 255).byte().cpu().numpy()
+                image = ("JPEG", Image.fromarray(pixels), getattr(lp, "MAX_PREVIEW_RESOLUTION", 512))
+            except Exception:
+                image = None
+        elif self.previewer is not None:
             try:
                 image = self.previewer.decode_latent_to_preview_image("JPEG", report.latent[:, :, -1:])
             except Exception:
@@ -74,6 +84,7 @@ class CacheEvents:
         self.last = None
         self.engine_name, self.engine_reason = None, None
         self.prompts = 1
+        self.files, self.frames_saved = None, None  # a video stream's (None: none)
 
     def _send(self, data: dict) -> None:
         send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name, "engine_reason": self.engine_reason,
@@ -111,8 +122,13 @@ class CacheEvents:
             "annsa_density": r.annsa_density,  # None without AnnSA
             "annsa_sparse": r.annsa_sparse,    # share of AnnSA's layers that ran sparse; None without AnnSA
             "prompt": r.prompt + 1, "prompts": self.prompts,
+            "video_files": self.files, "video_frames_saved": self.frames_saved,
         }
         self._send(self.last)
+
+    def saved(self, files: list[str], frames: int) -> None:
+        """The video stream's files and the frames written to each so far (shown with the next event)."""
+        self.files, self.frames_saved = files, frames
 
     def finish(self, status: str) -> None:
         self._send({**(self.last or self._frames(0, self.total)), "status": status})

@@ -2,14 +2,15 @@
 (the rollout as a SAMPLER for core's autoregressive video graph)."""
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, FlowMatchSchedule
 from ..fastar.frames import is_video_length, latent_frames, nearest_video_lengths
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
-from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema
+from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema, stream_input
+from .stream import ChunkStream
 
 FRAMES_PER_CHUNK = ("3", "1")
 
@@ -48,7 +49,8 @@ class AutoregressiveLongSampler(io.ComfyNode):
             display_name="Autoregressive Long Sampler",
             description="Generates a video latent chunk by chunk with a causal Wan 2.1 model (Self-Forcing "
                         "sampler: a few flow-matching steps per chunk, then a clean pass that writes the chunk "
-                        "into the KV cache). Decode the LATENT with the stock VAE Decode.",
+                        "into the KV cache). Decode the LATENT with the stock VAE Decode, or connect a FAST-AR "
+                        "Video Stream to have the video on disk while it is made.",
             inputs=[
                 io.Model.Input("model", tooltip="A causal Wan 2.1 T2V model, through FAST-AR Patch Model for its "
                                                 "cache and sparse attention (without: TempCache at its defaults, "
@@ -84,9 +86,11 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                        "encoded by the vae input and cached before the first chunk, as core's "
                                        "AR Video I2V does. Needs vae."),
                 io.Vae.Input("vae", optional=True, tooltip="The Wan VAE that encodes start_image."),
+                stream_input(),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
+            is_output_node=True,  # with a stream its file is the output, with nothing after the LATENT
         )
 
     @classmethod
@@ -110,7 +114,8 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                context_noise, cfg, negative=None, prompts=None, start_image=None, vae=None) -> io.NodeOutput:
+                context_noise, cfg, negative=None, prompts=None, start_image=None, vae=None,
+                stream=None) -> io.NodeOutput:
         if not is_patched(model):  # FAST-AR's defaults; a model that is no Wan fails here, in Patch Model's words
             model = patch_model(model)
         with in_words("Autoregressive Long Sampler"):
@@ -124,13 +129,27 @@ class AutoregressiveLongSampler(io.ComfyNode):
                 raise FastARError(f"length {length} holds only the start image; make it at least 5 video frames")
         events = CacheEvents(node_id(cls))
         events.start(settings.generated_frames, settings.chunks, len(prompts) if prompts else 1, length=int(length))
+        on_chunk, chunks = events, None
         try:
-            latent = sample(model, positive, negative, settings, on_chunk=events, on_engine=events.engine)
+            if stream is not None:
+                chunks = ChunkStream(stream, settings.width, settings.height, settings.batch_size,
+                                     "Autoregressive Long Sampler")
+
+                def on_chunk(r):
+                    events.saved(chunks.filenames, chunks.frames_written)
+                    events(r)
+            latent = sample(model, positive, negative, settings, on_chunk=on_chunk, on_engine=events.engine,
+                            stream=chunks)
         except BaseException:
             events.finish("stopped")
             raise
+        finally:
+            saved = [] if chunks is None else chunks.close()  # after a cancel too: the frames so far play
         events.finish("done")
-        return io.NodeOutput(latent)
+        if not saved:
+            return io.NodeOutput(latent)
+        return io.NodeOutput(latent, ui=ui.PreviewVideo([ui.SavedResult(f, sub, io.FolderType.output)
+                                                         for f, sub in saved]))
 
 
 class ARVideo(io.ComfyNode):
@@ -150,6 +169,7 @@ class ARVideo(io.ComfyNode):
                                      "framewise), 3 = chunkwise (Self-Forcing, CausVid); the checkpoint's own. "
                                      "Other sizes are refused."),
                 prompts_input("SamplerCustom's positive"),
+                stream_input(),
             ],
             outputs=[io.Sampler.Output()],
             hidden=[io.Hidden.unique_id],
@@ -173,7 +193,7 @@ class ARVideo(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, num_frame_per_block, prompts=None) -> io.NodeOutput:
+    def execute(cls, num_frame_per_block, prompts=None, stream=None) -> io.NodeOutput:
         return io.NodeOutput(ARVideoSampler(int(num_frame_per_block), events=CacheEvents(node_id(cls)),
-                                            prompts=prompts))
+                                            prompts=prompts, stream=stream))
 

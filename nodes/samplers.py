@@ -22,6 +22,7 @@ from .patching import is_patched, patch_model, transformer_options
 from .progress import ChunkProgress
 from .prompts import conditioning_context, prompt_contexts, text_context
 from .settings import settings_of
+from .stream import ChunkStream, StreamSettings
 from .wan import check_sampling, warn_if_not_causal
 
 
@@ -69,17 +70,19 @@ def encode_start_image(vae, image: torch.Tensor, width: int, height: int) -> tor
 
 def sample(model, positive, negative, settings: SampleSettings, on_chunk: Callable | None = None,
            preview: bool = True, on_engine: Callable[[Engine], None] | None = None,
-           node: str = "Autoregressive Long Sampler") -> dict:
+           node: str = "Autoregressive Long Sampler", stream: ChunkStream | None = None) -> dict:
     """Run a FAST-AR rollout on a ComfyUI MODEL with the cache and sparse attention FAST-AR Patch Model put
     on it (patched here with the defaults where it was not); returns a LATENT dict (samples in the VAE's space).
+    ``stream`` gets the video's latents (the VAE's space) as they come, the start image's first; with
+    ``keep_latent`` off the LATENT is then the last chunk's frames only.
 
     Runs under ``torch.inference_mode()`` however it is called (ComfyUI's executor does the same):
     a rollout never needs autograd, and with it on every chunk's activations would be kept."""
     with torch.inference_mode():
-        return _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node)
+        return _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node, stream)
 
 
-def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node) -> dict:
+def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, node, stream) -> dict:
     if not is_patched(model):
         model = patch_model(model)
     schedule = FlowMatchSchedule.parse(settings.timesteps, shift=settings.shift)
@@ -118,16 +121,24 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
                                  seed=settings.seed, context_noise=settings.context_noise, cfg=settings.cfg,
                                  start=start)
         progress = ChunkProgress(model, rollout.num_chunks, preview)
+        if stream is not None and settings.start is not None:
+            stream(settings.start)
 
         def report(r):
-            progress(r)
+            if stream is not None:  # the chunk's frames, cut to the video's length
+                first = r.frames_done - r.latent.shape[2]
+                if settings.frames > first:
+                    stream(real_model.process_latent_out(r.latent[:, :, :settings.frames - first].float()))
+            progress(r, None if stream is None else stream.latest)
             if on_chunk is not None:
                 on_chunk(r)
             # Cancel from the UI: stop here, between chunks; the finally below frees the cache.
             comfy.model_management.throw_exception_if_processing_interrupted()
 
-        samples = rollout.run(report)[:, :, :settings.frames]
-        samples = real_model.process_latent_out(samples.to(torch.float32))
+        keep = stream is None or stream.keep_latent
+        samples = rollout.run(report, keep=keep)
+        cut = settings.frames - (0 if keep else whole - samples.shape[2])  # the last chunk's frames in the video
+        samples = real_model.process_latent_out(samples[:, :, :cut].to(torch.float32))
         return {"samples": samples.to(comfy.model_management.intermediate_device())}
     finally:
         del rollout
@@ -160,12 +171,15 @@ class ARVideoSampler(comfy.samplers.Sampler):
 
     node = "FAST-AR AR Video"
 
-    def __init__(self, chunk_frames: int, events=None, prompts: list | None = None):
+    def __init__(self, chunk_frames: int, events=None, prompts: list | None = None,
+                 stream: StreamSettings | None = None):
         """``events``: gets ``start(frames, chunks, prompts)``, ``engine(Engine)``, a ``ChunkReport`` per
         chunk (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``).
         ``prompts``: a FAST-AR Prompt Schedule, which then conditions the video instead of the graph's
-        positive."""
+        positive. ``stream``: a FAST-AR Video Stream, which gets every chunk decoded as it comes (the
+        whole latent is still returned: the graph decodes it)."""
         self.chunk_frames, self.events, self.prompts = int(chunk_frames), events, prompts
+        self.stream = stream
 
     def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
                disable_pbar=False):
@@ -238,10 +252,19 @@ class ARVideoSampler(comfy.samplers.Sampler):
                                  noise=_graph_noise(x.to(device), seed, self.chunk_frames, first))
         done = torch.zeros_like(x)
         total = len(sigmas) - 1
+        stream = None
+        if self.stream is not None:
+            stream = ChunkStream(self.stream, w * 8, h * 8, batch, node)
+            if initial is not None:
+                stream(initial)
 
         def report(r):
             start = r.frames_done - r.latent.shape[2]
             done[:, :, start:r.frames_done] = r.latent.to(done)
+            if stream is not None:
+                stream(base.process_latent_out(r.latent.float()))
+                if self.events is not None:
+                    self.events.saved(stream.filenames, stream.frames_written)
             if callback is not None:
                 callback(max((r.chunk + 1) * total // r.num_chunks - 1, 0), done, done, total)
             if self.events is not None:
@@ -252,4 +275,6 @@ class ARVideoSampler(comfy.samplers.Sampler):
             out = rollout.run(report)
         finally:
             del rollout
+            if stream is not None:
+                stream.close()
         return base.model_sampling.inverse_noise_scaling(sigmas[-1], out.to(x))

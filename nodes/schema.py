@@ -12,6 +12,7 @@ CATEGORY = "FAST-AR"
 CacheType = io.Custom("FASTAR_CACHE")
 AnnType = io.Custom("FASTAR_ANN")
 PromptsType = io.Custom("FASTAR_PROMPTS")
+StreamType = io.Custom("FASTAR_VIDEO_STREAM")
 MAX_LENGTH = 100001  # video frames
 
 
@@ -35,6 +36,13 @@ def in_words(node: str, library: str | None = None):
         message = str(exc)
         message = f"{node}: {message}" if library is None else message.replace(library, f"{node}: ", 1)
         raise FastARError(message) from None
+
+
+def stream_input():
+    return StreamType.Input("stream", optional=True,
+                            tooltip="A FAST-AR Video Stream: each chunk is decoded and appended to a video file as "
+                                    "it is made, so the video can be watched, and kept after a cancel, while "
+                                    "the run goes on.")
 
 
 def check_widget(node, name: str, value) -> None:

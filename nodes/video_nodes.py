@@ -1,4 +1,5 @@
-"""FAST-AR Save Video: a video LATENT decoded and written frame by frame (``video``)."""
+"""FAST-AR Save Video: a video LATENT decoded and written frame by frame (``video``); FAST-AR Video Stream:
+the same while the samplers run (``stream``)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ from comfy_api.latest import io, ui
 from ..fastar import FastARError
 from . import video
 from .progress import comfy_module
-from .schema import schema
+from .schema import StreamType, schema
+from .stream import StreamSettings
 
 
 class SaveVideo(io.ComfyNode):
@@ -57,3 +59,36 @@ class SaveVideo(io.ComfyNode):
         video.write_video(os.path.join(folder, filename), video.decoded_frames(vae, latent, tick), fps, format)
         return io.NodeOutput(ui=ui.PreviewVideo([ui.SavedResult(filename, subfolder, io.FolderType.output)]))
 
+
+
+class VideoStream(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        d = StreamSettings(vae=None)
+        return schema(
+            node_id="FastARVideoStream",
+            display_name="FAST-AR Video Stream",
+            description="Frames on disk while sampling: connect to a sampler's stream input (Autoregressive Long "
+                        "Sampler, FAST-AR AR Video). Each finished chunk is decoded with the Wan 2.1 VAE and "
+                        "appended to a video file in ComfyUI's output folder (one per video of the batch), which "
+                        "plays what was made so far while the run goes on; a cancel closes it with those frames. "
+                        "The frames are VAE Decode's.",
+            inputs=[
+                io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors)."),
+                io.Float.Input("fps", default=d.fps, min=1.0, max=120.0, step=1.0,
+                               tooltip="Frames per second (Wan 2.1 generates at 16)."),
+                io.String.Input("filename_prefix", default=d.filename_prefix,
+                                tooltip="As Save Video's: a path under ComfyUI's output folder."),
+                io.Boolean.Input("keep_latent", default=d.keep_latent,
+                                 tooltip="Off: the Long Sampler's LATENT holds only the last chunk, and the run's "
+                                         "memory stays flat however long the video (the frames are in the file). "
+                                         "FAST-AR AR Video always returns the whole latent, as its graph needs."),
+            ],
+            outputs=[StreamType.Output()],
+        )
+
+    @classmethod
+    def execute(cls, vae, fps, filename_prefix, keep_latent) -> io.NodeOutput:
+        video._wan_vae(vae, "FAST-AR Video Stream")  # a VAE that is no Wan's fails here, not mid-run
+        return io.NodeOutput(StreamSettings(vae=vae, fps=float(fps), filename_prefix=filename_prefix,
+                                            keep_latent=bool(keep_latent)))

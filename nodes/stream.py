@@ -1,0 +1,58 @@
+"""Frames on disk while sampling: each finished chunk decoded by the Wan VAE (its causal decoder's cache
+carried from chunk to chunk, ``video.ChunkDecoder``) and appended to a video file per video of the batch
+(``video.VideoWriter``), so a long run can be watched, and kept after a cancel, while it goes on."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import video
+from .progress import comfy_module
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """FAST-AR Video Stream's inputs, which the samplers take."""
+    vae: object
+    fps: float = 16.0
+    filename_prefix: str = "video/FastAR"
+    format: str = "mp4"
+    keep_latent: bool = True  # False: the Long Sampler's LATENT holds the last chunk only, and the run's memory
+    #                           does not grow with the video
+
+
+class ChunkStream:
+    """Decodes a rollout's chunks as they come and appends their frames to the files; ``close`` ends the
+    files (also after a cancel: what was written plays) and returns them as ComfyUI's saved results."""
+
+    def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str):
+        folder_paths = comfy_module("folder_paths")
+        self.node, self.frames_written, self.latest = node, 0, None
+        self.keep_latent = settings.keep_latent
+        folder, name, counter, self.subfolder, _ = folder_paths.get_save_image_path(
+            settings.filename_prefix, folder_paths.get_output_directory(), width, height)
+        self.filenames = [f"{name}_{counter + b:05}_.{settings.format}" for b in range(batch)]
+        self.decode = video.ChunkDecoder(settings.vae, node)
+        self.writers = []
+        try:
+            for filename in self.filenames:
+                self.writers.append(video.VideoWriter(os.path.join(folder, filename), settings.fps, settings.format,
+                                                      node))
+        except BaseException:
+            self.close()
+            raise
+
+    def __call__(self, latents: torch.Tensor) -> None:
+        """Append ``latents`` [B, C, t, h, w] (the VAE's space, the video's next t latent frames)."""
+        for frames in self.decode(latents):
+            for writer, frame in zip(self.writers, frames):
+                writer.write(frame)
+            self.frames_written += 1
+            self.latest = frames[0]
+
+    def close(self) -> list:
+        for writer in self.writers:
+            writer.close()
+        return [(f, self.subfolder) for f, w in zip(self.filenames, self.writers) if w.count]
