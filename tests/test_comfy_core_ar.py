@@ -214,3 +214,41 @@ def test_fastar_sampler_matches_cores_sampler_from_a_start_image(causal, vae, bl
     assert rel(ours, core) <= 1e-4
     other = run(dense, ARVideo.execute(block).result[0], 1 - image)
     assert rel(ours[:, :, 1:], other[:, :, 1:]) > 1e-3  # the image conditions what follows
+
+
+def test_fastar_sampler_streams_its_blocks_to_a_file_from_a_start_image(causal, vae, tmp_path, monkeypatch):
+    """FAST-AR AR Video with a FAST-AR Video Stream in core's I2V graph: the graph's latent is unchanged,
+    the file holds the start image's frame and every block's, and the frames written are VAE Decode's of
+    that latent."""
+    from comfy_extras.nodes.nodes_ar_video import ARVideoI2V
+    from comfy_extras.nodes.nodes_custom_sampler import BasicScheduler, SamplerCustom
+
+    from comfyui_fastar.nodes import video
+    from comfyui_fastar.nodes.sampler_nodes import ARVideo
+    from comfyui_fastar.nodes.video_nodes import VideoStream
+    from comfyui_fastar.testing.comfy_harness import read_video
+
+    try:
+        import folder_paths
+    except ImportError:
+        from comfy.cmd import folder_paths
+    monkeypatch.setattr(folder_paths, "get_output_directory", lambda: str(tmp_path))
+    image = torch.rand(1, H, W, 3, generator=torch.Generator().manual_seed(4))
+
+    def run(stream=None):
+        model, latent = ARVideoI2V.execute(causal, vae, image, W, H, 25, 1).result
+        sigmas = BasicScheduler.execute(model, "simple", 4, 1.0).result[0]
+        return SamplerCustom.execute(model, True, 5, 1.0, _conditioning(1), _conditioning(2),
+                                     ARVideo.execute(3, stream=stream).result[0], sigmas, latent).result[0]["samples"]
+
+    plain = run()
+    written = []
+    real_write = video.VideoWriter.write
+    monkeypatch.setattr(video.VideoWriter, "write", lambda self, frame: (written.append(frame), real_write(self, frame)))
+    streamed = run(VideoStream.execute(vae, 16.0, "video/ar", True).result[0])
+    assert torch.equal(streamed, plain)
+    (path,) = (tmp_path / "video").glob("ar_*.mp4")
+    assert len(read_video(path)[0]) == 25
+    with torch.inference_mode():
+        stock = vae.decode(plain)[0]
+    assert rel(torch.stack(written), stock) <= 1e-5

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.comfyui,
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
-         "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo"}
+         "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
+         "FastARVideoStream"}
 
 TEST_NODE = '''
 import torch
@@ -192,7 +193,9 @@ def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=Fal
     return graph
 
 
-async def _run(url, port, graph, timeout=300):
+async def _run(url, port, graph, timeout=300, on_message=None):
+    """Queue ``graph`` and collect the server's messages until it ends; ``on_message`` sees each as it comes,
+    while the run goes on."""
     import aiohttp
 
     client_id = uuid.uuid4().hex
@@ -210,6 +213,8 @@ async def _run(url, port, graph, timeout=300):
                     continue
                 m = json.loads(msg.data)
                 events.append(m)
+                if on_message is not None:
+                    on_message(m)
                 data = m.get("data", {})
                 if m["type"] in ("execution_error", "execution_interrupted") and data.get("prompt_id") == prompt_id:
                     break
@@ -287,6 +292,65 @@ def test_prompt_runs_and_streams_cache_events(server):
     # The same graph again (new output name) gives the same latent: runs don't depend on each other.
     prompt_id, _ = asyncio.run(_run(server["url"], server["port"], _graph(length=9, chunk="1")))
     assert torch.equal(_latent_of(server, prompt_id), latent)
+
+
+def _stream_graph(prefix, length):
+    """The Long Sampler with a FAST-AR Video Stream (latent not kept) and nothing after it: its file is the
+    graph's output."""
+    graph = _graph(length=length, chunk="1", tempcache=True)
+    del graph["5"]
+    graph["8"] = {"class_type": "VAELoader", "inputs": {"vae_name": "fastar_tiny_vae.safetensors"}}
+    graph["9"] = {"class_type": "FastARVideoStream", "inputs": {
+        "vae": ["8", 0], "fps": 16.0, "filename_prefix": f"video/{prefix}", "keep_latent": False}}
+    graph["4"]["inputs"]["stream"] = ["9", 0]
+    return graph
+
+
+def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps_it(server):
+    """The file read back while the server samples: at each chunk's event it decodes to at least the frames
+    written but the newest, each the finished file's own, and it is read at least once before the end; the
+    finished file is the whole video. Cancelled after three chunks, the same graph leaves a playable file
+    of the frames made, the start of the same video."""
+    folder = server["base"] / "output" / "video"
+    prefix, length = f"grow_{uuid.uuid4().hex[:8]}", 81  # 21 chunks of 1 latent frame
+    reads = []
+
+    def read(m, prefix):
+        data = m.get("data", {})
+        if m["type"] == "fastar.cache" and data.get("status") == "running" and data.get("chunk"):
+            (path,) = folder.glob(f"{prefix}_*.mp4")
+            reads.append((data["chunk"], data["video_frames_saved"], comfy_harness.read_video(path)[0]))
+
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _stream_graph(prefix, length),
+                                         on_message=lambda m: read(m, prefix)))
+    assert not [e for e in events if e["type"] == "execution_error"]
+    (saved,) = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]["outputs"]["4"]["images"]
+    final, rate, size = comfy_harness.read_video(folder / saved["filename"])
+    assert (len(final), size, rate) == (length, (32, 32), 16)
+    assert [c for c, _, _ in reads] == list(range(1, 22))
+    assert [s for _, s, _ in reads] == [1 + 4 * (c - 1) for c in range(1, 22)]
+    for _, written, frames in reads:
+        assert written - 1 <= len(frames) <= length
+        assert all((a == b).all() for a, b in zip(frames, final))
+    assert any(len(frames) < length for _, _, frames in reads)  # read while the run went on
+
+    prefix = f"cut_{uuid.uuid4().hex[:8]}"
+    seen = []
+
+    def cancel(m):
+        data = m.get("data", {})
+        if m["type"] == "fastar.cache" and data.get("status") == "running" and data.get("chunk") == 3:
+            seen.append(data["video_frames_saved"])
+            req = urllib.request.Request(server["url"] + "/interrupt", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=10).close()
+
+    _, events = asyncio.run(_run(server["url"], server["port"], _stream_graph(prefix, length), on_message=cancel))
+    assert [e["type"] for e in events if e["type"] == "execution_interrupted"] == ["execution_interrupted"]
+    (path,) = folder.glob(f"{prefix}_*.mp4")
+    frames, rate, _ = comfy_harness.read_video(path)  # closed on the cancel: it plays
+    assert seen == [9] and 9 <= len(frames) < length and rate == 16
+    assert all((a == b).all() for a, b in zip(frames, final))
 
 
 def test_tempcache_prompt_runs(server):

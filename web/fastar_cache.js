@@ -71,7 +71,8 @@ class CacheView {
     this.fields = {};
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
                                 ["frames", "frames"], ["latent", "latent"], ["rate", "speed"], ["annsa", "AnnSA reads"],
-                                ["annsa_sparse", "AnnSA sparse"], ["prompt", "prompt"], ["engine", "engine"]]) {
+                                ["annsa_sparse", "AnnSA sparse"], ["prompt", "prompt"], ["engine", "engine"],
+                                ["saved", "on disk"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -142,6 +143,11 @@ class CacheView {
     const prompt = num(d.prompt), prompts = num(d.prompts);
     this.fields.prompt.textContent = Number.isFinite(prompt) && Number.isFinite(prompts) ? prompt + " of " + prompts : "–";
     this.fields.engine.textContent = d.engine === "fused" || d.engine === "comfy" ? d.engine : "–";
+    // a FAST-AR Video Stream's file: the video frames written so far (null / absent: no stream)
+    const saved = num(d.video_frames_saved);
+    const files = Array.isArray(d.video_files) ? d.video_files : [];
+    this.fields.saved.textContent = Number.isFinite(saved) && files.length
+      ? saved + " frames, " + files[0] + (files.length > 1 ? " +" + (files.length - 1) : "") : "–";
     this.fields.engine.title = typeof d.engine_reason === "string" ? d.engine_reason : "";
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
       if (num(d.chunk) === 1) this.history = [];
