@@ -2,6 +2,8 @@
 (the rollout as a SAMPLER for core's autoregressive video graph)."""
 from __future__ import annotations
 
+import logging
+
 from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, FlowMatchSchedule
@@ -11,6 +13,7 @@ from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
 from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema, stream_input
 from .stream import ChunkStream
+from .wan import recorded_sampling
 
 FRAMES_PER_CHUNK = ("3", "1")
 
@@ -87,6 +90,11 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                        "AR Video I2V does. Needs vae."),
                 io.Vae.Input("vae", optional=True, tooltip="The Wan VAE that encodes start_image."),
                 stream_input(),
+                io.Boolean.Input("checkpoint_sampling", default=True, optional=True,
+                                 tooltip="Where the model's file records how it samples (fastar convert --preset "
+                                         "writes it; ComfyUI 2026 and later name the file a model came from), "
+                                         "take frames_per_chunk, timesteps and shift from it. Off: these widgets, "
+                                         "a block size other than the file's refused."),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id],
@@ -115,9 +123,16 @@ class AutoregressiveLongSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
                 context_noise, cfg, negative=None, prompts=None, start_image=None, vae=None,
-                stream=None) -> io.NodeOutput:
+                stream=None, checkpoint_sampling=True) -> io.NodeOutput:
         if not is_patched(model):  # FAST-AR's defaults; a model that is no Wan fails here, in Patch Model's words
             model = patch_model(model)
+        recorded = recorded_sampling(model) if checkpoint_sampling else None
+        if recorded is not None:
+            name, sampling = recorded
+            frames_per_chunk, shift = str(sampling.frames_per_block), sampling.shift
+            timesteps = ",".join(f"{t:g}" for t in sampling.timesteps)
+            logging.info("Autoregressive Long Sampler: sampling as %s records (%s), not as the widgets say "
+                         "(checkpoint_sampling)", name, sampling.describe())
         with in_words("Autoregressive Long Sampler"):
             if (start_image is None) != (vae is None):
                 raise FastARError(f"start_image needs vae (the Wan VAE that encodes it), and vae is used only with "

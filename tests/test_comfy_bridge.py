@@ -587,8 +587,9 @@ def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, vae):
 
 def test_the_samplers_keep_the_block_size_the_checkpoint_records(comfy, tmp_path, caplog):
     """A file ``fastar convert --preset`` wrote records its sampling: where ComfyUI says which file the
-    MODEL came from (newer trees; 0.3.x keep no trace of it), a sampler with another block size is refused
-    before it runs, and other steps or shift are logged."""
+    MODEL came from (newer trees; 0.3.x keep no trace of it), the Long Sampler takes its block size, steps
+    and shift from it (and says so); with checkpoint_sampling off, another block size is refused before it
+    runs, and other steps or shift are logged."""
     import logging
 
     from safetensors.torch import save_file
@@ -607,15 +608,22 @@ def test_the_samplers_keep_the_block_size_the_checkpoint_records(comfy, tmp_path
     comfy_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
     model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float32})
 
-    def sample(block, timesteps="1000,757,522", shift=1.0):
+    def sample(block, timesteps="1000,757,522", shift=1.0, checkpoint_sampling=False):
         return AutoregressiveLongSampler.execute(model, [[prompt(1), {}]], W, H, 9, 1, 3, timesteps, shift, block,
-                                                 0.0, 1.0).result[0]["samples"]
+                                                 0.0, 1.0, checkpoint_sampling=checkpoint_sampling).result[0]["samples"]
 
     if getattr(model, "ckpt_name", None) is None:  # this ComfyUI keeps no trace of the file
         assert recorded_sampling(model) is None
-        assert sample("1").shape[2] == 3
+        assert torch.equal(sample("1", checkpoint_sampling=True), sample("1"))  # the widgets, either way
         return
     assert recorded_sampling(model) == ("causvid_tiny.safetensors", sampling)
+    with caplog.at_level(logging.INFO):  # the file's sampling, whatever the widgets say
+        taken = sample("1", "1000,750,500,250", 5.0, checkpoint_sampling=True)
+    assert "sampling as causvid_tiny.safetensors records (3 frames per block, timesteps 1000,757,522, shift 1)" \
+           in caplog.text
+    assert torch.equal(taken, sample("3"))
+    assert not torch.equal(taken, sample("3", "1000,750,500,250", 5.0))
+    caplog.clear()
     with pytest.raises(FastARError, match=r"frames_per_chunk is 1, but causvid_tiny.safetensors records 3 latent "
                                           r"frames per block \(3 frames per block, timesteps 1000,757,522, shift 1\)"):
         sample("1")
