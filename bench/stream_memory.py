@@ -1,7 +1,10 @@
 """Peak RAM of writing a rollout's latent to a video file, by length: FAST-AR Save Video (streaming)
 beside ComfyUI's VAE Decode + Create Video + Save Video path, on the CPU, through ComfyUI's own VAE
 class and Wan 2.1's VAE architecture (random weights, a narrow width so 2880 frames decode in
-minutes; the frames' memory is the size's, not the width's).
+minutes; the frames' memory is the size's, not the width's). With ``--paths sampler_stream,sampler_latent``:
+the whole run instead, the Autoregressive Long Sampler on the tiny random Wan model (TempCache 4, sink 1,
+chunks of 3) with a FAST-AR Video Stream writing the file as it samples, its LATENT not kept
+(``sampler_stream``) and kept (``sampler_latent``).
 
 Each (path, length) runs in a fresh process, in torch.inference_mode() as ComfyUI's executor runs
 nodes: the peak of the C heap's live bytes (glibc mallinfo2) while the path runs, minus the bytes
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import header, parser, write_json  # noqa: E402
 
 LENGTHS = (61, 601, 2881)  # video frames (1 + 4k): about 60, 600 and 2880
-PATHS = ("streaming", "stock")
+PATHS = ("streaming", "stock", "sampler_stream", "sampler_latent")
 
 
 def rss_bytes() -> int:
@@ -82,8 +85,12 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
     vae.patcher = comfy.model_patcher.ModelPatcher(small, load_device=vae.device, offload_device=vae.patcher.offload_device)
     latent = torch.randn(1, 16, (length - 1) // 4 + 1, size // 8, size // 8)
     out = str(Path(work) / f"{path}_{length}.mp4")
+    if path.startswith("sampler"):
+        run = sampler_run(path, length, size, vae, work, out)
 
-    def run():
+    def run_path():
+        if path.startswith("sampler"):
+            return run()
         if path == "streaming":
             return video.write_video(out, video.decoded_frames(vae, latent), 16.0, "mp4")
         images = vae.decode(latent)  # VAE Decode
@@ -103,7 +110,7 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
     sampler.start()
     tic = time.perf_counter()
     with torch.inference_mode():  # as ComfyUI's executor runs every node
-        frames = run()
+        frames = run_path()
     seconds = time.perf_counter() - tic
     done.set()
     sampler.join()
@@ -113,6 +120,43 @@ def child(path: str, length: int, size: int, dim: int, work: str) -> dict:
             "file_mb": round(os.path.getsize(out) / 2**20, 2)}
 
 
+def sampler_run(path: str, length: int, size: int, vae, work: str, out: str):
+    """The Long Sampler with a Video Stream on the tiny model, ready to run: returns ``run() -> frames written``."""
+    import glob
+
+    import comfy.sd
+    import torch
+
+    from common.comfyui import harness
+    try:
+        import folder_paths
+    except ImportError:
+        from comfy.cmd import folder_paths
+
+    from comfyui_fastar.fastar import TempCacheConfig
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.settings_nodes import PatchModel
+    from comfyui_fastar.nodes.stream import StreamSettings
+
+    weights = Path(work) / "wan_tiny.safetensors"
+    if not weights.exists():
+        harness.write_wan(harness.tiny_wan(), work, "wan_tiny")
+    model = comfy.sd.load_diffusion_model(str(weights), model_options={"dtype": torch.float32})
+    model = PatchModel.execute(model, TempCacheConfig(max_cache_frames=4, sink_frames=1)).result[0]
+    folder_paths.get_output_directory = lambda: work
+    prefix = f"{path}_{length}"
+    stream = StreamSettings(vae=vae, filename_prefix=prefix, keep_latent=path == "sampler_latent")
+    positive = [[harness.prompt(1), {}]]
+
+    def run():
+        AutoregressiveLongSampler.execute(model, positive, size, size, length, 1, 3, "1000,750,500,250", 5.0, "3",
+                                          0.0, 1.0, stream=stream)
+        (written,) = glob.glob(os.path.join(work, f"{prefix}_*.mp4"))
+        os.replace(written, out)
+        return len(harness.read_video(out)[0])
+    return run
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -120,9 +164,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, label in (("stock", "VAE Decode + Save Video"), ("streaming", "FAST-AR Save Video (streaming)")):
+    for name, label in (("stock", "VAE Decode + Save Video"), ("streaming", "FAST-AR Save Video (streaming)"),
+                        ("sampler_stream", "Long Sampler + Video Stream, LATENT not kept"),
+                        ("sampler_latent", "Long Sampler + Video Stream, LATENT kept")):
         pts = [(r["length"], r["peak_mb"]) for r in result["rows"] if r["path"] == name]
-        ax.plot(*zip(*pts), marker="o", label=label)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("video frames")
     ax.set_ylabel("peak live heap above the loaded model, MB")
@@ -137,6 +184,8 @@ def main() -> None:
     p.add_argument("--size", type=int, default=128, help="frame width and height in pixels (default 128)")
     p.add_argument("--dim", type=int, default=16, help="the VAE's base width (Wan 2.1's is 96; default 16)")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--paths", default="streaming,stock", help=f"of {', '.join(PATHS)} (default streaming,stock)")
+    p.add_argument("--tag", default="stream_memory", help="the result files' name (default stream_memory)")
     p.add_argument("--child", nargs=3, metavar=("PATH", "LENGTH", "WORK"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -145,20 +194,23 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for length in map(int, args.lengths.split(",")):
-            for path in PATHS:
+            for path in args.paths.split(","):
+                if path not in PATHS:
+                    p.error(f"--paths: {path!r} is not one of {', '.join(PATHS)}")
                 cmd = [sys.executable, __file__, "--size", str(args.size), "--dim", str(args.dim),
                        "--child", path, str(length), work]
                 run = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
                 print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
                       f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
-    stream = [r["peak_mb"] for r in rows if r["path"] == "streaming"]
+    first = args.paths.split(",")[0]  # the path whose flatness is the claim
+    stream = [r["peak_mb"] for r in rows if r["path"] == first]
     result = {**header("cpu"), "comfyui": os.environ["COMFYUI_PATH"], "size": f"{args.size}x{args.size}",
               "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
-              "rows": rows, "streaming_peak_spread": round(max(stream) / min(stream) - 1, 3)}
-    write_json(args.out, "stream_memory.json", result)
-    plot(result, Path(args.out) / "stream_memory.png")
-    print(f"streaming peak spread across lengths: {result['streaming_peak_spread']:.1%}")
+              "rows": rows, "peak_spread_path": first, "peak_spread": round(max(stream) / min(stream) - 1, 3)}
+    write_json(args.out, f"{args.tag}.json", result)
+    plot(result, Path(args.out) / f"{args.tag}.png")
+    print(f"{first} peak spread across lengths: {result['peak_spread']:.1%}")
 
 
 if __name__ == "__main__":
