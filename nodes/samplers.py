@@ -97,7 +97,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
     first, whole = settings.first_frame, settings.generated_frames
     latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
                     settings.height // 8, settings.width // 8)
-    noise_like = torch.zeros(latent_shape)
+    noise_like = torch.zeros(()).expand(latent_shape)  # the conditioning reads its shape only: no memory
     conds = {"positive": comfy.sampler_helpers.convert_cond(positive)}
     if guided:
         conds["negative"] = comfy.sampler_helpers.convert_cond(negative)
