@@ -26,8 +26,8 @@ class Figure:
     name: str            # bench/results/<name>.png (and .json beside it)
     args: tuple          # the script and its arguments; --out is added
     gpu: bool            # needs a CUDA GPU
-    comfyui: bool        # needs a ComfyUI tree: --comfyui, or COMFYUI_PATH for stream_memory
-    minutes: float       # on an H200 (stream_memory: on a 2-core CPU)
+    comfyui: bool        # needs a ComfyUI tree: --comfyui (set as COMFYUI_PATH for the stream_memory runs)
+    minutes: float       # on an H200 (the stream_memory runs: on a 2-core CPU)
     shows: str
 
     def command(self, out: str, comfyui: str | None) -> list[str]:
@@ -54,6 +54,9 @@ FIGURES = (
            "the ComfyUI paths against the library, ms per chunk"),
     Figure("stream_memory", ("stream_memory.py", "--size", "64"), False, True, 35,
            "FAST-AR Save Video's peak memory by length against VAE Decode + Save Video"),
+    Figure("sampler_stream_memory", ("stream_memory.py", "--size", "64", "--lengths", "61,241,601", "--paths",
+                                     "sampler_stream,sampler_latent", "--tag", "sampler_stream_memory"), False, True,
+           2.5, "the Long Sampler with FAST-AR Video Stream: the whole run's peak memory by length"),
 )
 
 

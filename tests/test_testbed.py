@@ -299,7 +299,8 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     lines = capsys.readouterr().out.splitlines()
     assert [x.split()[0] for x in lines[:-1:2]] == [f"{n}.png" for n in ("core_bench", "tempcache_bench", "ann_bench",
                                                                            "ann_bench_random", "e2e_bench", "frontier",
-                                                                           "frontier_wan", "comfy_bench", "stream_memory")]
+                                                                           "frontier_wan", "comfy_bench", "stream_memory",
+                                                                           "sampler_stream_memory")]
     assert f"ann_bench.py --prompt random --tag ann_bench_random --out {tmp_path}" in lines[7]
     assert lines[-1] == f"in all ~{sum(f.minutes for f in reproduce.FIGURES):g} minutes"
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1
