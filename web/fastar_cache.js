@@ -211,7 +211,7 @@ app.registerExtension({
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 232 });
+                                       { serialize: false, getMinHeight: () => 246 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);
