@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from . import video
-from .progress import comfy_module
 
 
 @dataclass(frozen=True)
@@ -28,12 +27,10 @@ class ChunkStream:
     files (also after a cancel: what was written plays) and returns them as ComfyUI's saved results."""
 
     def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str):
-        folder_paths = comfy_module("folder_paths")
         self.node, self.frames_written, self.latest = node, 0, None
         self.keep_latent = settings.keep_latent
-        folder, name, counter, self.subfolder, _ = folder_paths.get_save_image_path(
-            settings.filename_prefix, folder_paths.get_output_directory(), width, height)
-        self.filenames = [f"{name}_{counter + b:05}_.{settings.format}" for b in range(batch)]
+        folder, self.subfolder, self.filenames = video.output_files(settings.filename_prefix, width, height,
+                                                                    settings.format, batch)
         self.decode = video.ChunkDecoder(settings.vae, node)
         self.writers = []
         try:

@@ -18,6 +18,7 @@ import torch
 import comfy.model_management
 
 from ..fastar import FastARError
+from .progress import comfy_module
 
 NODE = "FAST-AR Save Video"
 # container -> (PyAV encoder, what the browser plays): ComfyUI's Save Video uses h264 in mp4
@@ -137,6 +138,15 @@ class VideoWriter:
             if self.count == 0 and os.path.exists(self.path):
                 os.remove(self.path)  # nothing to play
         return self.count
+
+
+def output_files(prefix: str, width: int, height: int, container: str, count: int = 1) -> tuple[str, str, list[str]]:
+    """Where ``count`` new video files go, as Save Video names them: (folder, its subfolder of ComfyUI's output
+    folder, the file names)."""
+    folder_paths = comfy_module("folder_paths")
+    folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
+        prefix, folder_paths.get_output_directory(), width, height)
+    return folder, subfolder, [f"{name}_{counter + i:05}_.{container}" for i in range(count)]
 
 
 def write_video(path: str, frames, fps: float, container: str = "mp4") -> int:

@@ -10,9 +10,20 @@ from comfy_api.latest import io, ui
 
 from ..fastar import FastARError
 from . import video
-from .progress import comfy_module
 from .schema import StreamType, schema
 from .stream import StreamSettings
+
+
+def _file_inputs() -> list:
+    """The VAE, frame rate and file name inputs both nodes take, at the stream's defaults."""
+    d = StreamSettings(vae=None)
+    return [
+        io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors)."),
+        io.Float.Input("fps", default=d.fps, min=1.0, max=120.0, step=1.0,
+                       tooltip="Frames per second (Wan 2.1 generates at 16)."),
+        io.String.Input("filename_prefix", default=d.filename_prefix,
+                        tooltip="As Save Video's: a path under ComfyUI's output folder."),
+    ]
 
 
 class SaveVideo(io.ComfyNode):
@@ -27,11 +38,7 @@ class SaveVideo(io.ComfyNode):
                         "frames written so far.",
             inputs=[
                 io.Latent.Input("samples", tooltip="The video latent (Autoregressive Long Sampler, SamplerCustom)."),
-                io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors)."),
-                io.Float.Input("fps", default=16.0, min=1.0, max=120.0, step=1.0,
-                               tooltip="Frames per second (Wan 2.1 generates at 16)."),
-                io.String.Input("filename_prefix", default="video/FastAR",
-                                tooltip="As Save Video's: a path under ComfyUI's output folder."),
+                *_file_inputs(),
                 io.Combo.Input("format", options=list(video.FORMATS), default="mp4",
                                tooltip="mp4 (H.264) or webm (VP9); both play in the browser."),
             ],
@@ -41,15 +48,12 @@ class SaveVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, fps, filename_prefix, format) -> io.NodeOutput:
-        folder_paths = comfy_module("folder_paths")
         latent = samples["samples"]
         if latent.ndim != 5:
             raise FastARError(f"{video.NODE}: samples must be a video latent [B, C, T, h, w], got "
                               f"{list(latent.shape)}")
         width, height = latent.shape[-1] * 8, latent.shape[-2] * 8
-        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
-            filename_prefix, folder_paths.get_output_directory(), width, height)
-        filename = f"{name}_{counter:05}_.{format}"
+        folder, subfolder, (filename,) = video.output_files(filename_prefix, width, height, format)
         progress = comfy.utils.ProgressBar(latent.shape[0] * latent.shape[2])
 
         def tick(done):
@@ -58,7 +62,6 @@ class SaveVideo(io.ComfyNode):
 
         video.write_video(os.path.join(folder, filename), video.decoded_frames(vae, latent, tick), fps, format)
         return io.NodeOutput(ui=ui.PreviewVideo([ui.SavedResult(filename, subfolder, io.FolderType.output)]))
-
 
 
 class VideoStream(io.ComfyNode):
@@ -74,11 +77,7 @@ class VideoStream(io.ComfyNode):
                         "plays what was made so far while the run goes on; a cancel closes it with those frames. "
                         "The frames are VAE Decode's.",
             inputs=[
-                io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors)."),
-                io.Float.Input("fps", default=d.fps, min=1.0, max=120.0, step=1.0,
-                               tooltip="Frames per second (Wan 2.1 generates at 16)."),
-                io.String.Input("filename_prefix", default=d.filename_prefix,
-                                tooltip="As Save Video's: a path under ComfyUI's output folder."),
+                *_file_inputs(),
                 io.Boolean.Input("keep_latent", default=d.keep_latent,
                                  tooltip="Off: the Long Sampler's LATENT holds only the last chunk, and the run's "
                                          "memory stays flat however long the video (the frames are in the file). "
