@@ -46,13 +46,19 @@ from .sdpa import attend_lse, side_stream
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
 # less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
 KEY_BLOCK = 128
-#: Plan densities (keys read / keys attended) past which a layer's sparse call costs more than the
+#: Plan density (keys read / keys attended) past which a layer's sparse call costs more than the
 #: dense one it replaces, planning included: at TempCache's budgets the sparse call's rate is then the
-#: dense call's, and planning is the loss (bench/NOTES.md, "FlashAttention-4 on Hopper"). A layer turns
-#: dense above ``DENSE_ABOVE`` and sparse again below ``SPARSE_BELOW``: the gap keeps a density near
-#: the edge from switching (and re-capturing the chunk's CUDA graph) every chunk.
+#: dense call's, and planning is the loss (bench/NOTES.md, "FlashAttention-4 on Hopper"). A layer past
+#: it runs dense for the rest of the rollout and stops planning and sorting: a layer kept on probation
+#: would pay for its plans and its sort every chunk, which is what made AnnSA slower than TempCache
+#: alone on content whose attention spreads over the history. A prompt switch, which makes a new
+#: AnnSA, gives every layer a fresh start.
 DENSE_ABOVE = 0.8
-SPARSE_BELOW = 0.75
+#: History rows per row every call reads dense (the sink and the open chunk) below which no density
+#: pays: the prior's call over those rows, the join and the plan then cost more than the history's
+#: skipped blocks save (TempCache 12, a ratio of 1.5: 1.05-1.23x TempCache alone on either prompt;
+#: TempCache 21, a ratio of 3: 0.95x on the Gaussian one; bench/NOTES.md).
+MIN_HISTORY_RATIO = 2.0
 #: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
 #: 128-query rate, so pairs of 64-query plans are read as their union.
 FA4_BLOCK_Q = 128
@@ -85,9 +91,13 @@ class AnnSA:
         self.attended: list = [0] * cache.num_layers
         self.reps: list = [None] * cache.num_layers   # each layer's ``_block_means``
         self.fixed: list = [None] * cache.num_layers  # top-p: ``_fixed_blocks``
-        # whether each layer's sparse call pays (``review``); a layer where it does not runs dense and
-        # plans only in the clean pass, to keep its density known
+        # whether each layer's sparse call pays (``review``); a layer where it does not runs dense, and
+        # neither plans nor sorts any more
         self.pays: list = [True] * cache.num_layers
+        # whether the history can ever be long enough for a sparse call to pay (``worth``): where it
+        # cannot, no layer sorts its history
+        reach = cache.config.history_frames
+        self.can_pay = reach is None or reach >= MIN_HISTORY_RATIO * (cache.config.sink_frames + cache.chunk_frames)
         self._review = None  # the last chunk's densities: (their host copy, its CUDA event or None)
 
     @torch.no_grad()
@@ -141,6 +151,25 @@ class AnnSA:
         self.attended[layer] = layout.attended
         return plan
 
+    @property
+    def worth(self) -> bool:
+        """Whether the open chunk's history is long enough, against the rows every call reads dense,
+        for a sparse call to pay at some density (``MIN_HISTORY_RATIO``): a Python decision from the
+        layout, so a chunk graph's key holds it."""
+        layout = self.cache.layout
+        if layout is None or not self.can_pay:  # between chunks
+            return False
+        history = layout.history.stop - layout.history.start
+        return history >= MIN_HISTORY_RATIO * (layout.attended - history)
+
+    def runs(self, layer: int) -> bool:
+        """Whether the layer's sparse steps run sparse in the open chunk."""
+        return self.pays[layer] and self.worth
+
+    def indexes(self, layer: int) -> bool:
+        """Whether the clean pass sorts and indexes the layer's history for later plans."""
+        return self.pays[layer] and self.can_pay
+
     def review(self, average=None) -> torch.Tensor:
         """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
         chunk earlier; returns this chunk's densities [num_layers] (a device tensor, the chunk's report's). The densities are copied to the host as this chunk's work ends, without a
@@ -167,8 +196,8 @@ class AnnSA:
 
     def _decide(self, densities: list[float]) -> None:
         for layer, d in enumerate(densities):
-            if self.reads[layer] is not None:  # a layer that has planned
-                self.pays[layer] = d < SPARSE_BELOW if not self.pays[layer] else d <= DENSE_ABOVE
+            if self.reads[layer] is not None and d > DENSE_ABOVE:  # a layer that has planned, too densely
+                self.pays[layer] = False
 
     def _reads(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The layer's keys-read buffer for plans over q [B, n, H, D], made anew when the query
@@ -181,12 +210,12 @@ class AnnSA:
 
     @property
     def density(self) -> torch.Tensor:
-        """Keys read / keys attended by each layer's last plan (1 before its first), [num_layers]:
-        telemetry from the plans' own output, no kernel in the hot path (the selection kernel
-        writes each query block's keys read)."""
+        """Keys read / keys attended by each layer's last plan (1 before its first and once it runs
+        dense), [num_layers]: telemetry from the plans' own output, no kernel in the hot path (the
+        selection kernel writes each query block's keys read)."""
         out = torch.ones(len(self.reads), device=self.cache.device)
         for layer, (reads, keys) in enumerate(zip(self.reads, self.attended)):
-            if reads is not None:
+            if reads is not None and self.pays[layer]:  # a layer turned dense reads every key
                 out[layer] = reads.float().mean() / max(keys, 1)
         return out
 

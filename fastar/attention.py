@@ -96,11 +96,12 @@ class FastARAttention:
 
     def graph_key(self):
         """The cache's ``graph_key`` plus AnnSA's written layers (a layer's first plan over
-        history has no key blocks yet) and the layers where its sparse calls pay: equal keys, equal
-        kernels."""
+        history has no key blocks yet), the layers where its sparse calls pay and whether the history
+        is long enough for any to (``AnnSA.worth``): equal keys, equal kernels."""
         if self.annsa is None:
             return self.cache.graph_key(), None
-        return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays)
+        return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays), \
+            self.annsa.worth
 
     def begin_clean_pass(self) -> None:
         """The next forward is the clean pass: its K/V become the cache's history, and it runs as the
@@ -116,12 +117,9 @@ class FastARAttention:
         if self.cache is None:
             return attend(q, k, v, mask=self.mask)
         keys, values, bias = self.cache.attend(layer, k, v)
-        sparse = self.annsa is not None and self._sparse(layer)
-        if sparse and self.annsa.pays[layer]:
+        if self.annsa is not None and self._sparse(layer) and self.annsa.runs(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)
         else:
-            if sparse and self.cache.clean_pass:  # where sparsity does not pay, the clean pass still plans:
-                self.annsa.plan(layer, q)         # the layer's density stays known (``AnnSA.review``)
             out = attend_biased(q, keys, values, bias, self.cache.layout.bias, self.cache.folded_keys(layer)) \
                 if bias is not None else attend(q, keys, values)
         if self.cache.clean_pass:
@@ -134,8 +132,6 @@ class FastARAttention:
         if self.cache is None or not self.cache.clean_pass:
             raise FastARError("FastARAttention.fill_cache is for the clean pass of a cached rollout")
         self.cache.attend(layer, k, v)
-        if self.annsa is not None and self._sparse(layer) and not self.annsa.pays[layer]:
-            self.annsa.plan(layer, q)  # the layer's density stays known, as in ``self_attention``
         self._write_history(layer, q)
 
     def _write_history(self, layer: int, q) -> None:
@@ -143,7 +139,7 @@ class FastARAttention:
         the next chunk reads them, so on CUDA they run on a side stream and overlap the rest of
         the pass (layers after this one never touch this layer's cache); ``KVCache.join_writes``
         (the engine's, after the pass, and ``commit``'s) ends them."""
-        index = self.annsa is not None and layer not in self.ann.dense_layers
+        index = self.annsa is not None and layer not in self.ann.dense_layers and self.annsa.indexes(layer)
 
         def write():
             if self.cache.writes_history:

@@ -395,7 +395,7 @@ class Rollout:
         if annsa is None:
             return None
         layers = [i for i in range(len(annsa.pays)) if i not in self.ann.dense_layers]
-        return sum(annsa.pays[i] for i in layers) / max(len(layers), 1)
+        return sum(annsa.runs(i) for i in layers) / max(len(layers), 1)
 
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None, keep: bool = True) -> torch.Tensor:
         """Every chunk, then [B, C, frames, h, w]: the video's clean latents. ``keep=False`` (the frames
@@ -415,8 +415,8 @@ class Rollout:
                 self.switch_prompt(self.switches[c], start, history.frames)
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
+            sparse = self._sparse_share()  # this chunk's, while its layout is open and before the review
             self.cache.commit()
-            sparse = self._sparse_share()  # this chunk's, before the review decides the next ones'
             densities = None
             if self.attention.annsa is not None:
                 densities = self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)

@@ -13,6 +13,7 @@ from comfyui_fastar.fastar.lsh import LSH
 from comfyui_fastar.fastar.models import build_model
 
 B, H, D, TPF, CF = 1, 2, 32, 40, 2
+HISTORY_RATIO = annsa_mod.MIN_HISTORY_RATIO  # the rule's own value (conftest sets it to 0 for the rest)
 # every history block (AnnSA) and every prompt token (AnnCA: one bit, flipped by its probe): density 1
 ALL = AnnConfig(bits=1, probes=1, keep_fraction=1.0, keep_mass=0.0, dense_steps_fraction=0.0, min_tokens=0, annca=True)
 
@@ -332,41 +333,67 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
 
 def test_layers_run_dense_where_sparsity_does_not_pay(model, monkeypatch):
     """A layer whose plans read more than ``DENSE_ABOVE`` of its keys runs dense two chunks later (its
-    densities are read a chunk late), planning only in the clean pass so its density stays known; it
-    turns sparse again below ``SPARSE_BELOW``."""
+    densities are read a chunk late) and from then on neither plans nor sorts its history."""
     ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
     settings = dict(frames=6, height=H_PX, width=W_PX, chunk_frames=1, cache=TempCacheConfig(max_cache_frames=8,
                     sink_frames=1), seed=3, schedule=FlowMatchSchedule((1000.0, 500.0)))
     cfg = AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.0)
-    calls, plans = [], []
-    attention, plan = AnnSA.attention, AnnSA.plan
+    calls, plans, sorts = [], [], []
+    attention, plan, index = AnnSA.attention, AnnSA.plan, AnnSA.index_history
     monkeypatch.setattr(AnnSA, "attention", lambda self, *a, **k: calls.append(1) or attention(self, *a, **k))
     monkeypatch.setattr(AnnSA, "plan", lambda self, *a, **k: plans.append(1) or plan(self, *a, **k))
+    monkeypatch.setattr(AnnSA, "index_history", lambda self, *a, **k: sorts.append(1) or index(self, *a, **k))
     monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", -1.0)  # no plan pays
-    monkeypatch.setattr(annsa_mod, "SPARSE_BELOW", -1.0)
     reports = []
     r = Rollout(model, ctx, ann=cfg, **settings)
     out = r.run(reports.append)
     assert r.attention.annsa.pays == [False] * model.num_layers
     # two chunks sparse (the decision reads the densities a chunk late; 2 steps x 2 layers + the clean pass's
-    # first layer: the last one only writes its K/V), then the clean passes' plans alone, the last layer's too
-    assert len(calls) == 2 * 5 and len(plans) == 2 * 5 + (6 - 2) * 2
-    assert all(0 < rep.annsa_density <= 1 for rep in reports)  # still measured
+    # first layer: the last one only writes its K/V), each sorting both layers' histories; then nothing
+    assert len(calls) == len(plans) == 2 * 5 and len(sorts) == 2 * 2
     assert [rep.annsa_sparse for rep in reports] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert torch.isfinite(out).all()
+    # the same rollout with no AnnSA at all: the dense layers' attention is TempCache's own
+    plain = Rollout(model, ctx, **settings).run()
+    assert rel(out, plain) > 0  # the first two chunks ran sparse
     key = r.attention.graph_key()
-    assert key[-1] == tuple(r.attention.annsa.pays)  # a change of mind is a new CUDA graph
+    assert key[-2] == tuple(r.attention.annsa.pays)  # a change of mind is a new CUDA graph
     annsa = r.attention.annsa
     monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", 0.8)
-    monkeypatch.setattr(annsa_mod, "SPARSE_BELOW", 0.75)
-    annsa._decide([0.78] * model.num_layers)  # between the two bounds: a dense layer stays dense
-    assert annsa.pays == [False] * model.num_layers
-    annsa._decide([0.7] * model.num_layers)
-    assert annsa.pays == [True] * model.num_layers
-    annsa._decide([0.78] * model.num_layers)  # and a sparse one sparse
-    assert annsa.pays == [True] * model.num_layers
-    annsa._decide([0.9] * model.num_layers)
-    assert annsa.pays == [False] * model.num_layers
+    annsa.pays = [True] * model.num_layers
+    annsa._decide([0.78, 0.81])
+    assert annsa.pays == [True, False]
+    annsa._decide([0.1, 0.1])  # once dense, dense for the rest of the rollout
+    assert annsa.pays == [True, False]
+
+
+def test_annsa_runs_only_where_the_history_can_pay(model, monkeypatch):
+    """Where the history holds fewer than ``MIN_HISTORY_RATIO`` rows per row every call reads dense (the
+    sink and the open chunk), AnnSA neither plans nor sorts, and the rollout is TempCache's alone, bit for
+    bit; the unbounded cache's history grows past the ratio, and its layers turn sparse when it does."""
+    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
+    monkeypatch.setattr(annsa_mod, "MIN_HISTORY_RATIO", HISTORY_RATIO)
+    assert HISTORY_RATIO == 2.0  # the cases below are built around it
+    cfg = AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.0)
+    plans, sorts = [], []
+    plan, index = AnnSA.plan, AnnSA.index_history
+    monkeypatch.setattr(AnnSA, "plan", lambda self, *a, **k: plans.append(1) or plan(self, *a, **k))
+    monkeypatch.setattr(AnnSA, "index_history", lambda self, *a, **k: sorts.append(1) or index(self, *a, **k))
+    short = dict(frames=6, height=H_PX, width=W_PX, chunk_frames=2, seed=3, schedule=FlowMatchSchedule((1000.0, 500.0)),
+                 cache=TempCacheConfig(max_cache_frames=6, sink_frames=1))  # history 5 frames, dense rows 1 + 2
+    reports = []
+    r = Rollout(model, ctx, ann=cfg, **short)
+    out = r.run(reports.append)
+    assert not r.attention.annsa.can_pay and plans == [] and sorts == []
+    assert all(rep.annsa_sparse == 0.0 for rep in reports)
+    assert torch.equal(out, Rollout(model, ctx, **short).run())
+    growing = {**short, "frames": 6, "chunk_frames": 1, "cache": CacheConfig()}
+    monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", 1.0)  # every plan pays: the history's length alone decides
+    reports = []
+    r = Rollout(model, ctx, ann=cfg, **growing)
+    r.run(reports.append)
+    # chunk c holds c history frames against its own one: sparse from the second chunk with history on
+    assert [rep.annsa_sparse for rep in reports] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
