@@ -11,7 +11,7 @@ chunks timed by its chunk reports; a rollout's time is the median of its last ``
 cache is full and repeating chunks replay from their CUDA graph. Settings: ``fastar``, the FAST-AR defaults
 (``TempCacheConfig()`` with ``AnnConfig()``), ``window``, the dense sink 3 + window 12 cache, and
 ``tempcache`` / ``tempcache12`` / ``tempcache15``, TempCache alone at its default budget and at 12 / 15 frames,
-and ``fastar12``, TempCache 12 with AnnSA. Printed per
+``fastar12``, TempCache 12 with AnnSA, and ``tempcache21`` / ``fastar21``, the same at 21 frames. Printed per
 setting: A ms and B ms (medians over rounds), B/A (the median of each round's ratio: a drift of the clock
 cancels within a round) and how far B's latents lie from A's (relative, last round). Writes ab.json.
 
@@ -46,6 +46,8 @@ SETTINGS = {
     "tempcache12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": None},
     "tempcache15": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=15), "ann": None},
     "fastar12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": f.AnnConfig()},
+    "tempcache21": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=21), "ann": None},
+    "fastar21": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=21), "ann": f.AnnConfig()},
 }
 
 

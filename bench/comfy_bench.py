@@ -49,6 +49,7 @@ from common.comfyui import SETTINGS, fastar_nodes, harness, load_unet  # noqa: E
 from common.testbed import prompt_context, testbed  # noqa: E402
 
 PATHS = ("library", "comfy-default", "comfy-bf16", "comfy-fp8", "core-ar", "comfy-fallback")
+EXTRAS = ("core-sampler", "agreement")  # core's own dense sampler; the fused forward against ComfyUI's
 
 
 def parse_args(argv=None):
@@ -58,6 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--core-chunks", type=int, default=60, help="chunks of core's own dense SamplerARVideo")
     p.add_argument("--profile-at", type=int, default=30, help="first of the two profiled chunks")
     p.add_argument("--out", default=None, help="folder for comfy_bench.json / .png")
+    p.add_argument("--prompt", choices=("wan", "random"), default="wan",
+                   help="the clip's real prompt (default) or the Gaussian stand-in (bench/common/testbed.py)")
+    p.add_argument("--paths", default=",".join(PATHS + EXTRAS),
+                   help=f"comma-separated, of {', '.join(PATHS + EXTRAS)} (default: all)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the paths and settings; a run's ms/chunk is the median of its rounds' medians")
+    p.add_argument("--tag", default="comfy_bench", help="the result files' name (default comfy_bench)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script only)")
     p.add_argument("--replot", metavar="JSON", help="only print the table and plot of an earlier run's JSON")
     return p.parse_args(argv)
@@ -313,7 +321,7 @@ def main(argv=None):
         dims = (32, 32)
         context = prompt_context(model.text_dim)
     else:
-        model, context = testbed(prompt="wan")
+        model, context = testbed(prompt=args.prompt)
         dims = (480, 832)
     folder = tempfile.mkdtemp(prefix="fastar_comfy_bench_")
     plain, _ = harness.write_wan(model, folder, "testbed", torch.bfloat16)  # and testbed_causal.safetensors
@@ -325,16 +333,21 @@ def main(argv=None):
     results = {**header(device, None if argv is None else [__file__, *argv]),
                "shapes": {"height": dims[0], "width": dims[1], "chunk_frames": 3, "chunks": args.chunks,
                           "steps": 4},
-               "weights": "bench/common/testbed.py sensitized random weights, the Wan clip's prompt",
-               "runs": {}}
-    for setting in SETTINGS:
-        for path in PATHS:
+               "weights": "bench/common/testbed.py sensitized random weights, "
+                          + ("the Wan clip's prompt" if args.prompt == "wan" else "a Gaussian stand-in prompt"),
+               "prompt": args.prompt, "repeats": args.repeats, "runs": {}}
+    paths = args.paths.split(",")
+    if any(p not in PATHS + EXTRAS for p in paths):
+        raise SystemExit(f"--paths: choose among {', '.join(PATHS + EXTRAS)}")
+    rounds = {}
+    combos = [(setting, path) for setting in SETTINGS for path in PATHS
+              if path in paths and (path != "comfy-fallback" or setting == "fastar")]  # the fallback: defaults only
+    for _ in range(args.repeats):
+        for setting, path in combos:
             print(f"-- {path} / {setting}", flush=True)
             if path == "library":
                 r = run_library(str(plain), context, setting, args.chunks, device, dims, args.profile_at)
             elif path == "comfy-fallback":
-                if setting != "fastar":
-                    continue
                 r = run_comfy(comfy, "testbed.safetensors", positive, setting, args.chunks, device, dims,
                               args.profile_at, "bf16", "long", fallback=True)
             elif path == "core-ar":
@@ -344,18 +357,23 @@ def main(argv=None):
                 flag = {"comfy-bf16": "bf16", "comfy-fp8": "fp8"}.get(path)
                 r = run_comfy(comfy, "testbed.safetensors", positive, setting, args.chunks, device, dims,
                               args.profile_at, flag, "long")
-            results["runs"][f"{path}/{setting}"] = r
             print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}",
                   flush=True)
-    print("-- core-sampler / dense unbounded", flush=True)
-    results["runs"]["core-sampler/dense"] = run_core_sampler(comfy, "testbed_causal.safetensors", positive,
-                                                             args.core_chunks, device, dims)
-    results["forward_agreement"] = forward_agreement(comfy, "testbed.safetensors", context, device, dims)
-    report(results, args.out)
+            rounds.setdefault(f"{path}/{setting}", []).append(r["median_ms"])
+            r["round_medians_ms"] = rounds[f"{path}/{setting}"]
+            r["median_ms"] = statistics.median(r["round_medians_ms"])
+            results["runs"][f"{path}/{setting}"] = r  # the last round's chunks, every round's median
+    if "core-sampler" in paths:
+        print("-- core-sampler / dense unbounded", flush=True)
+        results["runs"]["core-sampler/dense"] = run_core_sampler(comfy, "testbed_causal.safetensors", positive,
+                                                                 args.core_chunks, device, dims)
+    if "agreement" in paths:
+        results["forward_agreement"] = forward_agreement(comfy, "testbed.safetensors", context, device, dims)
+    report(results, args.out, args.tag)
     return results
 
 
-def report(results, out):
+def report(results, out, tag="comfy_bench"):
     runs = results["runs"]
     print(f"\n{results['device']}, {results['shapes']}")
     print(f"{'run':28s} {'engine':8s} {'weights':9s} {'ms/chunk':>9s} {'x lib':>6s} {'drift':>6s} {'alloc GB':>9s} "
@@ -368,10 +386,15 @@ def report(results, out):
         print(f"{name:28s} {str(r.get('engine')):8s} {r.get('weights', 'bf16'):9s} {r['median_ms']:9.1f} {ratio:6.3f} "
               f"{(r['drift_last_vs_first'] or float('nan')):6.3f} {r.get('peak_allocated_gb', float('nan')):9.2f} "
               f"{r.get('peak_held_gb', float('nan')):8.2f} {busy:>10s} {p.get('host_launches_per_chunk', float('nan')):9.0f}")
-    print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
+    for name, r in runs.items():
+        window = runs.get(name.replace("/fastar", "/window"))
+        if name.endswith("/fastar") and window:
+            print(f"{name.split('/')[0]}: the defaults at {r['median_ms'] / window['median_ms']:.3f}x sink 3 + window 12")
+    if "forward_agreement" in results:
+        print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
     if out:
-        write_json(out, "comfy_bench.json", results)
-        plot(results, os.path.join(out, "comfy_bench.png"))
+        write_json(out, f"{tag}.json", results)
+        plot(results, os.path.join(out, f"{tag}.png"))
 
 
 def plot(results, path):

@@ -157,6 +157,60 @@ def sampler_run(path: str, length: int, size: int, vae, work: str, out: str):
     return run
 
 
+def gpu_rows(args) -> list[dict]:
+    """``--on-cuda``: the Long Sampler + Video Stream at 832x480 on the GPU, each length after the other."""
+    import glob
+
+    import torch
+
+    from common import testbed
+    from common.comfyui import harness, load_unet
+
+    comfy = harness.import_comfy(args.comfyui, cpu=False)
+    import comfy.cmd.folder_paths as folder_paths
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.stream import StreamSettings
+
+    work = tempfile.mkdtemp(prefix="fastar_stream_gpu_")
+    model, context = testbed.testbed(prompt="wan")
+    harness.write_wan(model, work, "testbed", torch.bfloat16)
+    del model
+    folder_paths.add_model_folder_path("diffusion_models", work)
+    folder_paths.get_output_directory = lambda: work
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(harness.wan_vae_file(Path(work) / "vae.safetensors"))))
+    positive = [[context.float().cpu(), {}]]
+    height, width = testbed.HEIGHT, testbed.WIDTH
+    rows = []
+    with torch.inference_mode():
+        unet = load_unet(comfy, "testbed.safetensors", None)
+        for path in args.paths.split(","):
+            for length in map(int, args.lengths.split(",")):
+                prefix = f"{path}_{length}"
+                stream = StreamSettings(vae=vae, filename_prefix=prefix, keep_latent=path == "sampler_latent")
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                tic = time.perf_counter()
+                AutoregressiveLongSampler.execute(unet, positive, width, height, length, 1, 0, "1000,750,500,250",
+                                                  5.0, "3", 0.0, 1.0, stream=stream)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - tic
+                (written,) = glob.glob(os.path.join(work, f"{prefix}_*.mp4"))
+                rows.append({"path": path, "length": length, "frames_written": len(harness.read_video(written)[0]),
+                             "seconds": round(seconds, 1),
+                             "peak_mb": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
+                             "loaded_mb": round(base / 2**20, 1), "file_mb": round(os.path.getsize(written) / 2**20, 2)})
+                print(f"{path:15s} {length:5d} frames: GPU peak +{rows[-1]['peak_mb']:8.1f} MB above "
+                      f"{rows[-1]['loaded_mb']:.0f} MB loaded, {rows[-1]['frames_written']} frames written, "
+                      f"{seconds:6.1f} s", flush=True)
+                os.remove(written)
+    return rows
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -172,7 +226,8 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("video frames")
-    ax.set_ylabel("peak live heap above the loaded model, MB")
+    ax.set_ylabel(("peak GPU memory allocated" if result.get("gpu") else "peak live heap")
+                  + " above the loaded model, MB")
     ax.set_title(f"{result['device']}, {result['size']} frames, {result['vae']}", fontsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -186,8 +241,23 @@ def main() -> None:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--paths", default="streaming,stock", help=f"of {', '.join(PATHS)} (default streaming,stock)")
     p.add_argument("--tag", default="stream_memory", help="the result files' name (default stream_memory)")
+    p.add_argument("--on-cuda", action="store_true", help="the sampler paths on a CUDA GPU at 832x480 (needs --comfyui; not --gpu, which ComfyUI's own arguments would take for --gpu-only)")
+    p.add_argument("--comfyui", help="--on-cuda: a ComfyUI tree (COMFYUI_PATH otherwise)")
     p.add_argument("--child", nargs=3, metavar=("PATH", "LENGTH", "WORK"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.on_cuda:
+        args.comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
+        rows = gpu_rows(args)
+        first = args.paths.split(",")[0]
+        stream = [r["peak_mb"] for r in rows if r["path"] == first]
+        result = {**header("cuda"), "gpu": True, "comfyui": args.comfyui, "size": "832x480",
+                  "vae": "Wan 2.1 VAE, dim 96, random weights", "model": "Wan 2.1 1.3B shapes, sensitized random "
+                  "weights (bench/common/testbed.py), bf16, FAST-AR at the pack's defaults",
+                  "rows": rows, "peak_spread_path": first, "peak_spread": round(max(stream) / min(stream) - 1, 3)}
+        write_json(args.out, f"{args.tag}.json", result)
+        plot(result, Path(args.out) / f"{args.tag}.png")
+        print(f"{first} GPU peak spread across lengths: {result['peak_spread']:.1%}")
+        return
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.size, args.dim, args.child[2])))
         return

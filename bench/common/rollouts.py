@@ -22,7 +22,7 @@ SETTINGS = {  # name: (cache, ann)
     "tempcache": (TempCacheConfig(), None),
     "annsa": (CacheConfig("unbounded"), AnnConfig(annca=False)),
     "annca": (CacheConfig("unbounded"), AnnConfig(annsa=False, annca=True)),
-    "fastar": (TempCacheConfig(), AnnConfig()),  # every component at its default (AnnCA is opt-in)
+    "fastar": (TempCacheConfig(), None),  # the pack's defaults: TempCache alone (AnnSA and AnnCA are opt-in)
 }
 PROBE_LAYERS = (9, 19)  # layers whose AnnSA recall the fidelity runs measure (as bench/ann_bench.py)
 
