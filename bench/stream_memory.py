@@ -187,6 +187,9 @@ def gpu_rows(args) -> list[dict]:
     rows = []
     with torch.inference_mode():
         unet = load_unet(comfy, "testbed.safetensors", None)
+        comfy.model_management.load_models_gpu([unet])  # the weights in place before any baseline is read
+        AutoregressiveLongSampler.execute(unet, positive, width, height, 9, 1, 0, "1000,750,500,250", 5.0, "3",
+                                          0.0, 1.0, stream=StreamSettings(vae=vae, filename_prefix="warmup"))
         for path in args.paths.split(","):
             for length in map(int, args.lengths.split(",")):
                 prefix = f"{path}_{length}"
