@@ -14,7 +14,8 @@ pip-installable tree's own dependencies, and nothing can be installed there. Thi
     # on the GPU: PYTHONPATH=.comfyui/gpu/site python bench/comfy_bench.py --comfyui .comfyui/gpu/tree ...
 
 The distributions copied are those named in ``DISTRIBUTIONS`` (what the tree imports for the nodes the
-benchmark runs, minus what the GPU image has).
+benchmark runs, minus what the GPU image has). The compiled ones go in ``--wheels`` as cp312 wheels: for the
+2026 trees ``can_ada`` (``comfy.model_downloader_types`` imports it), and ``av`` for the Video Stream's file.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import subprocess
 import zipfile
 
 DISTRIBUTIONS = [
+    "comfy-aimdo",  # its aimdo.so is loaded by ctypes, not as an extension module: any Python takes it
     "aio-pika", "aiormq", "backoff", "chardet", "cattrs", "ConfigArgParse", "frozendict", "gguf", "h2", "hpack", "hyperframe",
     "importlib_metadata", "natsort", "pamqp", "platformdirs", "requests-cache", "sniffio", "torchsde", "trampoline",
     "url-normalize", "googleapis-common-protos", "opentelemetry-api", "opentelemetry-sdk",

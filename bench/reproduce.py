@@ -27,7 +27,7 @@ class Figure:
     args: tuple          # the script and its arguments; --out is added
     gpu: bool            # needs a CUDA GPU
     comfyui: bool        # needs a ComfyUI tree: --comfyui (set as COMFYUI_PATH for the stream_memory runs)
-    minutes: float       # on an H200 (the stream_memory runs: on a 2-core CPU)
+    minutes: float       # on an H200 (the CPU stream_memory runs: on a 2-core CPU)
     shows: str
 
     def command(self, out: str, comfyui: str | None) -> list[str]:
@@ -44,7 +44,7 @@ FIGURES = (
            "AnnSA's fixed-share plans on the clip's real prompt: recall and speed against density"),
     Figure("ann_bench_random", ("ann_bench.py", "--prompt", "random", "--tag", "ann_bench_random"), True, False, 2.5,
            "the same on a Gaussian prompt (the harder test)"),
-    Figure("e2e_bench", ("e2e_bench.py",), True, False, 8,
+    Figure("e2e_bench", ("e2e_bench.py", "--skip-fidelity", "--component-chunks", "24"), True, False, 4,
            "2880 frames: FAST-AR and its components against dense, throughput and memory"),
     Figure("frontier", ("frontier.py",), True, False, 12,
            "ms per steady chunk against PSNR after 81 / 240 real frames: windows, TempCache, FAST-AR"),
@@ -57,6 +57,10 @@ FIGURES = (
     Figure("sampler_stream_memory", ("stream_memory.py", "--size", "64", "--lengths", "61,241,601", "--paths",
                                      "sampler_stream,sampler_latent", "--tag", "sampler_stream_memory"), False, True,
            2.5, "the Long Sampler with FAST-AR Video Stream: the whole run's peak memory by length"),
+    Figure("sampler_stream_memory_gpu", ("stream_memory.py", "--on-cuda", "--comfyui", "{comfyui}", "--lengths",
+                                         "69,213,429", "--paths", "sampler_stream,sampler_latent", "--tag",
+                                         "sampler_stream_memory_gpu"), True, True, 2,
+           "the same at 832x480 on the GPU: peak GPU memory allocated by length"),
 )
 
 
