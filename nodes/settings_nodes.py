@@ -121,8 +121,9 @@ class AnnSparsity(io.ComfyNode):
                         "tokens that share a bucket with it. The current chunk and the sink stay dense. Needs "
                         "TempCache Settings or an unbounded cache on FAST-AR Patch Model. Off by default: it pays "
                         "only with long budgets (max cache frames 21 and more) on content whose attention spreads "
-                        "over the history (then ~0.95x TempCache alone's time, at some fidelity); at the default "
-                        "12 frames it is slower, and layers where it reads most keys run dense on their own.",
+                        "over the history (then ~0.95x TempCache alone's time, at some fidelity). Where it cannot "
+                        "pay it stands aside: below a history twice the sink and chunk it does nothing (the "
+                        "default 12 frames), and a layer whose plans read most keys runs dense from then on.",
             inputs=[
                 io.Boolean.Input("annsa", default=d.annsa,
                                  tooltip="Sparse self-attention over the cached history: the speed-up on long videos."),
