@@ -56,8 +56,7 @@ KEY_BLOCK = 128
 DENSE_ABOVE = 0.8
 #: History rows per row every call reads dense (the sink and the open chunk) below which no density
 #: pays: the prior's call over those rows, the join and the plan then cost more than the history's
-#: skipped blocks save (TempCache 12, a ratio of 1.5: 1.05-1.23x TempCache alone on either prompt;
-#: TempCache 21, a ratio of 3: 0.95x on the Gaussian one; bench/NOTES.md).
+#: skipped blocks save (bench/NOTES.md, "AnnSA only where it can pay").
 MIN_HISTORY_RATIO = 2.0
 #: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
 #: 128-query rate, so pairs of 64-query plans are read as their union.
@@ -157,10 +156,15 @@ class AnnSA:
         for a sparse call to pay at some density (``MIN_HISTORY_RATIO``): a Python decision from the
         layout, so a chunk graph's key holds it."""
         layout = self.cache.layout
-        if layout is None or not self.can_pay:  # between chunks
+        if layout is None or not self.can_pay:  # between chunks, or never long enough
             return False
         history = layout.history.stop - layout.history.start
         return history >= MIN_HISTORY_RATIO * (layout.attended - history)
+
+    def least_budget(self) -> int:
+        """The least TempCache budget (``max_cache_frames``, sink included) under which AnnSA can pay."""
+        fixed = self.cache.config.sink_frames + self.cache.chunk_frames
+        return self.cache.config.sink_frames + math.ceil(MIN_HISTORY_RATIO * fixed)
 
     def runs(self, layer: int) -> bool:
         """Whether the layer's sparse steps run sparse in the open chunk."""

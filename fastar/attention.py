@@ -24,6 +24,7 @@ from .sdpa import attend, attend_biased
 
 log = logging.getLogger(__name__)
 _warned = False
+_aside: set = set()  # the cache settings AnnSA stood aside under, said once each
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -53,6 +54,12 @@ def build_ann(config: AnnConfig, cache, heads: tuple[slice, int] | None = None) 
     if heads is not None:
         lsh.planes = lsh.planes[:, heads[0]].contiguous()
     annsa = AnnSA(config, cache, lsh) if config.annsa else None
+    if annsa is not None and not annsa.can_pay and cache.config not in _aside:
+        _aside.add(cache.config)
+        log.warning("FAST-AR: AnnSA stands aside: TempCache's history of %d frames is too short against the %d every "
+                    "call reads dense (the sink and the chunk) for a sparse call to pay; it runs from max_cache_frames "
+                    "%d on", cache.config.history_frames, cache.config.sink_frames + cache.chunk_frames,
+                    annsa.least_budget())
     annca = AnnCA(config, lsh, cache.tokens_per_frame, cache.num_layers, cache.device) if config.annca else None
     return annsa, annca
 

@@ -6,7 +6,7 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, attend, make_cache as new_cache, pad_context, rollout)
-from comfyui_fastar.fastar import annca as annca_mod, annsa as annsa_mod
+from comfyui_fastar.fastar import annca as annca_mod, annsa as annsa_mod, attention as attention_mod
 from comfyui_fastar.fastar.annsa import KEY_BLOCK, AnnSA, plan_density
 from comfyui_fastar.fastar.attention import build_ann
 from comfyui_fastar.fastar.lsh import LSH
@@ -367,7 +367,7 @@ def test_layers_run_dense_where_sparsity_does_not_pay(model, monkeypatch):
     assert annsa.pays == [True, False]
 
 
-def test_annsa_runs_only_where_the_history_can_pay(model, monkeypatch):
+def test_annsa_runs_only_where_the_history_can_pay(model, monkeypatch, caplog):
     """Where the history holds fewer than ``MIN_HISTORY_RATIO`` rows per row every call reads dense (the
     sink and the open chunk), AnnSA neither plans nor sorts, and the rollout is TempCache's alone, bit for
     bit; the unbounded cache's history grows past the ratio, and its layers turn sparse when it does."""
@@ -382,9 +382,15 @@ def test_annsa_runs_only_where_the_history_can_pay(model, monkeypatch):
     short = dict(frames=6, height=H_PX, width=W_PX, chunk_frames=2, seed=3, schedule=FlowMatchSchedule((1000.0, 500.0)),
                  cache=TempCacheConfig(max_cache_frames=6, sink_frames=1))  # history 5 frames, dense rows 1 + 2
     reports = []
-    r = Rollout(model, ctx, ann=cfg, **short)
-    out = r.run(reports.append)
+    monkeypatch.setattr(attention_mod, "_aside", set())
+    with caplog.at_level("WARNING", logger=attention_mod.__name__):
+        r = Rollout(model, ctx, ann=cfg, **short)
+        out = r.run(reports.append)
     assert not r.attention.annsa.can_pay and plans == [] and sorts == []
+    # said once, with the budget from which it would run: a history of 2 x (1 sink + 2 chunk frames) past the sink
+    assert [m for m in caplog.messages if "AnnSA stands aside" in m] == [
+        "FAST-AR: AnnSA stands aside: TempCache's history of 5 frames is too short against the 3 every call reads "
+        "dense (the sink and the chunk) for a sparse call to pay; it runs from max_cache_frames 7 on"]
     assert all(rep.annsa_sparse == 0.0 for rep in reports)
     assert torch.equal(out, Rollout(model, ctx, **short).run())
     growing = {**short, "frames": 6, "chunk_frames": 1, "cache": CacheConfig()}
