@@ -6,9 +6,9 @@ testbed of bench/common/testbed.py. Every number comes from this run on this dev
   speed     per-chunk latency and peak memory (tensors allocated, and memory held: the allocator's
             reserve, which alone counts a CUDA graph's working memory) against generated frames for
             dense unbounded, dense sink + window, TempCache only, AnnSA only, AnnCA only and
-            FAST-AR at the pack's defaults (TempCache alone: the TempCache-only row is then that one). FAST-AR runs --chunks chunks for real (240 = 720 latent = 2880 video
-            frames); the components run
-            --component-chunks; dense unbounded runs --dense-chunks for real, then single chunks on caches
+            FAST-AR at the pack's defaults (TempCache alone: the TempCache-only row is then that one).
+            FAST-AR runs --chunks chunks for real (240 = 720 latent = 2880 video frames); the components
+            run --component-chunks; dense unbounded runs --dense-chunks for real, then single chunks on caches
             prefilled to --dense-points frames, and the last point (which no card holds) is composed:
             the measured chunk at the largest prefilled point + 150 x the measured change in one layer's
             self-attention time. The end-to-end speedup is the ratio of the areas under the per-chunk

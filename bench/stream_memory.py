@@ -244,7 +244,8 @@ def main() -> None:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--paths", default="streaming,stock", help=f"of {', '.join(PATHS)} (default streaming,stock)")
     p.add_argument("--tag", default="stream_memory", help="the result files' name (default stream_memory)")
-    p.add_argument("--on-cuda", action="store_true", help="the sampler paths on a CUDA GPU at 832x480 (needs --comfyui; not --gpu, which ComfyUI's own arguments would take for --gpu-only)")
+    # not --gpu: ComfyUI's own argument parser, which reads sys.argv too, would take it for its --gpu-only
+    p.add_argument("--on-cuda", action="store_true", help="the sampler paths on a CUDA GPU at 832x480 (needs --comfyui)")
     p.add_argument("--comfyui", help="--on-cuda: a ComfyUI tree (COMFYUI_PATH otherwise)")
     p.add_argument("--child", nargs=3, metavar=("PATH", "LENGTH", "WORK"), help=argparse.SUPPRESS)
     args = p.parse_args()

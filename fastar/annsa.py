@@ -176,9 +176,10 @@ class AnnSA:
 
     def review(self, average=None) -> torch.Tensor:
         """After a chunk: which layers' sparse calls pay (``pays``), from their plans' densities one
-        chunk earlier; returns this chunk's densities [num_layers] (a device tensor, the chunk's report's). The densities are copied to the host as this chunk's work ends, without a
-        sync, and read at the next review (waiting, if need be, for that chunk's end): the decisions
-        are the same however far the host runs ahead, and the host runs at most a chunk ahead.
+        chunk earlier; returns this chunk's densities [num_layers] (a device tensor, the chunk's
+        report's). The densities are copied to the host as this chunk's work ends, without a sync, and
+        read at the next review (waiting, if need be, for that chunk's end): the decisions are the same
+        however far the host runs ahead, and the host runs at most a chunk ahead.
         ``average``: where this AnnSA holds part of the heads (head parallelism), the densities'
         mean over the ranks, so every rank decides as one process does."""
         pending = self._review
