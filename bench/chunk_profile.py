@@ -31,9 +31,12 @@ GROUPS = [("sparse attention", ("_block_sparse", "block_sparse", "combine_splits
           ("reduce", ("reduce",))]
 
 
-# the e2e settings and the 12-frame pair the defaults are chosen between
+# the e2e settings, the 12-frame pair the defaults are chosen between, and AnnSA at 21 frames against
+# TempCache 21 alone (where it pays on one prompt and not on the other)
 SETTINGS = {**rollouts.SETTINGS, "window12": rollouts.SETTINGS["sink+window"],
-            "tempcache12": (fastar.TempCacheConfig(max_cache_frames=12), None)}
+            "tempcache12": (fastar.TempCacheConfig(max_cache_frames=12), None),
+            "tempcache21": (fastar.TempCacheConfig(max_cache_frames=21), None),
+            "fastar21": (fastar.TempCacheConfig(max_cache_frames=21), fastar.AnnConfig())}
 
 
 def group(name: str) -> str:
