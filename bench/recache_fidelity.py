@@ -31,6 +31,11 @@ CACHES = {
 }
 
 
+def distance(a: torch.Tensor, b: torch.Tensor, what: str) -> dict:
+    """PSNR (dB) and relative error of latents ``a`` against ``b``."""
+    return {f"psnr_{what}_db": round(psnr(a, b), 2), f"rel_{what}": round(((a - b).norm() / b.norm()).item(), 5)}
+
+
 class FullRecache(fastar.Rollout):
     """A rollout whose prompt switches re-encode every frame so far, as an unbounded cache's do."""
 
@@ -64,17 +69,14 @@ def main() -> None:
             print(f"[{time.time() - tic:.0f} s] {name} {label}", flush=True)
             if label == "bounded":
                 sink, recent = run.recache_chunks(switch)
-        a, b = out[name, "bounded"], out[name, "full"]
         rows[name] = {"chunks_re_encoded_bounded": len(sink) + len(recent), "chunks_re_encoded_full": args.switch_after,
-                      "psnr_bounded_vs_full_db": round(psnr(a, b), 2),
-                      "rel_bounded_vs_full": round(((a - b).norm() / b.norm()).item(), 5)}
+                      **distance(out[name, "bounded"], out[name, "full"], "bounded_vs_full")}
         print(name, rows[name], flush=True)
-    a, b = out["tempcache_defaults", "full"], out["window_3_12", "full"]
     result = {**header(args.device), "size": args.size, "shape": f"{args.width}x{args.height}", "chunk_frames": CHUNK,
               "switch_after_chunks": args.switch_after, "chunks_after": args.after,
               "testbed": "sensitized random weights (bench/common/testbed.py); the clip's prompt, then a Gaussian one",
-              "caches": rows, "scale": {"psnr_tempcache_vs_window_both_full_db": round(psnr(a, b), 2),
-                                        "rel_tempcache_vs_window_both_full": round(((a - b).norm() / b.norm()).item(), 5)}}
+              "caches": rows, "scale": distance(out["tempcache_defaults", "full"], out["window_3_12", "full"],
+                                                "tempcache_vs_window_both_full")}
     print("scale (the two caches, each fully re-cached):", result["scale"])
     write_json(args.out, "recache_fidelity.json", result)
 

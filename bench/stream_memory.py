@@ -249,43 +249,39 @@ def main() -> None:
     p.add_argument("--comfyui", help="--on-cuda: a ComfyUI tree (COMFYUI_PATH otherwise)")
     p.add_argument("--child", nargs=3, metavar=("PATH", "LENGTH", "WORK"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.on_cuda:
-        args.comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
-        rows = gpu_rows(args)
-        first = args.paths.split(",")[0]
-        stream = [r["peak_mb"] for r in rows if r["path"] == first]
-        result = {**header("cuda"), "gpu": True, "comfyui": args.comfyui, "size": "832x480",
-                  "vae": "Wan 2.1 VAE, dim 96, random weights", "model": "Wan 2.1 1.3B shapes, sensitized random "
-                  "weights (bench/common/testbed.py), bf16, FAST-AR at the pack's defaults",
-                  "rows": rows, "peak_spread_path": first, "peak_spread": round(max(stream) / min(stream) - 1, 3)}
-        write_json(args.out, f"{args.tag}.json", result)
-        plot(result, Path(args.out) / f"{args.tag}.png")
-        print(f"{first} GPU peak spread across lengths: {result['peak_spread']:.1%}")
-        return
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.size, args.dim, args.child[2])))
         return
-    rows = []
-    with tempfile.TemporaryDirectory() as work:
-        for length in map(int, args.lengths.split(",")):
-            for path in args.paths.split(","):
-                if path not in PATHS:
-                    p.error(f"--paths: {path!r} is not one of {', '.join(PATHS)}")
-                cmd = [sys.executable, __file__, "--size", str(args.size), "--dim", str(args.dim),
-                       "--child", path, str(length), work]
-                run = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
-                print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
-                      f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
-    first = args.paths.split(",")[0]  # the path whose flatness is the claim
+    paths = args.paths.split(",")
+    if any(path not in PATHS for path in paths):
+        p.error(f"--paths: choose among {', '.join(PATHS)}")
+    if args.on_cuda:
+        if any(not path.startswith("sampler") for path in paths):
+            p.error("--on-cuda runs the sampler paths only: sampler_stream, sampler_latent")
+        args.comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
+        rows = gpu_rows(args)
+        setup = {**header("cuda"), "gpu": True, "comfyui": args.comfyui, "size": "832x480",
+                 "vae": "Wan 2.1 VAE, dim 96, random weights", "model": "Wan 2.1 1.3B shapes, sensitized random "
+                 "weights (bench/common/testbed.py), bf16, FAST-AR at the pack's defaults"}
+    else:
+        rows = []
+        with tempfile.TemporaryDirectory() as work:
+            for length in map(int, args.lengths.split(",")):
+                for path in paths:
+                    cmd = [sys.executable, __file__, "--size", str(args.size), "--dim", str(args.dim),
+                           "--child", path, str(length), work]
+                    run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                    rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+                    print(f"{path:9s} {length:5d} frames: heap peak +{rows[-1]['peak_mb']:8.1f} MB, "
+                          f"RSS peak +{rows[-1]['rss_peak_mb']:8.1f} MB, {rows[-1]['seconds']:7.1f} s")
+        setup = {**header("cpu"), "comfyui": os.environ["COMFYUI_PATH"], "size": f"{args.size}x{args.size}",
+                 "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights"}
+    first = paths[0]  # the path whose flatness is the claim
     stream = [r["peak_mb"] for r in rows if r["path"] == first]
-    result = {**header("cpu"), "comfyui": os.environ["COMFYUI_PATH"], "size": f"{args.size}x{args.size}",
-              "vae": f"Wan 2.1 VAE architecture, dim {args.dim}, random weights",
-              "rows": rows, "peak_spread_path": first, "peak_spread": round(max(stream) / min(stream) - 1, 3)}
+    result = {**setup, "rows": rows, "peak_spread_path": first, "peak_spread": round(max(stream) / min(stream) - 1, 3)}
     write_json(args.out, f"{args.tag}.json", result)
     plot(result, Path(args.out) / f"{args.tag}.png")
     print(f"{first} peak spread across lengths: {result['peak_spread']:.1%}")
-
 
 if __name__ == "__main__":
     main()

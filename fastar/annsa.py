@@ -96,7 +96,7 @@ class AnnSA:
         # whether the history can ever be long enough for a sparse call to pay (``worth``): where it
         # cannot, no layer sorts its history
         reach = cache.config.history_frames
-        self.can_pay = reach is None or reach >= MIN_HISTORY_RATIO * (cache.config.sink_frames + cache.chunk_frames)
+        self.can_pay = reach is None or cache.config.sink_frames + reach >= self.least_budget()
         self._review = None  # the last chunk's densities: (their host copy, its CUDA event or None)
 
     @torch.no_grad()
