@@ -158,10 +158,10 @@ def run_library(path, context, setting, chunks, device, dims, profile_at):
     with torch.inference_mode(), memory(device, out):
         run = fastar.Rollout(model, context.to(device, model.dtype), frames=3 * chunks, height=dims[0],
                              width=dims[1], chunk_frames=3, cache=cache, ann=ann)
-        run.run(lambda r: rec(r.chunk, r.latency_s))
+        finite = bool(run.run(lambda r: rec(r.chunk, r.latency_s)).isfinite().all())
         del run
     del model
-    return {**out, **rec.summary(full_after(setting))}
+    return {**out, "finite": finite, **rec.summary(full_after(setting))}
 
 
 class Events:
@@ -208,11 +208,12 @@ def run_comfy(comfy, name, positive, setting, chunks, device, dims, profile_at, 
             length = (3 * chunks - 1) * 4 + 1
             with memory(device, out):
                 if graph == "long":
-                    AutoregressiveLongSampler.execute(patched, positive, dims[1], dims[0], length, 1, 0,
-                                                      "1000,750,500,250", 5.0, "3", 0.0, 1.0)
+                    latent = AutoregressiveLongSampler.execute(patched, positive, dims[1], dims[0], length, 1, 0,
+                                                               "1000,750,500,250", 5.0, "3", 0.0, 1.0).result[0]
                 else:
                     sampler = ARVideo.execute(3).result[0]
-                    core_graph(patched, positive, sampler, dims, length)
+                    latent = core_graph(patched, positive, sampler, dims, length)
+            out["finite"] = bool(latent["samples"].isfinite().all())  # a NaN video's times measure nothing
             out["engine"] = events.engine
             del model, patched
     finally:
@@ -357,8 +358,8 @@ def main(argv=None):
                 flag = {"comfy-bf16": "bf16", "comfy-fp8": "fp8"}.get(path)
                 r = run_comfy(comfy, "testbed.safetensors", positive, setting, args.chunks, device, dims,
                               args.profile_at, flag, "long")
-            print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}",
-                  flush=True)
+            print(f"   {r['median_ms']:.1f} ms/chunk, drift {r['drift_last_vs_first']:.3f}, engine {r.get('engine')}"
+                  + ("" if r["finite"] else ", OUTPUT NOT FINITE"), flush=True)
             rounds.setdefault(f"{path}/{setting}", []).append(r["median_ms"])
             r["round_medians_ms"] = rounds[f"{path}/{setting}"]
             r["median_ms"] = statistics.median(r["round_medians_ms"])
@@ -390,6 +391,9 @@ def report(results, out, tag="comfy_bench"):
         window = runs.get(name.replace("/fastar", "/window"))
         if name.endswith("/fastar") and window:
             print(f"{name.split('/')[0]}: the defaults at {r['median_ms'] / window['median_ms']:.3f}x sink 3 + window 12")
+    broken = [name for name, r in runs.items() if not r.get("finite", True)]
+    if broken:
+        print("NOT FINITE (their times measure a broken video):", ", ".join(broken))
     if "forward_agreement" in results:
         print("forward agreement:", {k: f"{v:.2e}" for k, v in results["forward_agreement"].items()})
     if out:

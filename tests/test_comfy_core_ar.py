@@ -181,6 +181,7 @@ def test_comfy_bench_runs_every_path_on_the_engine_it_names(comfy, tmp_path, twi
     assert engines.pop("comfy-fallback/fastar") == "comfy"
     assert {n for n, e in engines.items() if e == "library"} == {"library/fastar", "library/window"}
     assert {e for n, e in engines.items() if not n.startswith("library")} == {"fused"}
+    assert all(r["finite"] for n, r in results["runs"].items() if n != "core-sampler/dense")
     assert (tmp_path / "comfy_bench.json").is_file()
 
 
