@@ -52,6 +52,11 @@ FIGURES = (
            "the same on the clip's real prompt"),
     Figure("comfy_bench", ("comfy_bench.py", "--comfyui", "{comfyui}"), True, True, 9,
            "the ComfyUI paths against the library, ms per chunk"),
+    *(Figure(f"comfy_defaults_{p}", ("comfy_bench.py", "--comfyui", "{comfyui}", "--paths", "library,comfy-default,comfy-bf16",
+                                    "--prompt", p, "--repeats", "2", "--chunks", "24", "--profile-at", "1000", "--tag",
+                                    f"comfy_defaults_{p}"), True, True, 3,
+             f"the defaults against sink 3 + window 12 through ComfyUI's loader and the nodes, {what}")
+      for p, what in (("wan", "the clip's prompt"), ("random", "a Gaussian prompt"))),
     Figure("stream_memory", ("stream_memory.py", "--size", "64"), False, True, 35,
            "FAST-AR Save Video's peak memory by length against VAE Decode + Save Video"),
     Figure("sampler_stream_memory", ("stream_memory.py", "--size", "64", "--lengths", "61,241,601", "--paths",

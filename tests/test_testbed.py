@@ -223,6 +223,29 @@ def test_frontier_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_head_budgets_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "head_budgets.py"), "--smoke", "--shares", "0.5,1",
+                           "--repeats", "1", "--out", str(tmp_path)], env=TWINS, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "head_budgets_smoke.json").read_text())
+    rows = result["settings"]
+    split = [f"tempcache{b}-s{s}" for b in (6, 9) for s in ("0.5", "1", "1-most")]
+    assert set(rows) == {"window12", "tempcache6", "tempcache9", *split}
+    assert all(r["ms"] > 0 for n, r in rows.items() if not n.endswith("-most"))
+    assert all(rows[n]["ms"] is None for n in rows if n.endswith("-most"))  # the control is not timed
+    mass = torch.tensor(result["history_mass"])
+    assert mass.shape == (2, 2) and ((mass > 0) & (mass < 1)).all()
+    # half the heads static: per layer the one with the least history mass (the control: the most)
+    assert result["static_heads"]["tempcache6-s0.5"] == [[int(row.argmin())] for row in mass]
+    for b in (6, 9):
+        every = rows[f"tempcache{b}-s1"]
+        assert every["psnr_15"] == rows[f"tempcache{b}-s1-most"]["psnr_15"]  # all heads static either way
+        # static heads still read the sink, which the own-chunk control drops; and they lose the history
+        assert result["own_chunk_only"]["15"] < every["psnr_15"] < rows[f"tempcache{b}"]["psnr_15"]
+
+
+@pytest.mark.slow
 def test_ab_smoke(tmp_path):
     """A and B the same tree: two packages, one model's weights, so the latents must agree exactly."""
     root = os.path.dirname(BENCH)
@@ -298,7 +321,9 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
     lines = capsys.readouterr().out.splitlines()
     assert [x.split()[0] for x in lines[:-1:2]] == [f"{n}.png" for n in ("core_bench", "tempcache_bench", "ann_bench",
                                                                            "ann_bench_random", "e2e_bench", "frontier",
-                                                                           "frontier_wan", "comfy_bench", "stream_memory",
+                                                                           "frontier_wan", "comfy_bench",
+                                                                           "comfy_defaults_wan", "comfy_defaults_random",
+                                                                           "stream_memory",
                                                                            "sampler_stream_memory",
                                                                            "sampler_stream_memory_gpu")]
     assert f"ann_bench.py --prompt random --tag ann_bench_random --out {tmp_path}" in lines[7]

@@ -47,11 +47,13 @@ def reset_peak(device):
 
 def make_run(model, context, frames, hw, name, attention=None, cuda_graphs=True, settings=SETTINGS):
     """The rollout of setting ``name``: ``settings[name]`` is (cache, ann) or (cache, ann, options), options
-    the Rollout's further keywords, and "model": the model this setting runs (fp8 linears: another module
-    over the same weights). ``attention`` (a class over the cache) replaces its attention state."""
+    the Rollout's further keywords, "model": the model this setting runs (fp8 linears: another module
+    over the same weights), and "attention". ``attention`` (a class or a callable over the cache; the
+    setting's own, else the argument) replaces its attention state."""
     cache, ann, *options = settings[name]
     options = dict(options[0]) if options else {}
     model = options.pop("model", model)
+    attention = options.pop("attention", attention)
     run = fastar.Rollout(model, context, frames=frames, height=hw[0], width=hw[1], chunk_frames=CHUNK, cache=cache,
                          ann=ann, cuda_graphs=cuda_graphs, **options)
     if attention is not None:
