@@ -21,7 +21,8 @@ chunk at steady state against PSNR / SSIM after 81 and after 240 real cached fra
 Writes frontier.json after every group of settings (``"complete"`` once every setting of the grid is in it and
 the run finished: a run cut short keeps what it measured; ``--replot frontier.json`` draws it), frontier.png at the
 end (PSNR against ms per chunk, one panel per horizon, the Pareto front, the noise floor and the own-chunk control)
-and a table. ``--only`` takes setting-name prefixes (window, tempcache21, fastar81, ...), ``--merge`` keeps the
+and a table. ``--only`` takes setting-name prefixes (window, tempcache21, fastar81, ...), ``--budgets`` other
+TempCache budgets (13, 14: between two whole numbers of chunks), ``--merge`` keeps the
 settings of the --out folder's frontier.json this run does not measure (a run in parts), ``--twins-only`` measures
 the fp8 twins alone, ``--horizons`` other horizons.
 
@@ -286,6 +287,8 @@ def main():
     ap.add_argument("--floor-horizons", help=f"horizons with the fp32 noise floor (default {GRID['floor']}; "
                     f"--smoke {SMOKE['floor']})")
     ap.add_argument("--only", help="comma-separated setting-name prefixes (window, tempcache, fastar21, ...)")
+    ap.add_argument("--budgets", help=f"TempCache budgets in frames, comma-separated (default "
+                    f"{','.join(map(str, GRID['budgets']))}): any above the sink and a chunk, a whole number of chunks or not")
     ap.add_argument("--fp8", choices=tuple(PRECISIONS), default="none",
                     help="add a twin of every setting with the blocks' linears as fp8 GEMMs")
     ap.add_argument("--twins-only", action="store_true",
@@ -304,7 +307,9 @@ def main():
         plot(result, os.path.splitext(args.replot)[0] + ".png")
         print_table(result)
         return
-    g = SMOKE if args.smoke else GRID
+    g = dict(SMOKE if args.smoke else GRID)
+    if args.budgets:
+        g["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     horizons = sorted(int(h) for h in (args.horizons or g["horizons"]).split(","))
     floor = {int(h) for h in (g["floor"] if args.floor_horizons is None else args.floor_horizons).split(",") if h}
     floor &= set(horizons)
