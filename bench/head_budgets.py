@@ -69,7 +69,7 @@ def history_mass(model, context, hw, prefix, chunks):
     """[layers, heads] mean history mass over every forward of ``chunks`` chunks generated on TempCache 12
     after ``prefix`` real frames."""
     run = make_run(model, context, prefix + chunks * CHUNK, hw, "tempcache12", attention=HistoryMass,
-                   cuda_graphs=False, settings=grid())
+                   cuda_graphs=False, settings=grid()[0])
     with torch.inference_mode():
         RealVideoHistory(run, real_latents(prefix, *hw).to(context.device)).to(prefix)
         run.attention.recording = True
@@ -116,22 +116,22 @@ def split_heads(mass: torch.Tensor, share: float, least: bool = True) -> list[li
     return [sorted(order[layer, :n].tolist()) for layer in range(mass.shape[0])]
 
 
-def grid(mass=None, shares=(), budgets=(12, 21)) -> dict:
-    """Settings as common.rollouts.make_run takes them: the window and TempCache references, and per budget
-    and share the split by least mass (``tempcacheB-sF``) and, at the largest share, by most (``-most``)."""
+def grid(mass=None, shares=(), budgets=(12, 21)) -> tuple[dict, dict]:
+    """(settings, static heads): settings as common.rollouts.make_run takes them, the window and TempCache
+    references and per budget and share the split by least mass (``tempcacheB-sF``) and, at the largest share,
+    by most (``-most``); per split setting its static heads, layer by layer."""
     settings = {"dense": SETTINGS["dense"], "window12": (W("window", 3, 12), None)}
     for b in budgets:
         settings[f"tempcache{b}"] = (T(max_cache_frames=b), None)
-    if mass is None:
-        return settings
-    for b in budgets:
+    statics = {}
+    for b in budgets if mass is not None else ():
         for share in shares:
             for least in (True, False) if share == max(shares) else (True,):
-                static = split_heads(mass, share, least)
                 name = f"tempcache{b}-s{share:g}" + ("" if least else "-most")
+                static = statics[name] = split_heads(mass, share, least)
                 settings[name] = (T(max_cache_frames=b), None,
                                   {"attention": lambda cache, static=static: HeadBudgets(cache, static)})
-    return settings
+    return settings, statics
 
 
 def main():
@@ -152,7 +152,7 @@ def main():
     mass = history_mass(model, context, hw, 6 if args.smoke else 27, args.classify_chunks)
     print(f"[{time.time() - tic:.0f} s] history mass per head: mean {mass.mean():.3f}, per-layer spread "
           f"(max - min) median {(mass.max(1).values - mass.min(1).values).median():.3f}", flush=True)
-    settings = grid(mass, shares, budgets)
+    settings, statics = grid(mass, shares, budgets)
 
     timed = [n for n in settings if n != "dense" and not n.endswith("-most")]
     speed = {n: [] for n in timed}
@@ -165,8 +165,7 @@ def main():
             speed[name].append(steady_state(rows)["ms"])
             print(f"[{time.time() - tic:.0f} s] {name}: {speed[name][-1]:.1f} ms/chunk", flush=True)
 
-    model32 = None
-    fid = Fidelity(model, model32, context, horizons, hw, 2 * CHUNK, settings=settings, floor_horizons=[])
+    fid = Fidelity(model, None, context, horizons, hw, 2 * CHUNK, settings=settings, floor_horizons=[])
     fid.references()
     for names in fid.groups():
         fid.measure(names)
@@ -192,7 +191,7 @@ def main():
                                                                   CHUNK, "size": size},
                 "testbed": "sensitized random weights (bench/common/testbed.py)", "shares": shares,
                 "history_mass": [[round(x, 4) for x in row] for row in mass.tolist()],
-                "static_heads": {n: s[2]["attention"].__defaults__[0] for n, s in settings.items() if len(s) > 2},
+                "static_heads": statics,
                 "settings": rows, "own_chunk_only": own, "horizons": horizons})
 
 

@@ -72,8 +72,8 @@ def folds(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def fold_bias_channels(out: torch.Tensor, key_bias: torch.Tensor, scale: float) -> None:
     """Write ``key_bias`` [..., H, L] into the key channels ``out`` [..., L, H, 2] as hi + lo = bias / scale,
     two parts in ``out``'s dtype whose sum carries twice its bits. -inf (an empty slot) becomes a logit of
-    -1e4, or the lowest half of fp16's range holds (-2900 at D 128): -1e4 / scale overflows fp16 to -inf,
-    and hi + lo = -inf + inf is NaN."""
+    -1e4, or of half the dtype's lowest value where that is higher (fp16: -2900 at D 128): -1e4 / scale
+    overflows fp16 to -inf, and hi + lo = -inf + inf is NaN."""
     empty = max(_EMPTY, 0.5 * torch.finfo(out.dtype).min * scale)
     target = (key_bias.clamp_min(empty) / scale).transpose(-1, -2)  # [..., L, H]
     head = target.to(out.dtype)
