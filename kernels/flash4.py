@@ -55,7 +55,7 @@ def runs(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[-1] in (64, 128) and k.shape[1] >= MIN_KEYS and available(q)
 
 
-#: Channels the key fold adds: the bias's bf16 head and tail, padded to 16 (wgmma's K step).
+#: Channels the key fold adds: the bias's head and tail (in the keys' dtype), padded to 16 (wgmma's K step).
 KEY_PAD = 16
 #: The logit an empty slot (bias -inf) gets in the key fold: exp of it is 0 in fp32.
 _EMPTY = -1e4
