@@ -20,7 +20,7 @@ The testbed's weights are random (sensitized, bench/common/testbed.py): head rol
 checkpoints, so the split found here says how much the history of the least-attending heads is worth on this
 testbed, not on a trained model.
 
-    python bench/head_budgets.py --prompt wan|random --out bench/results    # H200 ~5 min a prompt
+    python bench/head_budgets.py --prompt wan|random --out bench/results    # H200 ~3 min a prompt
     python bench/head_budgets.py --smoke --out /tmp                          # tiny model on the CPU
 """
 from __future__ import annotations
