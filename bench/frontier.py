@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -51,7 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import SENSITIVE, fastar, header, parser, random_prompt, shapes, testbed_model, write_json  # noqa: E402
-from common.rollouts import Fidelity, real_rollout, sharing, steady_state  # noqa: E402
+from common.rollouts import Fidelity, chunks_for, real_rollout, sharing, steady_state  # noqa: E402
 from common.testbed import CHUNK, prompt_context, testbed  # noqa: E402
 
 SINK = 3
@@ -89,11 +88,6 @@ def grid(g: dict, fp8: str, fp8_model=None) -> tuple[dict, dict]:
             settings[name + suffix] = (cache, ann, options)
             meta[name + suffix] = {"family": family, "precision": precision, "held_frames": held}
     return settings, meta
-
-
-def chunks_for(held: int, extra: int = 0) -> int:
-    """Chunks of a rollout whose cache is full (``held`` frames) for its last 5 chunks."""
-    return math.ceil(held / CHUNK) + 5 + extra
 
 
 # -- the cost of a run on an H200, from the committed results ---------------------------------------------------

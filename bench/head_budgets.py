@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, shapes, write_json  # noqa: E402
 from common.realvideo import real_latents  # noqa: E402
-from common.rollouts import SETTINGS, Fidelity, make_run, real_rollout, steady_state  # noqa: E402
+from common.rollouts import SETTINGS, Fidelity, chunks_for, make_run, real_rollout, steady_state  # noqa: E402
 from common.testbed import CHUNK, RealVideoHistory, generate, testbed  # noqa: E402
 
 T, W = fastar.TempCacheConfig, fastar.CacheConfig
@@ -159,8 +159,7 @@ def main():
     for _ in range(args.repeats):
         for name in timed:
             cache = settings[name][0]
-            held = cache.max_cache_frames if isinstance(cache, T) else cache.sink_frames + cache.window_frames
-            chunks = held // CHUNK + 5
+            chunks = chunks_for(cache.sink_frames + cache.history_frames)
             rows = real_rollout(model, context, chunks, hw, name, log_every=10 ** 6, settings=settings)
             speed[name].append(steady_state(rows)["ms"])
             print(f"[{time.time() - tic:.0f} s] {name}: {speed[name][-1]:.1f} ms/chunk", flush=True)

@@ -283,5 +283,6 @@ def main() -> None:
     plot(result, Path(args.out) / f"{args.tag}.png")
     print(f"{first} peak spread across lengths: {result['peak_spread']:.1%}")
 
+
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ and the fidelity table (``Fidelity``: generated latents after real cached frames
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -85,6 +86,11 @@ def real_rollout(model, context, chunks, hw, name, log_every=40, cuda_graphs=Tru
         run.run(on_chunk)
     del run
     return rows
+
+
+def chunks_for(held: int, extra: int = 0) -> int:
+    """Chunks of a rollout whose cache is full (``held`` frames) for its last 5 chunks (``steady_state``'s)."""
+    return math.ceil(held / CHUNK) + 5 + extra
 
 
 def steady_state(rows, last=5):
