@@ -16,48 +16,20 @@ is not timed here: ``bench/ann_bound.py`` times it).
 """
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402,F401
+from common import fastar, header, parser, write_json  # noqa: E402,F401
+from common.attention import D, FIXED, H, LQ, TPF, inputs, reference, rel, timed  # noqa: E402
 from comfyui_fastar.fastar import sdpa  # noqa: E402
 from comfyui_fastar.kernels import flash4  # noqa: E402
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention  # noqa: E402
 from comfyui_fastar.kernels.plan import runs_to_ranges  # noqa: E402
 
-TPF, LQ, H, D = 1560, 3 * 1560, 12, 128
-FIXED = 6 * TPF  # sink 3 + the open chunk 3
 KB = 128         # AnnSA's key block
-
-
-def inputs(frames: int, g):
-    lk = FIXED + frames * TPF
-    q = torch.randn(1, LQ, H, D, device="cuda", generator=g).bfloat16()
-    k = torch.randn(1, lk, H, D, device="cuda", generator=g).bfloat16()
-    v = torch.randn(1, lk, H, D, device="cuda", generator=g).bfloat16()
-    m = torch.randint(1, 5, (1, H, lk), device="cuda", generator=g).float()
-    bias = m.log()
-    bias[..., :FIXED] = 0.0
-    return q, k, v, bias.contiguous()
-
-
-def reference(q, k, v, bias, rows, keep=None):
-    """fp32 attention of the sampled query rows; ``keep`` [H, rows, Lk] bool restricts the keys."""
-    qs = q[:, rows].float().transpose(1, 2)
-    logits = qs @ k.float().transpose(1, 2).transpose(-1, -2) / math.sqrt(D) + bias[:, :, None]
-    if keep is not None:
-        logits = logits.masked_fill(~keep[None], float("-inf"))
-    return (logits.softmax(-1) @ v.float().transpose(1, 2)).transpose(1, 2)
-
-
-def rel(out, ref, rows):
-    o = out[:, rows].float()
-    return ((o - ref).norm() / ref.norm()).item()
 
 
 def random_plan(frames: int, density: float, block_q: int, g):
@@ -95,28 +67,6 @@ def keep_mask(sel, frames, block_q, rows):
     qb = rows // block_q
     picked = sel[0][:, qb][..., hist_block]  # [H, LQ, Lk]
     return picked | (blk < FIXED)
-
-
-def timed(fns: dict, rounds: int = 5) -> dict:
-    """name -> median ms over rounds, each round every path once (CUDA-graph replay where it captures)."""
-    calls = {}
-    for name, fn in fns.items():
-        try:
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            calls[name] = graph.replay
-        except Exception as e:  # noqa: BLE001 - a path that cannot capture is timed eagerly
-            torch.cuda.synchronize()
-            print(f"  {name}: eager ({type(e).__name__}: {str(e)[:120]})")
-            calls[name] = fn
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(cuda_ms(call, reps=5, warmup=1))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
