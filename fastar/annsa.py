@@ -320,16 +320,18 @@ class AnnSA:
         if prior is not None:
             ranges, counts = ranges[:, :, :, 2:], counts - 2
             if fa4:
-                return self._attend_blocks(q, keys, values, bias, ranges, counts, prior, self.cache.folded_keys(layer))
+                return self._attend_blocks(q, keys, values, bias, ranges, counts, prior, self.cache.folded_keys(layer),
+                                           self.cache.folded_queries(q))
         out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                           ranges, counts, key_bias=bias, block_q=self.config.block_q, prior=prior,
                                           bias_window=layout.bias)
         return out.transpose(1, 2)
 
-    def _attend_blocks(self, q, keys, values, bias, ranges, counts, prior, folded=None):
+    def _attend_blocks(self, q, keys, values, bias, ranges, counts, prior, folded=None, folded_q=None):
         """``attention``'s history on FlashAttention-4's block sparsity (Hopper): the plan's history
         ranges as lists of its ``KEY_BLOCK`` blocks, ``FA4_BLOCK_Q`` queries a list, read over the
-        history's view with TempCache's bias (``folded``: the cache's keys with it folded in), joined to
+        history's view with TempCache's bias (``folded``: the cache's keys with it folded in; ``folded_q``:
+        q's fold where the model computed q in it), joined to
         the prior (cuDNN's softmax over the keys every query reads)."""
         hist = self.cache.layout.history
         if hist.stop <= hist.start:
@@ -342,7 +344,7 @@ class AnnSA:
             window = (min(max(lo - hist.start, 0), hist.stop - hist.start), max(min(hi, hist.stop) - hist.start, 0))
             bias = bias[..., hist]
         out, lse = flash4.attention(q, keys[:, hist], values[:, hist], key_bias=bias, bias_window=window,
-                                    folded=folded[:, hist] if folded is not None else None,
+                                    folded=folded[:, hist] if folded is not None else None, folded_q=folded_q,
                                     blocks=blocks, block_size=(FA4_BLOCK_Q, KEY_BLOCK))
         return flash4.join(prior[0].transpose(1, 2), prior[1], out, lse)
 

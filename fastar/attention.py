@@ -101,6 +101,11 @@ class FastARAttention:
         ``KVCache.rows``), for a model to compute them there; None without a cache."""
         return self.cache.rows(layer) if self.cache is not None else None
 
+    def q_rows(self, layer: int):
+        """Where a self-attention call's q may be computed (``KVCache.q_rows``: the view of a fold the biased
+        call then reads as it is); None without a cache or where it keeps no fold."""
+        return self.cache.q_rows() if self.cache is not None else None
+
     def graph_key(self):
         """The cache's ``graph_key`` plus AnnSA's written layers (a layer's first plan over
         history has no key blocks yet), the layers where its sparse calls pay and whether the history
@@ -127,8 +132,8 @@ class FastARAttention:
         if self.annsa is not None and self._sparse(layer) and self.annsa.runs(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)
         else:
-            out = attend_biased(q, keys, values, bias, self.cache.layout.bias, self.cache.folded_keys(layer)) \
-                if bias is not None else attend(q, keys, values)
+            out = attend_biased(q, keys, values, bias, self.cache.layout.bias, self.cache.folded_keys(layer),
+                                self.cache.folded_queries(q)) if bias is not None else attend(q, keys, values)
         if self.cache.clean_pass:
             self._write_history(layer, q)
         return out

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import flash4
 from ..kernels.rows import gather_rows_auto
 from .sdpa import side_stream
 from .config import CacheConfig
@@ -102,6 +103,10 @@ class KVCache:
             self.v = torch.zeros(shape, device=self.device, dtype=dtype)
             self.log_count_bias = (torch.zeros(num_layers, batch, num_heads, tokens, device=self.device)
                                    if self.has_bias else None)
+            # with folded keys, the open chunk's queries folded too: a model computes them into the first
+            # D channels (``q_rows``), so no call folds q anew
+            self._queries = flash4.query_fold(batch, chunk_frames * tokens_per_frame, num_heads, head_dim, dtype,
+                                              self.device) if key_pad else None
         except torch.OutOfMemoryError:
             gb = (2 * head_dim + key_pad) / head_dim * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() / 1e9
             raise FastARError(f"a KV cache of {capacity_frames} frames needs {gb:.1f} GB and does not fit on "
@@ -172,6 +177,24 @@ class KVCache:
         stop = self.layout.attended
         bias = self.log_count_bias[layer, ..., :stop] if self.has_bias else None
         return self.k[layer, :, :stop], self.v[layer, :, :stop], bias
+
+    def q_rows(self) -> torch.Tensor | None:
+        """Where a model may compute the open chunk's queries ([B, n, H, D], a view of their fold, which
+        ``folded_queries`` then hands to FA4 as it is); None where the cache keeps no fold. One buffer for
+        every layer: a layer's attention reads its q before the next layer's is made."""
+        if self._queries is None:
+            return None
+        if self.layout is None:
+            raise FastARError("the open chunk's query rows (KVCache.q_rows) need an open chunk: call begin_chunk first")
+        span = self.layout.chunk
+        return self._queries[:, :span.stop - span.start, :, :self.head_dim]
+
+    def folded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
+        """q's fold [B, n, H, D + key_pad] where q is ``q_rows``' view (the model computed it there), else None."""
+        qf = self._queries
+        if qf is None or q.data_ptr() != qf.data_ptr() or q.stride() != qf.stride() or q.shape[1] > qf.shape[1]:
+            return None
+        return qf[:, :q.shape[1]]
 
     def folded_keys(self, layer: int) -> torch.Tensor | None:
         """The keys ``attend`` returns with their bias folded into ``key_pad`` more channels ([B, attended,
@@ -267,7 +290,7 @@ class KVCache:
             tokens_held=self.frames_held * self.tokens_per_frame,
             dense_tokens=self.frames_cached * self.tokens_per_frame,
             capacity_tokens=self.capacity_frames * self.tokens_per_frame,
-            bytes=sum(t.nbytes for t in (self._keys, self.v, self.log_count_bias) if t is not None),
+            bytes=sum(t.nbytes for t in (self._keys, self.v, self.log_count_bias, self._queries) if t is not None),
             bytes_per_token=2 * self.num_layers * self.batch * self.num_heads * self.head_dim * self.k.element_size(),
         )
 

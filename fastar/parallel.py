@@ -160,6 +160,9 @@ class HeadParallelAttention(FastARAttention):
     def kv_rows(self, layer: int):
         return None  # the cache's rows hold all tokens of the rank's heads: K/V come in token shards
 
+    def q_rows(self, layer: int):
+        return None  # likewise q
+
     def self_attention(self, layer: int, q, k, v):
         p = self.parallel
         return p.to_tokens(super().self_attention(layer, p.to_heads(q), p.to_heads(k), p.to_heads(v)))

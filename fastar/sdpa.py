@@ -101,15 +101,17 @@ _DENSE_PLANS: dict = {}
 
 
 def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
-                  bias_window: tuple[int, int], folded: torch.Tensor | None = None) -> torch.Tensor:
+                  bias_window: tuple[int, int], folded: torch.Tensor | None = None,
+                  folded_q: torch.Tensor | None = None) -> torch.Tensor:
     """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
 
     With FlashAttention-4 (Hopper): one call over all keys, the bias folded into the keys (``folded``,
-    the cache's own fold, ``KVCache.folded_keys``; else ``flash4.fold_bias_into_keys``). Else on a GPU:
-    the block-sparse kernel (``attend_biased_kernel``).
+    the cache's own fold, ``KVCache.folded_keys``, with q's where the model made it there, ``folded_q``;
+    else ``flash4.fold_bias_into_keys``). Else on a GPU: the block-sparse kernel (``attend_biased_kernel``).
     """
     if flash4.runs(q, k):
-        return flash4.attention(q, k, v, key_bias=key_bias, bias_window=bias_window, folded=folded)[0]
+        return flash4.attention(q, k, v, key_bias=key_bias, bias_window=bias_window, folded=folded,
+                                folded_q=folded_q)[0]
     if not use_kernel(q, kernel_supports(q, 64), interpreted=False):
         return attend(q, k, v, key_bias=key_bias)
     return attend_biased_kernel(q, k, v, key_bias, bias_window)

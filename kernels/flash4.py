@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["KEY_PAD", "MIN_KEYS", "attention", "available", "fold_bias_channels", "fold_bias_into_keys", "fold_queries",
-           "folds", "join", "runs"]
+           "folds", "join", "query_fold", "runs"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,12 +81,18 @@ def fold_bias_channels(out: torch.Tensor, key_bias: torch.Tensor, scale: float) 
     out[..., 1] = (target - head.float()).to(out.dtype)
 
 
+def query_fold(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[B, L, H, D + 16] zeros but for the bias channels' 1 1: queries written into its first D channels
+    are folded (``fold_queries``), so a model may compute them there (``KVCache.q_rows``)."""
+    qp = torch.zeros(batch, length, heads, head_dim + KEY_PAD, dtype=dtype, device=device)
+    qp[..., head_dim:head_dim + 2] = 1.0
+    return qp
+
+
 def fold_queries(q: torch.Tensor) -> torch.Tensor:
     """q' = [q | 1 1 | 0...] [B, L, H, D + 16]: against folded keys, scale * q' . k' = scale * q . k + bias."""
-    d = q.shape[-1]
-    qp = torch.zeros(*q.shape[:3], d + KEY_PAD, dtype=q.dtype, device=q.device)
-    qp[..., :d] = q
-    qp[..., d:d + 2] = 1.0
+    qp = query_fold(*q.shape, q.dtype, q.device)
+    qp[..., :q.shape[-1]] = q
     return qp
 
 
@@ -114,15 +120,17 @@ def fold_bias_into_keys(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: torch.Tensor | None = None,
               bias_window: tuple[int, int] | None = None, folded: torch.Tensor | None = None,
-              blocks: tuple[torch.Tensor, torch.Tensor] | None = None, block_size: tuple[int, int] = (128, 128)):
+              folded_q: torch.Tensor | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+              block_size: tuple[int, int] = (128, 128)):
     """Softmax attention of q [B, Lq, H, D] over k / v [B, Lk, H, D]: (out [B, Lq, H, D], lse [B, H, Lq]).
 
     ``key_bias`` [B, H, Lk] fp32: an additive logit per key on keys ``bias_window`` (TempCache's log m;
     -inf: an empty slot), folded into the keys (:func:`fold_bias_into_keys`); ``folded`` [B, Lk, H, D + 16]:
     the keys with that bias folded already (the cache's own, ``KVCache.folded_keys``; ``k`` and ``key_bias``
-    are then not read). ``blocks`` = (counts [B, H, nqb], indices [B, H, nqb, N]) int32: query block i
-    (``block_size[0]`` queries) reads only key blocks ``indices[..., i, :counts[..., i]]`` of
-    ``block_size[1]`` keys each.
+    are then not read); ``folded_q`` [B, Lq, H, D + 16]: with ``folded``, q's fold made already (q computed
+    into its first D channels, ``KVCache.folded_queries``), read in place of a fold per call. ``blocks`` =
+    (counts [B, H, nqb], indices [B, H, nqb, N]) int32: query block i (``block_size[0]`` queries) reads only
+    key blocks ``indices[..., i, :counts[..., i]]`` of ``block_size[1]`` keys each.
     """
     interface, sparse_tensors = _module()
     kwargs = {}
@@ -133,7 +141,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: to
             full_block_cnt=counts, full_block_idx=idx, block_size=block_size)
     scale = q.shape[-1] ** -0.5
     if folded is not None:
-        q, k = fold_queries(q), folded
+        q, k = fold_queries(q) if folded_q is None else folded_q, folded
     elif key_bias is not None:
         q, k = fold_bias_into_keys(q, k, key_bias, bias_window, scale)
     return tuple(interface._flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True, **kwargs)[:2])

@@ -63,6 +63,36 @@ def test_off_hopper_fa4_is_not_used():
     assert not flash4.runs(q, k) and not flash4.available(q)
 
 
+def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, model="tiny", ctx_dim=None):
+    """Two TempCache rollouts of one model, one computing each self-attention call's q into the cache's query
+    fold (``KVCache.q_rows``), the other with q made apart: (videos, whether each call of the first found its
+    q in the fold, the first's cache)."""
+    from comfyui_fastar.fastar import Rollout, TempCacheConfig
+    from comfyui_fastar.fastar.models import build_model
+    model = build_model(model, device=device, dtype=dtype, seed=2)
+    ctx = torch.randn(1, 8, model.text_dim, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
+    settings = dict(frames=frames, height=height, width=width, chunk_frames=3, seed=1, ann=ann,
+                    cache=TempCacheConfig(max_cache_frames=9, sink_frames=3, merge_threshold=0.3))
+    folded, apart = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
+    apart.attention.q_rows = lambda layer: None
+    found, real = [], folded.cache.folded_queries
+    folded.cache.folded_queries = lambda q: found.append(real(q) is not None) or real(q)
+    return (folded.run(), apart.run()), found, folded.cache
+
+
+def test_queries_computed_into_the_cache_fold_are_read_there(monkeypatch):
+    """Where TempCache keeps its keys folded, the model computes each self-attention call's q into the
+    cache's query fold (no fold per call): every call finds q there, the fold's own channels stay
+    1 1 | 0 ..., and the video is the one q made apart gives. (The fold forced on the CPU: the calls then
+    read q through its strides on the torch paths.)"""
+    monkeypatch.setattr(flash4, "folds", lambda *a: True)
+    (got, want), found, cache = _q_fold_rollouts("cpu", torch.float32)
+    assert cache.key_pad == flash4.KEY_PAD and found and all(found)
+    qf, d = cache._queries, cache.head_dim
+    assert (qf[..., d:d + 2] == 1).all() and (qf[..., d + 2:] == 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 cuda_fa4 = pytest.mark.skipif(not (torch.cuda.is_available() and flash4.available(
     torch.empty(1, device="cuda", dtype=torch.bfloat16) if torch.cuda.is_available() else torch.empty(1))),
     reason="FlashAttention-4 is not installed on a Hopper GPU (pip install comfyui-fastar[hopper])")
@@ -151,3 +181,17 @@ def test_folded_cache_keeps_the_fold_of_its_bias_on_the_gpu(dtype):
         assert torch.equal(cache.folded_keys(layer), want)
         assert torch.equal(sdpa.attend_biased(q, keys, values, bias, cache.layout.bias, cache.folded_keys(layer)),
                            sdpa.attend_biased(q, keys, values, bias, cache.layout.bias))
+
+
+@pytest.mark.cuda
+@cuda_fa4
+def test_queries_computed_into_the_cache_fold_on_fa4():
+    """On FA4 (TempCache + AnnSA at 1560 tokens a frame, bf16): every self-attention call reads q from the
+    cache's query fold, and the video is the one q made apart (and folded per call) gives."""
+    from comfyui_fastar.fastar import AnnConfig
+    from comfyui_fastar.fastar.models import WanConfig
+    config = WanConfig(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=64, freq_dim=64)
+    (got, want), found, _ = _q_fold_rollouts("cuda", torch.bfloat16, ann=AnnConfig(), frames=15, height=480,
+                                             width=832, model=config)
+    assert found and all(found)
+    assert got.isfinite().all() and rel(got, want) < 1e-2  # merges add atomically: not bit-identical

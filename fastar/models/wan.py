@@ -176,13 +176,17 @@ class WanAttention(nn.Module):
 
     def _qkv(self, x, freqs, attention, layer):
         """q, k, v [B, L, H, D]; k and v computed straight into the KV cache's rows of the open chunk
-        (``FastARAttention.kv_rows``) where their layout allows: no copy per forward into the cache."""
+        (``FastARAttention.kv_rows``) where their layout allows: no copy per forward into the cache; q
+        into the cache's query fold where it keeps one (``FastARAttention.q_rows``): no fold per call."""
         rows = attention.kv_rows(layer)
         k_rows, v_rows = rows if rows is not None and rows[0].dtype == x.dtype else (None, None)
+        q_rows = attention.q_rows(layer)
+        if q_rows is not None and (q_rows.dtype != x.dtype or q_rows.shape[:2] != x.shape[:2]):
+            q_rows = None
         # fp8 projections share one quantization of x
         fp8 = all(isinstance(p, Fp8Linear) for p in (self.q, self.k, self.v))
         kw = {"rows": quantize_rows_auto(x.reshape(-1, x.shape[-1]))} if fp8 else {}
-        q = self._norm_rope(self.norm_q, self.q(x, **kw), freqs)
+        q = self._norm_rope(self.norm_q, self.q(x, **kw), freqs, out=q_rows)
         k = self._norm_rope(self.norm_k, self.k(x, **kw), freqs, out=k_rows)
         if v_rows is None or not v_rows.is_contiguous():  # several batches: copied
             return q, k, self.heads(self.v(x, **kw))
