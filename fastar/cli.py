@@ -113,7 +113,12 @@ def run(args) -> list[dict]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastARError(f"--device {args.device}: no CUDA device is available")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: a GPU per process
+        local = int(os.environ.get("LOCAL_RANK", "0"))  # under torchrun: a GPU per process
+        if local >= torch.cuda.device_count():  # else NCCL waits out its timeout on two ranks sharing a GPU
+            raise FastARError(f"local rank {local} under torchrun needs GPU {local}, and this machine shows "
+                              f"{torch.cuda.device_count()}: start at most that many processes a node "
+                              f"(torchrun --nproc_per_node), or run them with --device cpu")
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     group = init_group(timeout_s=args.dist_timeout, device=device)  # under torchrun: head parallelism
     try:

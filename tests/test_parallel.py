@@ -215,13 +215,15 @@ def test_heads_must_divide_among_the_ranks(tmp_path):
 
 def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_path):
     """The CLI as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set):
-    two processes, rank 0 alone reports, and the latents equal one process's."""
+    two processes, rank 0 alone reports, and the latents equal one process's (on the CPU, gloo: two
+    ranks need two GPUs)."""
     import subprocess
     import sys
     from safetensors.torch import load_file
 
     args = ["--frames", "4", "--chunk-frames", "1", "--height", "64", "--width", "64", "--max-cache-frames", "3",
-            "--sink-frames", "1", "--ann", "quant", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S)]
+            "--sink-frames", "1", "--ann", "quant", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S),
+            "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
 
@@ -240,6 +242,20 @@ def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_pa
     assert outs[1][0] == "" and not (tmp_path / "rank1.json").exists()
     got, ref = (load_file(str(tmp_path / f"{n}.safetensors"))["latent"] for n in ("rank0", "one"))
     assert rel(got, ref) <= 1e-5
+
+
+def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch, capsys):
+    """torchrun with more processes a node than GPUs: the rank without a GPU says so in one line, instead
+    of NCCL timing out on two ranks sharing one."""
+    from comfyui_fastar.fastar.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    assert main(["--frames", "4", "--height", "64", "--width", "64"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fastar: error: local rank 1 under torchrun needs GPU 1, and this machine shows 1: start at most that many "
+        "processes a node (torchrun --nproc_per_node), or run them with --device cpu")
 
 
 def test_one_rank_runs_the_one_process_path(tmp_path):
