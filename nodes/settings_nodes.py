@@ -32,7 +32,8 @@ class PatchModel(io.ComfyNode):
                 io.Boolean.Input("fp8_linears", default=d.fp8_linears, optional=True,
                                  tooltip="The blocks' linear layers as fp8 matmuls (fp8_e4m3fn weights as they are, "
                                          "bf16 / fp16 ones through an fp8 copy of half their size). Faster on 14B "
-                                         "models, slower on 1.3B ones, at a few % of each layer's output in error; "
+                                         "models, slower on 1.3B ones, at a few % of each layer's output in error, "
+                                         "which a long video adds up (dB below bf16: see the README); "
                                          "needs a GPU with fp8 tensor cores (RTX 40 / H100 on)."),
             ],
             outputs=[io.Model.Output()],
