@@ -66,7 +66,7 @@ def test_off_hopper_fa4_is_not_used():
 def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, model="tiny", ctx_dim=None):
     """Two TempCache rollouts of one model, one computing each self-attention call's q into the cache's query
     fold (``KVCache.q_rows``), the other with q made apart: (videos, whether each call of the first found its
-    q in the fold, the first's cache)."""
+    q in the fold, the first's cache, its AnnSA's sparse calls)."""
     from comfyui_fastar.fastar import Rollout, TempCacheConfig
     from comfyui_fastar.fastar.models import build_model
     model = build_model(model, device=device, dtype=dtype, seed=2)
@@ -77,17 +77,23 @@ def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, mo
     apart.attention.q_rows = lambda layer: None
     found, real = [], folded.cache.folded_queries
     folded.cache.folded_queries = lambda q: found.append(real(q) is not None) or real(q)
-    return (folded.run(), apart.run()), found, folded.cache
+    sparse = []
+    if ann is not None:
+        annsa = folded.attention.annsa
+        attend = annsa.attention
+        annsa.attention = lambda *a, **k: sparse.append(1) or attend(*a, **k)
+    return (folded.run(), apart.run()), found, folded.cache, len(sparse)
 
 
 def test_queries_computed_into_the_cache_fold_are_read_there(monkeypatch):
     """Where TempCache keeps its keys folded, the model computes each self-attention call's q into the
     cache's query fold (no fold per call): every call finds q there, the fold's own channels stay
-    1 1 | 0 ..., and the video is the one q made apart gives. (The fold forced on the CPU: the calls then
-    read q through its strides on the torch paths.)"""
+    1 1 | 0 ..., and the video is the one q made apart gives, AnnSA's sparse calls among them. (The fold forced
+    on the CPU: the calls then read q through its strides on the torch paths.)"""
+    from comfyui_fastar.fastar import AnnConfig
     monkeypatch.setattr(flash4, "folds", lambda *a: True)
-    (got, want), found, cache = _q_fold_rollouts("cpu", torch.float32)
-    assert cache.key_pad == flash4.KEY_PAD and found and all(found)
+    (got, want), found, cache, sparse = _q_fold_rollouts("cpu", torch.float32, ann=AnnConfig(keep_fraction=0.5))
+    assert cache.key_pad == flash4.KEY_PAD and found and all(found) and sparse
     qf, d = cache._queries, cache.head_dim
     assert (qf[..., d:d + 2] == 1).all() and (qf[..., d + 2:] == 0).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -191,7 +197,7 @@ def test_queries_computed_into_the_cache_fold_on_fa4():
     from comfyui_fastar.fastar import AnnConfig
     from comfyui_fastar.fastar.models import WanConfig
     config = WanConfig(dim=256, ffn_dim=256, num_heads=2, num_layers=2, text_dim=64, freq_dim=64)
-    (got, want), found, _ = _q_fold_rollouts("cuda", torch.bfloat16, ann=AnnConfig(), frames=15, height=480,
-                                             width=832, model=config)
-    assert found and all(found)
+    (got, want), found, _, sparse = _q_fold_rollouts("cuda", torch.bfloat16, ann=AnnConfig(), frames=15, height=480,
+                                                     width=832, model=config)
+    assert found and all(found) and sparse  # AnnSA's blocks on FA4 among the calls
     assert got.isfinite().all() and rel(got, want) < 1e-2  # merges add atomically: not bit-identical
