@@ -63,7 +63,7 @@ def test_off_hopper_fa4_is_not_used():
     assert not flash4.runs(q, k) and not flash4.available(q)
 
 
-def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, model="tiny", ctx_dim=None):
+def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, model="tiny"):
     """Two TempCache rollouts of one model, one computing each self-attention call's q into the cache's query
     fold (``KVCache.q_rows``), the other with q made apart: (videos, whether each call of the first found its
     q in the fold, the first's cache, its AnnSA's sparse calls)."""
