@@ -35,15 +35,10 @@ VARIANTS = {
 
 
 def fold(q, k, bias, pad):
-    """(q', k') at head dim D + pad: the bias's hi / lo parts in channels D, D + 1 (``flash4``'s fold)."""
-    scale = D ** -0.5
-    kp = torch.zeros(*k.shape[:3], D + pad, dtype=k.dtype, device=k.device)
-    kp[..., :D] = k
-    flash4.fold_bias_channels(kp[..., D:D + 2], bias, scale)
-    qp = torch.zeros(*q.shape[:3], D + pad, dtype=q.dtype, device=q.device)
-    qp[..., :D] = q
-    qp[..., D:D + 2] = 1.0
-    return qp, kp
+    """(q', k') at head dim D + pad: ``flash4``'s fold (D + 16 channels), widened with zero channels."""
+    qp, kp = flash4.fold_bias_into_keys(q, k, bias)
+    extra = (0, pad - flash4.KEY_PAD)
+    return torch.nn.functional.pad(qp, extra), torch.nn.functional.pad(kp, extra)
 
 
 def main():
