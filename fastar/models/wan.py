@@ -181,8 +181,7 @@ class WanAttention(nn.Module):
         rows = attention.kv_rows(layer)
         k_rows, v_rows = rows if rows is not None and rows[0].dtype == x.dtype else (None, None)
         q_rows = attention.q_rows(layer)
-        if q_rows is not None and (q_rows.dtype != x.dtype or q_rows.shape[:2] != x.shape[:2]):
-            q_rows = None
+        q_rows = q_rows if q_rows is not None and q_rows.dtype == x.dtype else None
         # fp8 projections share one quantization of x
         fp8 = all(isinstance(p, Fp8Linear) for p in (self.q, self.k, self.v))
         kw = {"rows": quantize_rows_auto(x.reshape(-1, x.shape[-1]))} if fp8 else {}
