@@ -158,11 +158,13 @@ def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tens
 
 
 def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, int]:
-    """Latent height, width and tokens per latent frame for a pixel size."""
+    """Latent height, width and tokens per latent frame for a pixel size (a model's ``vae_scale`` pixels
+    to a latent pixel: Wan's VAE's 8 unless it says otherwise)."""
+    scale = getattr(model, "vae_scale", VAE_SCALE)
     for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or value <= 0 or value % (VAE_SCALE * model.patch_size[1]):
-            raise FastARError(f"{name}={value} must be a positive multiple of {VAE_SCALE * model.patch_size[1]} pixels")
-    h, w = height // VAE_SCALE, width // VAE_SCALE
+        if not isinstance(value, int) or value <= 0 or value % (scale * model.patch_size[1]):
+            raise FastARError(f"{name}={value} must be a positive multiple of {scale * model.patch_size[1]} pixels")
+    h, w = height // scale, width // scale
     return h, w, (h // model.patch_size[1]) * (w // model.patch_size[2])
 
 
@@ -179,9 +181,9 @@ def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height:
     if start is not None:
         first = start.shape[2] if start.ndim == 5 else 0
         want = (model.latent_channels, grid[0], grid[1])
-        if start.ndim != 5 or (start.shape[1], *start.shape[3:]) != want or not 1 <= first <= chunk_frames:
-            raise FastARError(f"the start latent must be [B, {want[0]}, 1..{chunk_frames} frames, {want[1]}, {want[2]}] "
-                              f"(chunk_frames at most), got {tuple(start.shape)}")
+        if start.ndim != 5 or (start.shape[1], *start.shape[3:]) != want or first < 1:
+            raise FastARError(f"the start latent must be [B, {want[0]}, frames, {want[1]}, {want[2]}], "
+                              f"got {tuple(start.shape)}")
     if first and ((frames - first) % chunk_frames or frames <= first):
         raise FastARError(f"frames={frames} after the start latent's {first} is not a whole number of chunks of "
                           f"chunk_frames={chunk_frames}")
@@ -217,10 +219,10 @@ class Rollout:
     ``sample_chunk(c)`` runs chunk c's denoising steps and clean pass inside an open cache
     chunk; ``run`` loops ``begin_chunk -> sample_chunk -> commit`` over all chunks.
 
-    ``start`` (image-to-video): the clean latent of the video's first frames [B, C, n, h, w], n at
-    most ``chunk_frames`` (a start image encodes to one): cached by one clean pass before the first
-    chunk, as core ComfyUI's autoregressive sampler seeds its cache, and the video's first n frames;
-    the chunks follow from frame n (``first_frame``).
+    ``start`` (image-to-video, or a world's observed past): the clean latent of the video's first
+    frames [B, C, n, h, w] (a start image encodes to one): cached by clean passes before the first chunk,
+    as core ComfyUI's autoregressive sampler seeds its cache, and the video's first n frames; the chunks
+    follow from frame n (``first_frame``).
     """
 
     def __init__(self, model: ChunkModel, context: torch.Tensor, *, frames: int, height: int, width: int,

@@ -22,6 +22,8 @@ Triton is optional (absent on macOS, Windows and CPU-only installs): the twins r
 """
 import os
 
+import torch
+
 try:
     import triton  # noqa: F401
 
@@ -42,6 +44,8 @@ def use_kernel(t, fits: bool = True, *, interpreted: bool = True) -> bool:
     the dispatcher tests) and Triton runs on ``t``'s device, else the twin. ``interpreted=False``
     keeps off Triton's CPU interpreter the kernels every model forward calls (adaLN, q/k norm +
     RoPE): whole forwards would crawl there, so the twin runs and the tests call the kernel."""
+    if torch.is_grad_enabled() and getattr(t, "requires_grad", False):
+        return False  # the kernels have no backward: autograd (training) runs the twins
     return bool(fits) and triton_runs_on(t) and (interpreted or t.is_cuda)
 
 

@@ -530,7 +530,8 @@ def test_a_start_latent_is_cached_first_and_the_chunks_follow_it(model, cache):
 
 
 @pytest.mark.parametrize("start, frames, message", [
-    ((1, 16, 4, 8, 12), 9, r"start latent must be \[B, 16, 1..2 frames, 8, 12\]"),
+    ((1, 16, 0, 8, 12), 9, r"start latent must be \[B, 16, frames, 8, 12\]"),
+    ((1, 16, 4, 8, 12), 9, r"frames=9 after the start latent's 4 is not a whole number of chunks"),
     ((1, 16, 1, 4, 12), 9, r"start latent must be"),
     ((1, 16, 1, 8, 12), 8, r"frames=8 after the start latent's 1 is not a whole number of chunks"),
     ((2, 16, 1, 8, 12), 9, r"start latent's batch 2 must match the context's 1"),

@@ -2,8 +2,9 @@ from .checkpoints import KNOWN_CHECKPOINTS, SAMPLING_METADATA_KEY, KnownCheckpoi
 from .loading import (Converted, build_model, checkpoint_sampling, convert_checkpoint, infer_config, load_wan,
                       merge_lora, save_wan)
 from .wan import FP8_LINEARS, WAN_CONFIGS, Fp8Linear, WanConfig, WanModel, fp8_linears
+from .world import WorldModel, WorldSpec, save_world, world_config
 
 __all__ = ["FP8_LINEARS", "KNOWN_CHECKPOINTS", "SAMPLING_METADATA_KEY", "WAN_CONFIGS", "Converted", "Fp8Linear",
            "KnownCheckpoint", "Sampling", "WanConfig", "WanModel", "build_model", "checkpoint_sampling",
            "convert_checkpoint", "fp8_linears", "infer_config", "known_checkpoint", "load_wan", "merge_lora",
-           "save_wan"]
+           "save_wan", "WorldModel", "WorldSpec", "save_world", "world_config"]

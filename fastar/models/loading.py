@@ -19,6 +19,7 @@ import torch
 from ..errors import FastARError
 from .checkpoints import SAMPLING_METADATA_KEY, KnownCheckpoint, Sampling, known_checkpoint
 from .wan import WAN_CONFIGS, WanConfig, WanModel
+from .world import WORLD_METADATA_KEY, WorldModel, WorldSpec
 
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # FSDP / compile
@@ -81,10 +82,11 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     )
 
 
-def _matching_model(state_dict: dict, config: WanConfig, name: str) -> WanModel:
-    """A meta-device Wan model whose parameter names are exactly ``state_dict``'s, or one clear error."""
+def _matching_model(state_dict: dict, config: WanConfig, name: str, world=None) -> WanModel:
+    """A meta-device Wan model (a ``WorldModel`` where ``world``, its ``WorldSpec``, is given) whose
+    parameter names are exactly ``state_dict``'s, or one clear error."""
     with torch.device("meta"):
-        model = WanModel(config)
+        model = WanModel(config) if world is None else WorldModel(config, world)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
@@ -96,7 +98,8 @@ def _matching_model(state_dict: dict, config: WanConfig, name: str) -> WanModel:
 
 def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None = None,
              num_heads: int | None = None) -> WanModel:
-    """Load a Wan 2.1 T2V / causal checkpoint from a ``.safetensors`` file."""
+    """Load a Wan 2.1 T2V / causal checkpoint from a ``.safetensors`` file (a world model, ``WorldModel``,
+    where its metadata names its world)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -117,7 +120,10 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
                               for k, v in json.loads(metadata[CONFIG_METADATA_KEY]).items()})
     else:
         config = infer_config(state_dict, num_heads)
-    model = _matching_model(state_dict, config, os.path.basename(path))
+    world = None
+    if WORLD_METADATA_KEY in metadata:
+        world = WorldSpec.from_json(metadata[WORLD_METADATA_KEY])
+    model = _matching_model(state_dict, config, os.path.basename(path), world)
     dtype = dtype or state_dict["blocks.0.self_attn.q.weight"].dtype
     model.load_state_dict(state_dict, assign=True)
     return model.to(dtype).eval().requires_grad_(False)

@@ -39,6 +39,9 @@ class WanConfig:
     cross_attn_norm: bool = True
     eps: float = 1e-6
     text_len: int = 512  # umT5 tokens: Wan pads the prompt's features with zeros to this length
+    cross_attn: bool = True  # False: no text branch (a world model conditioned on actions alone)
+    action_layers: int = 0   # the first blocks that carry an action module (``fastar.models.world``)
+    action_dim: int = 0      # the action module's per-frame condition width
 
     def __post_init__(self):
         if self.dim % self.num_heads:
@@ -78,6 +81,17 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
     return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
 
 
+def rope_at(head_dim: int, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """cos/sin tables [L, head_dim/2, 2] for tokens at (time, height, width) ``positions`` [L, 3]
+    (float64; any values, fractional too)."""
+    angles = []
+    for axis, dim in enumerate(rope_axes(head_dim)):
+        omega = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
+        angles.append(torch.outer(positions[:, axis], omega))
+    angles = torch.cat(angles, dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
 def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: int | torch.Tensor,
                      device=None, theta: float = 10000.0) -> torch.Tensor:
     """cos/sin tables [L, head_dim/2, 2] for tokens in (frame, row, col) order.
@@ -87,18 +101,10 @@ def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: in
     offset is read on the device, so a CUDA graph of a forward serves every chunk.
     """
     f, h, w = grid
-    positions = (torch.arange(f, device=device, dtype=torch.float64) + frame_offset,
-                 torch.arange(h, device=device, dtype=torch.float64),
-                 torch.arange(w, device=device, dtype=torch.float64))
-    angles = []
-    for axis, (pos, dim) in enumerate(zip(positions, rope_axes(head_dim))):
-        omega = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
-        a = torch.outer(pos, omega)  # [n_axis, dim/2]
-        shape = [1, 1, 1, dim // 2]
-        shape[axis] = pos.numel()
-        angles.append(a.view(shape).expand(f, h, w, dim // 2))
-    angles = torch.cat(angles, dim=-1).reshape(f * h * w, head_dim // 2)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    axes = torch.meshgrid(torch.arange(f, device=device, dtype=torch.float64) + frame_offset,
+                          torch.arange(h, device=device, dtype=torch.float64),
+                          torch.arange(w, device=device, dtype=torch.float64), indexing="ij")
+    return rope_at(head_dim, torch.stack([a.flatten() for a in axes], -1), theta)
 
 
 class RMSNorm(nn.Module):
@@ -214,12 +220,17 @@ class WanAttention(nn.Module):
 
 
 class WanAttentionBlock(nn.Module):
-    def __init__(self, cfg: WanConfig):
+    def __init__(self, cfg: WanConfig, action: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.self_attn = WanAttention(cfg)
-        self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm else nn.Identity()
-        self.cross_attn = WanAttention(cfg)
+        self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm and cfg.cross_attn else nn.Identity()
+        self.cross_attn = WanAttention(cfg) if cfg.cross_attn else None
+        if action:  # Matrix-Game 2.0's place: after the cross-attention, before the FFN
+            from .world import ActionModule
+            self.action_model = ActionModule(cfg.dim, cfg.action_dim, cfg.eps)
+        else:
+            self.action_model = None
         self.norm2 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(cfg.ffn_dim, cfg.dim))
@@ -233,9 +244,10 @@ class WanAttentionBlock(nn.Module):
         x, h = adaln_auto(x, e[1], e[0], y=y, gate=gate, eps=self.norm1.eps)
         return e, x, h.reshape(x.shape[0], -1, x.shape[-1])
 
-    def forward(self, x, e, freqs, text_kv, attention, layer, residual=None):
+    def forward(self, x, e, freqs, text_kv, attention, layer, residual=None, action=None):
         """x [B, F, S, C] tokens grouped by frame; e [B, T, 6, C] per-frame modulation; ``text_kv``
-        this block's cross-attention K/V (``WanModel.cross_kv``); ``residual``
+        this block's cross-attention K/V (``WanModel.cross_kv``); ``action`` the action module's
+        condition [B, F, action_dim] where the block has one; ``residual``
         the previous block's pending FFN update ``(y, gate)``. Returns ``(x, residual)``: this
         block's FFN update is left pending too, so that each residual update and the norm after
         it are one pass (``adaln_auto``): the next block's first norm, or the head's, adds it."""
@@ -246,8 +258,14 @@ class WanAttentionBlock(nn.Module):
                               eps=self.norm3.eps)
         else:
             x = h = torch.addcmul(x, y, e[2].unsqueeze(2))
-        y = self.cross_attn.cross_attention(h.reshape(x.shape[0], -1, x.shape[-1]), text_kv, attention, layer)
-        x, h = adaln_auto(x, e[4], e[3], y=y.view_as(x), eps=self.norm2.eps)
+        y = None
+        if self.cross_attn is not None:
+            y = self.cross_attn.cross_attention(h.reshape(x.shape[0], -1, x.shape[-1]), text_kv, attention,
+                                                layer).view_as(x)
+        if self.action_model is not None:
+            x = self.action_model(x if y is None else x + y, action)
+            y = None
+        x, h = adaln_auto(x, e[4], e[3], y=y, eps=self.norm2.eps)
         return x, (self.feed_forward(h), e[5])
 
     def fill_cache(self, x, e, freqs, attention, layer, residual=None):
@@ -261,7 +279,7 @@ class WanAttentionBlock(nn.Module):
         up, act, down = self.ffn
         if isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear):
             return down(up(h), gelu_input=True)
-        if not h.is_cuda or isinstance(up, Fp8Linear):
+        if not h.is_cuda or isinstance(up, Fp8Linear) or (torch.is_grad_enabled() and h.requires_grad):
             return down(act(up(h)))
         hidden = torch._addmm_activation(up.bias, h.reshape(-1, h.shape[-1]), up.weight.t(), use_gelu=True)
         return down(hidden.view(*h.shape[:-1], -1))
@@ -297,11 +315,13 @@ class WanModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
-        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
-                                            nn.Linear(cfg.dim, cfg.dim))
+        if cfg.cross_attn:
+            self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
+                                                nn.Linear(cfg.dim, cfg.dim))
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
-        self.blocks = nn.ModuleList(WanAttentionBlock(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action=i < cfg.action_layers)
+                                    for i in range(cfg.num_layers))
         self.head = Head(cfg)
 
     # The chunk-model protocol the rollout engine drives (see fastar.rollout.ChunkModel).
@@ -335,7 +355,7 @@ class WanModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.text_embedding[0].weight.dtype
+        return (self.text_embedding if self.config.cross_attn else self.time_embedding)[0].weight.dtype
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> "WanModel":
@@ -439,8 +459,8 @@ def fp8_linears(model: WanModel, which: Callable[[str, nn.Linear], bool] | None 
     for block in fp8.blocks:
         for name in FP8_LINEARS:
             parent, _, attr = name.rpartition(".")
-            parent = block.get_submodule(parent)
-            linear = getattr(parent, attr)
+            parent = getattr(block, parent)
+            linear = getattr(parent, attr, None)  # a block without cross-attention has none
             if isinstance(linear, nn.Linear) and (which is None or which(name, linear)):
                 setattr(parent, attr, Fp8Linear.from_linear(linear))
     return fp8
