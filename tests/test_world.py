@@ -1,0 +1,235 @@
+"""The pack's world: actions and trajectories do what they claim, the world model's training forward is
+the rollout's, and the committed model loads and has learned to remember."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_fastar.fastar import worlds
+from comfyui_fastar.fastar.attention import FastARAttention, attend
+from comfyui_fastar.fastar.config import CacheConfig
+from comfyui_fastar.fastar.errors import FastARError
+from comfyui_fastar.fastar.models import checkpoint_sampling, load_wan
+from comfyui_fastar.fastar.models.world import WorldModel, WorldSpec, save_world, world_config
+from comfyui_fastar.fastar.rollout import CleanPasses, Rollout
+from comfyui_fastar.fastar.schedule import FlowMatchSchedule
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+SPEC = worlds.ActionSpec()
+
+
+def frames(*held, n=1, mouse=(0.0, 0.0)):
+    """n video frames of actions with ``held`` keys down and the mouse at ``mouse``."""
+    a = torch.zeros(n, SPEC.width)
+    for k in held:
+        a[:, SPEC.keys.index(k)] = 1
+    a[:, len(SPEC.keys):] = torch.tensor(mouse)
+    return a
+
+
+def test_action_encoding_is_matrix_games_layout():
+    # multi-hot keys in the spec's order, then [pitch, yaw]: what Matrix-Game 2.0's keyboard and mouse
+    # conditions hold per video frame
+    assert SPEC.width == 8 and SPEC.keys == ("W", "S", "A", "D", "zoom_in", "zoom_out")
+    a = worlds.parse_actions("W+D*2f, look_left*1f", SPEC, 12)
+    assert a.tolist() == [[1, 0, 0, 1, 0, 0, 0, 0]] * 2 + [[0, 0, 0, 0, 0, 0, 0, np.float32(-0.1)]]
+
+
+def test_integrate_moves_the_camera_as_documented():
+    start = torch.tensor([100.0, 80.0, 0.0])
+    poses = worlds.integrate(torch.cat([frames("D", n=3), frames("W", n=2), frames(mouse=(0.1, 0.05))]), SPEC, start)
+    assert poses[2].tolist() == pytest.approx([100 + 3 * SPEC.pan, 80, 0])           # D pans right
+    assert poses[4].tolist() == pytest.approx([112, 80 - 2 * SPEC.pan, 0])         # W pans up
+    assert poses[5].tolist() == pytest.approx([112 + 0.05 * SPEC.mouse_pan, 72 - 0.1 * SPEC.mouse_pan, 0])
+    zoomed = worlds.integrate(torch.cat([frames("zoom_out", n=2), frames("D")]), SPEC)
+    s = SPEC.zoom ** 2
+    assert zoomed[-1].tolist() == pytest.approx([SPEC.pan * s, 0, np.log(s)], rel=1e-5)  # a pan is the view's share
+    assert worlds.integrate(frames("zoom_in", "zoom_out", "W", "S"), SPEC)[0].tolist() == [0, 0, 0]
+
+
+def test_render_is_the_photographs_crop():
+    photo = torch.rand(3, 160, 200)
+    frame = worlds.render(photo, torch.tensor([[100.0, 80.0, 0.0]]), 64)[0]
+    assert torch.allclose(frame, photo[:, 48:112, 68:132] * 2 - 1, atol=1e-4)
+    moved = worlds.render(photo, torch.tensor([[104.0, 80.0, 0.0]]), 64)[0]
+    assert torch.allclose(moved[:, :, :-4], frame[:, :, 4:], atol=1e-4)             # 4 px right: the view slid
+    outside = worlds.render(photo, torch.tensor([[-100.0, 80.0, 0.0]]), 64)[0]
+    assert (outside == -1).all()                                                     # black off the photo
+
+
+@pytest.mark.parametrize("n", [48, 96, 192, 384])
+def test_revisit_returns_to_a_place_by_another_route(n):
+    spec = WorldSpec()
+    r = worlds.revisit_actions(spec.actions, n, (384, 614), spec.view, np.random.default_rng(n))
+    poses = worlds.integrate(torch.from_numpy(r.actions), spec.actions)
+    assert len(r.actions) == r.lead_in + n + r.frames_after and len(r.actions) % 12 == 0
+    assert len(r.revisit) == r.frames_after
+    for f in r.revisit:  # the revisited frames stand where the camera stood n frames before ...
+        assert poses[f].tolist() == pytest.approx(poses[f - n].tolist(), abs=1e-3)
+    # ... by a loop that took it out of view of the place and back along another row
+    away = (poses[r.lead_in:r.lead_in + n] - poses[r.lead_in - 1]).abs()
+    assert away[:, 0].max() > spec.view and away[n // 2, 1] > 0
+    assert worlds.place(poses, (384, 614), spec.view, np.random.default_rng(0)) is not None  # it fits the photo
+
+
+def test_loop_and_training_trajectories():
+    rng = np.random.default_rng(0)
+    a = worlds.loop(SPEC, 50, rng)
+    assert len(a) == 50 and worlds.integrate(torch.from_numpy(a), SPEC)[-1].tolist() == pytest.approx([0, 0, 0])
+    t = worlds.training_actions(SPEC, 192, np.random.default_rng(1))
+    assert t.shape == (192, SPEC.width) and t.dtype == np.float32
+    logs = worlds.integrate(torch.from_numpy(worlds.random_walk(SPEC, 400, np.random.default_rng(2))), SPEC)[:, 2]
+    assert np.log(0.7) - 1e-5 <= logs.min() and logs.max() <= np.log(1.4) + 1e-5      # zoom kept in range
+    assert np.array_equal(t, worlds.training_actions(SPEC, 192, np.random.default_rng(1)))  # from the seed alone
+
+
+def test_parse_actions_counts_units_and_json():
+    a = worlds.parse_actions("D*2, idle, zoom_in*3f", SPEC, 12)
+    assert len(a) == 2 * 12 + 12 + 3
+    assert (a[:24, SPEC.keys.index("D")] == 1).all() and not a[24:36].any() and (a[36:, 4] == 1).all()
+    assert np.array_equal(worlds.parse_actions('[["D", 2], ["idle", 1]]', SPEC, 12), a[:36])
+    assert np.array_equal(worlds.parse_actions("d * 2 , IDLE", SPEC, 12), a[:36])  # case and spaces
+
+
+@pytest.mark.parametrize("text, says", [("W, jump*2", "'jump'"), ("W*x", "'W*x'"), ("", "no action"),
+                                        ("[[1, 2", "JSON"), ("W*0", "holds no frame")])
+def test_parse_actions_names_the_bad_token(text, says):
+    with pytest.raises(FastARError, match="actions: .*" + says.replace("*", r"\*").replace("[", r"\[")):
+        worlds.parse_actions(text, SPEC, 12)
+    with pytest.raises(FastARError, match="knows W, S, A, D, zoom_in, zoom_out, idle$"):
+        worlds.parse_actions("look_up", worlds.ActionSpec(mouse=False), 12)
+
+
+def test_world_latent_round_trips():
+    spec = WorldSpec()
+    video = torch.rand(1, 3, 8, 64, 64) * 2 - 1
+    latent = spec.encode(video)
+    assert latent.shape == (1, spec.channels, 2, 16, 16)
+    assert torch.equal(spec.decode(latent), video)
+    assert spec.context(torch.zeros(1, 8, 8)).shape == (1, 2, 4 * 8)
+    with pytest.raises(FastARError, match="multiple of 4"):
+        spec.encode(video[:, :, :7])
+    assert WorldSpec.from_json(spec.to_json()) == spec
+
+
+def tiny_world(seed=0):
+    spec = WorldSpec()
+    cfg = world_config(spec, dim=32, ffn_dim=64, num_heads=2, num_layers=2, action_layers=1)
+    return WorldModel(cfg, spec).init_random(seed).eval()
+
+
+def test_teacher_forcing_is_the_rollouts_forward():
+    """Training's one-sequence forward (clean frames, then noisy ones, under the teacher-forcing mask)
+    gives what the rollout computes chunk by chunk over a dense cache filled by clean passes."""
+    sys.path.insert(0, BENCH)
+    import world_train
+
+    model, spec = tiny_world(), WorldSpec()
+    t, b = 9, 2
+    actions = torch.from_numpy(np.stack([worlds.training_actions(spec.actions, 4 * t, np.random.default_rng(i))
+                                         for i in range(b)]))
+    g = torch.Generator().manual_seed(0)
+    x0, xt = torch.randn(b, spec.channels, t, 16, 16, generator=g), torch.randn(b, spec.channels, t, 16, 16, generator=g)
+    steps = torch.tensor([[700.0] * 3 + [300.0] * 3 + [900.0] * 3] * b)
+    attention = world_train.TeacherForcing(world_train.teacher_forcing_mask(b, t, 256), b * 2 * t * 256,
+                                           torch.device("cpu"))
+    with torch.no_grad():
+        trained = world_train.noisy_flow(model, spec, x0, xt, steps, actions, attention)
+        for i in range(b):
+            context = spec.context(actions[i:i + 1])
+            ro = Rollout(model, context, frames=t, height=64, width=64, cache=CacheConfig())
+            for c in range(t // 3):
+                ro.cache.begin_chunk(3 * c, 3)
+                rows = slice(3 * c, 3 * c + 3)
+                flow = model(xt[i:i + 1, :, rows], steps[i, 3 * c:3 * c + 1], context, frame_offset=3 * c,
+                             attention=ro.attention)
+                assert torch.allclose(flow, trained[i:i + 1, :, rows], atol=1e-4), (i, c)
+                ro.attention.begin_clean_pass()
+                model(x0[i:i + 1, :, rows], torch.zeros(1), context, frame_offset=3 * c, attention=ro.attention)
+                ro.cache.commit()
+
+
+def test_world_model_save_load_and_errors(tmp_path):
+    from comfyui_fastar.fastar.models.checkpoints import Sampling
+
+    model = tiny_world()
+    path = tmp_path / "w.safetensors"
+    save_world(model, path, Sampling(3, (1000.0, 666.0, 333.0), 5.0, "w"), dtype=torch.float32)
+    loaded = load_wan(path)
+    assert isinstance(loaded, WorldModel) and loaded.spec == model.spec
+    assert checkpoint_sampling(path).timesteps == (1000.0, 666.0, 333.0)
+    for a, b in zip(loaded.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    context = WorldSpec().context(torch.zeros(1, 12, 8))
+    with pytest.raises(FastARError, match="the chunk at frame 3 needs 6"):
+        loaded(torch.zeros(1, 192, 3, 16, 16), torch.zeros(1), context, frame_offset=3)
+    with pytest.raises(FastARError, match="batch 1"):
+        loaded(torch.zeros(2, 192, 3, 16, 16), torch.zeros(2), context.expand(2, -1, -1))
+
+
+class OwnChunk(FastARAttention):
+    """No history: every query reads its own chunk alone (the cache is still written)."""
+
+    def self_attention(self, layer, q, k, v):
+        self.cache.attend(layer, k, v)
+        return attend(q, k, v)
+
+
+def revisit_run(model, n, cache, attention=None):
+    """The committed model over a held-out photograph's out-and-back of n frames: ground truth cached
+    up to the loop's first leg, the rest sampled (under ``attention``, a FastARAttention class, where
+    given); (sampled video, ground truth, the revisit's frames)."""
+    spec = model.spec
+    photo = worlds.load_photo(worlds.DEMO_PHOTO)
+    r = worlds.revisit_actions(spec.actions, n, tuple(photo.shape[1:]), spec.view, np.random.default_rng(0))
+    actions = torch.from_numpy(r.actions)
+    poses = worlds.place(worlds.integrate(actions, spec.actions), tuple(photo.shape[1:]), spec.view,
+                         np.random.default_rng(1))
+    truth = worlds.render(photo, poses, spec.view).transpose(0, 1)[None]
+    context = spec.context(actions[None])
+    ro = Rollout(model, context, frames=context.shape[1], height=64, width=64, cache=cache,
+                 schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
+    if attention is not None:
+        ro.attention = attention(ro.cache)
+    prefix = (r.lead_in + 12) // 4
+    latents = [spec.encode(truth)[:, :, :prefix]]
+    CleanPasses(ro).run(latents[0])
+    for c in range(prefix // 3, context.shape[1] // 3):
+        ro.cache.begin_chunk(3 * c, 3)
+        latents.append(ro.sample_chunk(c))
+        ro.cache.commit()
+    return spec.decode(torch.cat(latents, 2)), truth, list(r.revisit)
+
+
+def test_committed_world_model_loads_and_remembers():
+    """The committed weights load through the pack's loader and sample chunks on the CPU that match the
+    ground truth where the camera comes back, with the cache, far better than without history."""
+    model = load_wan(worlds.WEIGHTS, dtype=torch.float32)
+    assert isinstance(model, WorldModel) and checkpoint_sampling(worlds.WEIGHTS).frames_per_block == 3
+    meta = json.loads(__import__("safetensors").safe_open(worlds.WEIGHTS, "pt").metadata()["fastar.training"])
+    assert meta["runs"] and meta["step"] > 0
+    with torch.no_grad():
+        video, truth, revisit = revisit_run(model, 48, CacheConfig())
+        alone, _, _ = revisit_run(model, 48, CacheConfig(), OwnChunk)
+    psnr = lambda a: (10 * torch.log10(4 / (a[:, :, revisit] - truth[:, :, revisit]).pow(2).mean())).item()  # noqa: E731
+    assert video.shape == truth.shape and torch.isfinite(video).all()
+    assert psnr(video) > 20 and psnr(video) > psnr(alone) + 3
+
+
+@pytest.mark.slow
+def test_world_train_smoke_resumes_and_exports(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, os.path.join(BENCH, "world_train.py"), "--smoke", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=600)
+    first = run("--out", str(tmp_path / "a"), "--steps", "4", "--latent-frames", "6", "--minutes", "5")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run("--out", str(tmp_path / "b"), "--resume", str(tmp_path / "a"), "--minutes", "5",
+                 "--export", str(tmp_path / "w.safetensors"))
+    assert second.returncode == 0, second.stderr[-2000:]
+    state = json.loads((tmp_path / "a" / "train_state.json").read_text())
+    assert state["step"] == 4 and len(state["runs"]) == 1 and (tmp_path / "a" / "world_train_loss.png").exists()
+    model = load_wan(tmp_path / "w.safetensors")
+    assert isinstance(model, WorldModel)
