@@ -42,9 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, device_name, fastar, parser, provenance  # noqa: E402
 
 PHOTOS = os.path.join(ROOT, "assets", "worlds")
-SAMPLER = (1000.0, 666.0, 333.0)  # Matrix-Game 2.0's steps and shift: the world's sampling
-SHIFT = 5.0
-CHUNK = 3
+SAMPLING = fastar.models.world.WORLD_SAMPLING
+SAMPLER, SHIFT, CHUNK = SAMPLING.timesteps, SAMPLING.shift, SAMPLING.frames_per_block
 
 
 def photos(split: str, device) -> list[torch.Tensor]:
@@ -177,8 +176,7 @@ def export(model, state, path):
     """The model as it is committed and loaded: bf16, with its config, world, sampling and training record."""
     training = {k: state[k] for k in ("step", "steps", "seed", "sequences", "latent_frames", "lr", "runs",
                                       "provenance")}
-    fastar.models.world.save_world(model, path, fastar.models.checkpoints.Sampling(CHUNK, SAMPLER, SHIFT, "fastar-world"),
-                                   training=training)
+    fastar.models.world.save_world(model, path, SAMPLING, training=training)
 
 
 def resume(folder, model, opt, device):

@@ -26,7 +26,7 @@ from .errors import FastARError
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 PHOTOS = os.path.join(ASSETS, "worlds")                  # train/ and heldout/ photographs (assets/LICENSE.md)
 WEIGHTS = os.path.join(ASSETS, "world.safetensors")      # the pack's trained world model
-DEMO_PHOTO = os.path.join(PHOTOS, "heldout", "mate_dune.jpg")  # held out of training
+DEMO_PHOTO = os.path.join(PHOTOS, "heldout", "skimage_coffee.jpg")  # held out of training
 
 KEYS = ("W", "S", "A", "D", "zoom_in", "zoom_out")
 # named mouse moves for action text: [pitch, yaw] per video frame
@@ -284,3 +284,52 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.nd
             raise FastARError(f"actions: {names.strip()}*{count}{unit} holds no frame")
         out.append(_frames(spec, count * (chunk_video_frames if unit == "c" else 1), keys, tuple(mouse)))
     return np.concatenate(out)
+
+
+# -- a flight: a trajectory over a photograph, its ground truth and the model's rollout -----------------
+
+@dataclass
+class Flight:
+    """A camera's trajectory over a photograph: its actions [N, width] per video frame, poses [N, 3],
+    ground truth [1, 3, N, view, view] in [-1, 1], how many of its first video frames the model is shown
+    (``observed``: the world's past, cached before the first chunk) and, for an out-and-back, the frames
+    that revisit a place (``revisit``)."""
+    actions: np.ndarray
+    poses: torch.Tensor
+    truth: torch.Tensor
+    observed: int
+    revisit: range | None = None
+
+
+def flight(photo: torch.Tensor, actions: np.ndarray, view: int, observed: int, rng: np.random.Generator,
+           revisit: range | None = None, spec: ActionSpec = ActionSpec()) -> Flight:
+    """The ``Flight`` of ``actions`` over ``photo`` [3, H, W], placed at a random spot where every view
+    fits (``FastARError`` where none does)."""
+    poses = place(integrate(torch.from_numpy(actions), spec), tuple(photo.shape[1:]), view, rng)
+    if poses is None:
+        x0, y0, x1, y1 = extent(integrate(torch.from_numpy(actions), spec), view)
+        raise FastARError(f"the actions' views span {x1 - x0:.0f}x{y1 - y0:.0f} px, more than the "
+                          f"{photo.shape[2]}x{photo.shape[1]} photograph: pan less, or zoom in")
+    truth = render(photo, poses.to(photo.device), view).transpose(0, 1)[None]
+    return Flight(actions, poses, truth, observed, revisit)
+
+
+def fly(model, flight: Flight, *, cache=None, ann=None, seed: int = 0, on_chunk=None, cuda_graphs: bool = True,
+        attention=None) -> torch.Tensor:
+    """The world model's video [1, 3, N, view, view] of a flight: its first ``observed`` frames are the
+    ground truth (cached by clean passes: what the world has shown), the rest sampled chunk by chunk,
+    steered by the flight's actions, under ``cache`` (a cache config; None: every frame) and ``ann``.
+    ``attention``: a ``FastARAttention`` subclass to run instead of the rollout's own (an experiment's
+    control)."""
+    from .models.world import WORLD_SAMPLING
+    from .rollout import Rollout
+
+    spec, device = model.spec, flight.truth.device
+    context = spec.context(torch.from_numpy(flight.actions)[None].to(device))
+    start = spec.encode(flight.truth[:, :, :flight.observed])
+    ro = Rollout(model, context.to(model.dtype), frames=context.shape[1], height=spec.view, width=spec.view,
+                 chunk_frames=WORLD_SAMPLING.frames_per_block, schedule=WORLD_SAMPLING.schedule(), cache=cache,
+                 ann=ann, seed=seed, cuda_graphs=cuda_graphs, start=start.to(model.dtype))
+    if attention is not None:
+        ro.attention = attention(ro.cache)
+    return spec.decode(ro.run(on_chunk).float()).clamp(-1, 1)

@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import worlds
-from comfyui_fastar.fastar.attention import FastARAttention, attend
 from comfyui_fastar.fastar.config import CacheConfig
 from comfyui_fastar.fastar.errors import FastARError
 from comfyui_fastar.fastar.models import checkpoint_sampling, load_wan
 from comfyui_fastar.fastar.models.world import WorldModel, WorldSpec, save_world, world_config
-from comfyui_fastar.fastar.rollout import CleanPasses, Rollout
-from comfyui_fastar.fastar.schedule import FlowMatchSchedule
+from comfyui_fastar.fastar.rollout import Rollout
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 SPEC = worlds.ActionSpec()
@@ -171,38 +169,11 @@ def test_world_model_save_load_and_errors(tmp_path):
         loaded(torch.zeros(2, 192, 3, 16, 16), torch.zeros(2), context.expand(2, -1, -1))
 
 
-class OwnChunk(FastARAttention):
-    """No history: every query reads its own chunk alone (the cache is still written)."""
-
-    def self_attention(self, layer, q, k, v):
-        self.cache.attend(layer, k, v)
-        return attend(q, k, v)
-
-
-def revisit_run(model, n, cache, attention=None):
-    """The committed model over a held-out photograph's out-and-back of n frames: ground truth cached
-    up to the loop's first leg, the rest sampled (under ``attention``, a FastARAttention class, where
-    given); (sampled video, ground truth, the revisit's frames)."""
-    spec = model.spec
+def revisit_flight(spec, n):
+    """An out-and-back of n frames over the held-out demo photograph, observed up to the loop's first leg."""
     photo = worlds.load_photo(worlds.DEMO_PHOTO)
     r = worlds.revisit_actions(spec.actions, n, tuple(photo.shape[1:]), spec.view, np.random.default_rng(0))
-    actions = torch.from_numpy(r.actions)
-    poses = worlds.place(worlds.integrate(actions, spec.actions), tuple(photo.shape[1:]), spec.view,
-                         np.random.default_rng(1))
-    truth = worlds.render(photo, poses, spec.view).transpose(0, 1)[None]
-    context = spec.context(actions[None])
-    ro = Rollout(model, context, frames=context.shape[1], height=64, width=64, cache=cache,
-                 schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
-    if attention is not None:
-        ro.attention = attention(ro.cache)
-    prefix = (r.lead_in + 12) // 4
-    latents = [spec.encode(truth)[:, :, :prefix]]
-    CleanPasses(ro).run(latents[0])
-    for c in range(prefix // 3, context.shape[1] // 3):
-        ro.cache.begin_chunk(3 * c, 3)
-        latents.append(ro.sample_chunk(c))
-        ro.cache.commit()
-    return spec.decode(torch.cat(latents, 2)), truth, list(r.revisit)
+    return worlds.flight(photo, r.actions, spec.view, r.lead_in + 12, np.random.default_rng(1), r.revisit)
 
 
 def test_committed_world_model_loads_and_remembers():
@@ -212,11 +183,16 @@ def test_committed_world_model_loads_and_remembers():
     assert isinstance(model, WorldModel) and checkpoint_sampling(worlds.WEIGHTS).frames_per_block == 3
     meta = json.loads(__import__("safetensors").safe_open(worlds.WEIGHTS, "pt").metadata()["fastar.training"])
     assert meta["runs"] and meta["step"] > 0
+    sys.path.insert(0, BENCH)
+    from world_eval import OwnChunk
+
+    f = revisit_flight(model.spec, 48)
     with torch.no_grad():
-        video, truth, revisit = revisit_run(model, 48, CacheConfig())
-        alone, _, _ = revisit_run(model, 48, CacheConfig(), OwnChunk)
-    psnr = lambda a: (10 * torch.log10(4 / (a[:, :, revisit] - truth[:, :, revisit]).pow(2).mean())).item()  # noqa: E731
-    assert video.shape == truth.shape and torch.isfinite(video).all()
+        video, alone = worlds.fly(model, f), worlds.fly(model, f, attention=OwnChunk)
+    revisit = list(f.revisit)
+    psnr = lambda a: (10 * torch.log10(4 / (a[:, :, revisit] - f.truth[:, :, revisit]).pow(2).mean())).item()  # noqa: E731
+    assert video.shape == f.truth.shape and torch.isfinite(video).all()
+    assert torch.equal(video[:, :, :f.observed], f.truth[:, :, :f.observed])  # the observed past is the truth
     assert psnr(video) > 20 and psnr(video) > psnr(alone) + 3
 
 
@@ -233,3 +209,17 @@ def test_world_train_smoke_resumes_and_exports(tmp_path):
     assert state["step"] == 4 and len(state["runs"]) == 1 and (tmp_path / "a" / "world_train_loss.png").exists()
     model = load_wan(tmp_path / "w.safetensors")
     assert isinstance(model, WorldModel)
+
+
+@pytest.mark.slow
+def test_world_eval_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "world_eval.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "world_eval_smoke.json").read_text())
+    rows = {r["setting"]: r for r in result["quality"]}
+    assert rows["dense"]["psnr_truth"] > rows["own chunk"]["psnr_truth"] + 3  # the trained model reads its history
+    assert 0 < rows["tempcache 15 @ 0.95 + AnnSA"]["annsa_density"] <= 1
+    assert set(result["timing"]) == set(rows) - {"own chunk"}
+    assert all(0 < m["revisit"] < 1 for m in result["history_mass"])
+    assert (tmp_path / "world_eval_smoke.png").stat().st_size > 0

@@ -20,9 +20,12 @@ from torch import nn
 
 from ..errors import FastARError
 from ..worlds import ActionSpec, integrate
+from .checkpoints import Sampling
 from .wan import WanConfig, WanModel, rope_at
 
 WORLD_METADATA_KEY = "fastar.world"
+# how the world model is trained to sample (Matrix-Game 2.0's chunks, steps and shift)
+WORLD_SAMPLING = Sampling(3, (1000.0, 666.0, 333.0), 5.0, "fastar-world")
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ class WorldModel(WanModel):
         b, t, _ = context.shape
         poses = integrate(context.float().reshape(b, t * k, spec.actions.width), spec.actions).view(b, t, k, 3)
         mean = poses.mean(2)
-        about = (poses - mean[:, :, None]) * poses.new_tensor([1 / 16, 1 / 16, 10.0])
+        d = poses - mean[:, :, None]
+        about = torch.stack([d[..., 0] / 16, d[..., 1] / 16, d[..., 2] * 10], -1)  # no host tensor: graph-safe
         condition = torch.cat([context.float().view(b, t, k, -1), about], -1).flatten(2)
         return mean, torch.cat([condition, 5 * mean[..., 2:]], -1).to(self.dtype)
 
