@@ -61,10 +61,12 @@ class TempCacheConfig:
 
     Why 12 frames: the largest budget at the time of LongLive's sink 3 + window 12 cache (which holds
     15), where it keeps more of the past; a longer budget keeps more at more time per chunk (bench/NOTES.md,
-    "the 12-frame point"). Why 0.95: on the sensitized testbed (bench/common/testbed.py) it is the best
-    threshold at the 21-frame budget; 0.9 merges too eagerly (bench/results/tempcache_*.json)."""
+    "the 12-frame point"). Why 0.8: on a trained model's keys (the pack's world model, whose places come
+    back), 0.95 merges so few tokens that TempCache holds no more than a window of its budget, while 0.8
+    keeps what the window forgets (bench/NOTES.md, "the trained world").
+    """
     enabled: bool = True
-    merge_threshold: float = 0.95
+    merge_threshold: float = 0.8
     max_cache_frames: int = 12
     sink_frames: int = 3
 
