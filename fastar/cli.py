@@ -1,14 +1,15 @@
-"""``fastar``: run a long autoregressive rollout and report latency and cache size per chunk.
+"""``fastar``: the pack's trained world model over a photograph (``fastar.world_demo``, the default);
+``fastar rollout``: a long autoregressive rollout of a Wan 2.1 model, latency and cache size per chunk;
+``fastar convert``: a causal checkpoint as the file ComfyUI and ``fastar rollout --checkpoint`` load.
 
-With no arguments it runs an embedded default, all of FAST-AR (TempCache + AnnSA) on a tiny
-random Wan model on the CPU, or on the Wan 2.1 1.3B shapes (480x832, bf16, random weights) when
-a GPU is present. ``fastar convert SRC.pt DST.safetensors [--preset NAME]`` turns a causal model's
-training checkpoint into the file ComfyUI and ``--checkpoint`` load, recording its sampling, which
-``--checkpoint`` then samples with.
+``fastar rollout`` with no arguments runs TempCache on a tiny random Wan model on the CPU, or on the
+Wan 2.1 1.3B shapes (480x832, bf16, random weights) when a GPU is present. ``fastar convert SRC.pt
+DST.safetensors [--preset NAME]`` records the checkpoint's sampling, which ``--checkpoint`` then
+samples with.
 
-Under torchrun (``torchrun --nproc-per-node N -m comfyui_fastar.fastar ...``) the N processes run one
-rollout head-parallel (``fastar.parallel``): each holds 1/N of the attention heads and of the KV
-cache (NCCL on GPUs, one GPU per process; gloo on the CPU); rank 0 prints, plots and writes.
+Under torchrun (``torchrun --nproc-per-node N -m comfyui_fastar.fastar rollout ...``) the N processes
+run one rollout head-parallel (``fastar.parallel``): each holds 1/N of the attention heads and of the
+KV cache (NCCL on GPUs, one GPU per process; gloo on the CPU); rank 0 prints, plots and writes.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ TEXT_TOKENS = 512  # umT5 prompt length the Wan models are trained with (a rando
 DEFAULT_SAMPLING = Sampling(3, (1000, 750, 500, 250), 5.0)  # Self-Forcing's, where a checkpoint records none
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="fastar", description=__doc__,
+def rollout_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastar rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, help="latent frames to generate (N of them decode to 1 + 4 (N - 1) video "
                                               "frames); default 96 on CPU, 120 on GPU")
@@ -89,7 +90,11 @@ def parse_args(argv):
     p.add_argument("--plot", default="fastar_rollout.png", help="PNG plot path (default fastar_rollout.png)")
     p.add_argument("--json", help="also write the per-chunk table as JSON here")
     p.add_argument("--save-latents", help="write the generated latent video to this .safetensors file")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return rollout_parser().parse_args(argv)
 
 
 def load_context(path, text_dim, device, dtype):
@@ -293,13 +298,31 @@ def convert(args) -> None:
              "and --shift)"))
 
 
+def _rollout_flag(argv) -> str | None:
+    """The first flag in ``argv`` that only ``fastar rollout`` takes (a user who meant a Wan rollout)."""
+    from .world_demo import parser as world_parser
+
+    def flags(parser):
+        return {o for a in parser._actions for o in a.option_strings}
+
+    only = flags(rollout_parser()) - flags(world_parser())
+    return next((a.split("=")[0] for a in argv if a.split("=")[0] in only), None)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["convert"]:
             convert(parse_convert_args(argv[1:]))
             return 0
-        run(parse_args(argv))
+        if argv[:1] == ["rollout"]:
+            run(parse_args(argv[1:]))
+            return 0
+        flag = _rollout_flag(argv)
+        if flag is not None:
+            raise FastARError(f"{flag} belongs to Wan 2.1 rollouts: fastar rollout {' '.join(argv)}")
+        from .world_demo import run as fly_world
+        fly_world(argv)
     except FastARError as exc:
         print(f"fastar: error: {exc}", file=sys.stderr)
         return 2

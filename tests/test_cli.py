@@ -28,7 +28,7 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda fig, *a, **kw: (figures.append(fig), save(fig, *a, **kw))[1])
     plot, table = tmp_path / "run.png", tmp_path / "run.json"
-    rc = main(["--frames", "6", "--chunk-frames", "3", "--height", "64", "--width", "64",
+    rc = main(["rollout", "--frames", "6", "--chunk-frames", "3", "--height", "64", "--width", "64",
                "--cache", "window", "--sink-frames", "1", "--window-frames", "2",
                "--plot", str(plot), "--json", str(table)])
     assert rc == 0
@@ -61,7 +61,7 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     (["--frames", "3", "--max-cache-frames", "4"], "max_cache_frames=4 leaves 1 history frames"),
 ])
 def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
-    assert main(argv + ["--plot", str(tmp_path / "p.png")]) == 2
+    assert main(["rollout", *argv, "--plot", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("fastar: error: ") and message in err[-1]
     assert not any("Traceback" in line for line in err)
@@ -69,7 +69,7 @@ def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
 
 def test_cli_default_tempcache_stays_within_budget(tmp_path, capsys):
     table = tmp_path / "t.json"
-    assert main(["--frames", "18", "--height", "64", "--width", "64", "--max-cache-frames", "7",
+    assert main(["rollout", "--frames", "18", "--height", "64", "--width", "64", "--max-cache-frames", "7",
                  "--plot", str(tmp_path / "t.png"), "--json", str(table)]) == 0
     rows = json.loads(table.read_text())["chunks"]
     assert json.loads(table.read_text())["cache"] == "tempcache"
@@ -79,19 +79,19 @@ def test_cli_default_tempcache_stays_within_budget(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cli_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
-    assert main(["--device", "cuda", "--plot", str(tmp_path / "p.png")]) == 2
+    assert main(["rollout", "--device", "cuda", "--plot", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err.strip() == "fastar: error: --device cuda: no CUDA device is available"
 
 
 def test_cli_unknown_cache_mode_is_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--cache", "ring"])
+        main(["rollout", "--cache", "ring"])
     assert exc.value.code == 2
     assert "invalid choice: 'ring'" in capsys.readouterr().err
 
 
 def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
-    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     assert main(args + ["--ann", "quant", "--cache", "unbounded"]) == 0
     assert "AnnSA sparse attention" in capsys.readouterr().out
     assert main(args + ["--ann", "quant", "--cache", "window"]) == 2
@@ -120,7 +120,7 @@ def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsy
 
     seen = _engine_kwargs(monkeypatch, "ann")
     caches = _engine_kwargs(monkeypatch, "cache")
-    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     table = tmp_path / "t.json"
     assert main(args + ["--json", str(table)]) == 0
     assert seen[-1] is None and caches[-1] == TempCacheConfig() and json.loads(table.read_text())["ann"] == "none"
@@ -141,7 +141,8 @@ def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsy
 
 def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
     seen = _engine_kwargs(monkeypatch, "ann")
-    args = ["--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--cache", "unbounded"]
+    args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"),
+            "--cache", "unbounded"]
     assert main(args + ["--ann", "quant", "--keep-mass", "0", "--keep-fraction", "0.35"]) == 0
     assert (seen[-1].keep_mass, seen[-1].keep_fraction) == (0.0, 0.35)
     assert main(args + ["--ann", "quant", "--keep-mass", "1.5"]) == 2
@@ -154,7 +155,7 @@ def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeyp
 def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
     """--eager turns off CUDA graph replay (on a CPU the engine runs eagerly either way)."""
     seen = _engine_kwargs(monkeypatch, "cuda_graphs")
-    args = ["--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
+    args = ["rollout", "--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     assert main(args) == 0
     graphed = capsys.readouterr().out
     assert main(args + ["--eager"]) == 0
@@ -175,7 +176,7 @@ def test_cli_fp8_linears_reach_the_model_and_need_a_16_bit_dtype(tmp_path, capsy
             super().__init__(model, *a, **kw)
 
     monkeypatch.setattr(cli, "Rollout", Spy)
-    args = ["--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--model", "tiny"]
+    args = ["rollout", "--frames", "3", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"), "--model", "tiny"]
     assert main(args + ["--fp8-linears", "--dtype", "bfloat16"]) == 0
     assert "fp8 linears" in capsys.readouterr().out
     assert isinstance(seen[-1].blocks[0].ffn[0], Fp8Linear) and isinstance(seen[-1].blocks[0].self_attn.q, Fp8Linear)
@@ -184,3 +185,46 @@ def test_cli_fp8_linears_reach_the_model_and_need_a_16_bit_dtype(tmp_path, capsy
     assert main(args + ["--fp8-linears", "--dtype", "float32"]) == 2
     assert "--fp8-linears needs --dtype bfloat16 or float16" in capsys.readouterr().err
     assert len(seen) == 2
+
+
+def test_the_default_flies_the_world_and_writes_what_each_cache_remembers(tmp_path, capsys):
+    """``fastar`` with no arguments: the trained world over a held-out photograph with the window and with
+    TempCache, the side-by-side GIF (ground truth | window | TempCache), the latency plot and the summary."""
+    from PIL import Image
+
+    assert main(["--revisit", "24", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "36 shown, 24 generated in 2 chunks, back over a place after 24 frames" in out
+    summary = json.loads((tmp_path / "world.json").read_text())
+    assert set(summary["caches"]) == {"window (sink 3 + 12)", "TempCache 12"}
+    for name, s in summary["caches"].items():
+        assert s["psnr_revisit"] > 15 and s["tokens_held"] <= 15 * 256 and len(summary["chunks"][name]) == 2
+        assert f"the revisit {s['psnr_revisit']:.1f} dB" in out
+    with Image.open(tmp_path / "world.gif") as gif:
+        assert gif.n_frames == 60 and gif.size[0] > 3 * 128
+    assert (tmp_path / "world_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
+    from PIL import Image
+
+    photo = tmp_path / "mine.png"
+    Image.fromarray((torch.rand(200, 240, 3) * 255).byte().numpy()).save(photo)
+    assert main(["--world", str(photo), "--actions", "D, W+A*6f, zoom_in*6f", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "world.json").read_text())
+    assert summary["video_frames"] == 12 + 24 and summary["revisit"] is None  # 12 observed, padded to whole chunks
+    assert "the revisit" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--frames", "6"], "--frames belongs to Wan 2.1 rollouts: fastar rollout --frames 6"),
+    (["--actions", "W*2, jump"], "actions: unknown action 'jump'; this world knows W, S, A, D"),
+    (["--observe", "7"], "--observe 7: must be a positive multiple of 12 video frames"),
+    (["--revisit", "12"], "--revisit 12: a loop needs at least 24 video frames"),
+    (["--world", "nope.jpg"], "cannot read the world photograph nope.jpg"),
+    (["--actions", "D*40"], "more than the 614x384 photograph: pan less, or zoom in"),
+])
+def test_the_world_refuses_bad_arguments_in_one_line(argv, message, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("fastar: error: ") and message in err[-1]

@@ -144,11 +144,11 @@ def test_krea_realtime_14b_loads_as_it_is(tmp_path):
 
 
 def test_the_cli_samples_as_the_checkpoint_records(tmp_path, capsys):
-    """fastar --checkpoint takes frames per chunk, timesteps and shift from the file; its flags win."""
+    """fastar rollout --checkpoint takes frames per chunk, timesteps and shift from the file; its flags win."""
     src, dst = tmp_path / "framewise.pt", tmp_path / "framewise.safetensors"
     torch.save({"generator_ema": prefixed(wan_weights(6), "model._fsdp_wrapped_module.")}, src)
     convert_checkpoint(src, dst, preset="causvid", key="generator_ema", num_heads=HEADS)
-    common = ["--checkpoint", str(dst), "--frames", "3", "--height", "32", "--width", "32", "--cache", "window",
+    common = ["rollout", "--checkpoint", str(dst), "--frames", "3", "--height", "32", "--width", "32", "--cache", "window",
               "--sink-frames", "1", "--window-frames", "3", "--plot", str(tmp_path / "p.png")]
     assert main(common) == 0
     out = capsys.readouterr().out

@@ -228,7 +228,7 @@ def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_pa
     env["OMP_NUM_THREADS"] = "1"
 
     def cli(out, extra_env):
-        return subprocess.Popen([sys.executable, "-m", "comfyui_fastar.fastar", *args, "--plot", str(out) + ".png",
+        return subprocess.Popen([sys.executable, "-m", "comfyui_fastar.fastar", "rollout", *args, "--plot", str(out) + ".png",
                                  "--json", str(out) + ".json", "--save-latents", str(out) + ".safetensors"],
                                 env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -252,7 +252,7 @@ def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for key, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2").items():
         monkeypatch.setenv(key, value)
-    assert main(["--frames", "4", "--height", "64", "--width", "64"]) == 2
+    assert main(["rollout", "--frames", "4", "--height", "64", "--width", "64"]) == 2
     assert capsys.readouterr().err.strip() == (
         "fastar: error: local rank 1 under torchrun needs GPU 1, and this machine shows 1: start at most that many "
         "processes a node (torchrun --nproc_per_node), or run them with --device cpu")
