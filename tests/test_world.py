@@ -18,6 +18,8 @@ from comfyui_fastar.fastar.rollout import Rollout
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 SPEC = worlds.ActionSpec()
+# the scripts' smoke runs on the torch twins: Triton's interpreter would only make them slow
+TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def frames(*held, n=1, mouse=(0.0, 0.0)):
@@ -199,7 +201,7 @@ def test_committed_world_model_loads_and_remembers():
 @pytest.mark.slow
 def test_world_train_smoke_resumes_and_exports(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, os.path.join(BENCH, "world_train.py"), "--smoke", *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=600)
+                                    capture_output=True, text=True, timeout=600, env=TWINS)
     first = run("--out", str(tmp_path / "a"), "--steps", "4", "--latent-frames", "6", "--minutes", "5")
     assert first.returncode == 0, first.stderr[-2000:]
     second = run("--out", str(tmp_path / "b"), "--resume", str(tmp_path / "a"), "--minutes", "5",
@@ -214,7 +216,7 @@ def test_world_train_smoke_resumes_and_exports(tmp_path):
 @pytest.mark.slow
 def test_world_eval_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "world_eval.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=TWINS)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "world_eval_smoke.json").read_text())
     rows = {r["setting"]: r for r in result["quality"]}
