@@ -66,6 +66,11 @@ FIGURES = (
                                          "69,213,429", "--paths", "sampler_stream,sampler_latent", "--tag",
                                          "sampler_stream_memory_gpu"), True, True, 2,
            "the same at 832x480 on the GPU: peak GPU memory allocated by length"),
+    Figure("world_train_loss", ("world_train.py", "--minutes", "8.2", "--total-minutes", "8.0", "--export",
+                                "assets/world.safetensors"), True, False, 9,
+           "the world model trained on 12 photographs: its loss curve (and the weights the pack ships)"),
+    Figure("world_eval", ("world_eval.py",), True, False, 3,
+           "every cache on the trained world: revisit PSNR against ms per chunk at N = 48-384"),
 )
 
 

@@ -14,7 +14,7 @@ steps, else uniform.
 
 Resumable: every ``--save-every`` steps and at the end (``--minutes`` of training in this run) the
 state goes to ``--out`` in files under 16 MB: fp32 weights, Adam's second moment in bf16 (its first, a
-memory of ~10 steps, restarts at zero on resume), ``train_state.json`` (step, the planned steps, the
+memory of ~10 steps, restarts at zero on resume), ``world_train.json`` (step, the planned steps, the
 loss curve, minutes and device of every run) and the loss curve's plot. ``--resume DIR`` continues from
 such a folder. The learning rate follows one cosine over the run's planned steps: ``--steps``, or where
 that is 0, as many as ``--total-minutes`` of training hold at the first run's measured pace.
@@ -168,14 +168,16 @@ def save(out, model, opt, state):
     params = dict(model.named_parameters())
     save_file({k: opt.state[p]["exp_avg_sq"].to(torch.bfloat16).contiguous() for k, p in params.items()
                if p in opt.state}, os.path.join(out, "ckpt_exp_avg_sq.safetensors"))
-    with open(os.path.join(out, "train_state.json"), "w") as f:
-        json.dump(state, f, indent=1)
+    device = state["runs"][-1]["device"] if state["runs"] else None
+    with open(os.path.join(out, "world_train.json"), "w") as f:  # a result file's keys first (bench/common)
+        json.dump({"device": device, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, **state}, f,
+                  indent=1)
 
 
 def export(model, state, path):
     """The model as it is committed and loaded: bf16, with its config, world, sampling and training record."""
     training = {k: state[k] for k in ("step", "steps", "seed", "sequences", "latent_frames", "lr", "runs",
-                                      "provenance")}
+                                      "commit", "dirty", "command")}
     fastar.models.world.save_world(model, path, SAMPLING, training=training)
 
 
@@ -187,8 +189,8 @@ def resume(folder, model, opt, device):
         weights.update(load_file(os.path.join(folder, f"ckpt_weights_{i}.safetensors"), device=str(device)))
     model.load_state_dict(weights)
     second = load_file(os.path.join(folder, "ckpt_exp_avg_sq.safetensors"), device=str(device))
-    with open(os.path.join(folder, "train_state.json")) as f:
-        state = json.load(f)
+    with open(os.path.join(folder, "world_train.json")) as f:
+        state = {k: v for k, v in json.load(f).items() if k not in ("device", "date", "torch")}
     for k, p in model.named_parameters():
         if k in second:  # the first moment, a memory of ~10 steps, restarts from zero
             opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": torch.zeros_like(p),
@@ -237,7 +239,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
     state = {"step": 0, "steps": args.steps or 10 ** 9, "seed": args.seed, "sequences": args.sequences,
              "latent_frames": args.latent_frames, "lr": args.lr, "loss": [], "runs": [],
-             "provenance": provenance(argv)}
+             **provenance(argv)}
     if args.resume:
         state = resume(args.resume, model, opt, device)
     worlds = photos("train", device)
@@ -292,7 +294,7 @@ def main(argv=None):
 
 def run_record(device, tic) -> dict:
     return {"device": device_name(device), "minutes": round((time.time() - tic) / 60, 2),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "command": provenance()["command"]}
 
 
 if __name__ == "__main__":

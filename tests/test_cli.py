@@ -222,7 +222,7 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
     (["--observe", "7"], "--observe 7: must be a positive multiple of 12 video frames"),
     (["--revisit", "12"], "--revisit 12: a loop needs at least 24 video frames"),
     (["--world", "nope.jpg"], "cannot read the world photograph nope.jpg"),
-    (["--actions", "D*40"], "more than the 614x384 photograph: pan less, or zoom in"),
+    (["--actions", "D*40"], "more than the 576x384 photograph: pan less, or zoom in"),
 ])
 def test_the_world_refuses_bad_arguments_in_one_line(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path)]) == 2

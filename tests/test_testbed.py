@@ -325,7 +325,8 @@ def test_reproduce_lists_and_skips_what_this_machine_cannot_run(tmp_path, capsys
                                                                            "comfy_defaults_wan", "comfy_defaults_random",
                                                                            "stream_memory",
                                                                            "sampler_stream_memory",
-                                                                           "sampler_stream_memory_gpu")]
+                                                                           "sampler_stream_memory_gpu",
+                                                                           "world_train_loss", "world_eval")]
     assert f"ann_bench.py --prompt random --tag ann_bench_random --out {tmp_path}" in lines[7]
     assert lines[-1] == f"in all ~{sum(f.minutes for f in reproduce.FIGURES):g} minutes"
     assert reproduce.main(["--only", "stream_memory", "--out", str(tmp_path)]) == 1  # not written: exit status 1

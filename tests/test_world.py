@@ -207,8 +207,8 @@ def test_world_train_smoke_resumes_and_exports(tmp_path):
     second = run("--out", str(tmp_path / "b"), "--resume", str(tmp_path / "a"), "--minutes", "5",
                  "--export", str(tmp_path / "w.safetensors"))
     assert second.returncode == 0, second.stderr[-2000:]
-    state = json.loads((tmp_path / "a" / "train_state.json").read_text())
-    assert state["step"] == 4 and len(state["runs"]) == 1 and (tmp_path / "a" / "world_train_loss.png").exists()
+    state = json.loads((tmp_path / "a" / "world_train.json").read_text())
+    assert state["step"] == 4 and len(state["runs"]) == 1 and state["command"].startswith("python bench/world_train.py") and (tmp_path / "a" / "world_train_loss.png").exists()
     model = load_wan(tmp_path / "w.safetensors")
     assert isinstance(model, WorldModel)
 
