@@ -2,7 +2,8 @@
 
 The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
 it takes), ``sampler_nodes`` (the two samplers), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
-(the streaming save and the video stream), over what they share (``schema``). Beneath them, by job:
+(the streaming save and the video stream), ``world_nodes`` (the pack's world model, its action schedule and
+sampler), over what they share (``schema``). Beneath them, by job:
 ``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
 ``patching`` (the attention patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward
 runs a rollout), ``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts),
@@ -18,6 +19,7 @@ def node_list() -> list:
     from .sampler_nodes import ARVideo, AutoregressiveLongSampler
     from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
     from .video_nodes import SaveVideo, VideoStream
+    from .world_nodes import ActionSchedule, WorldModelLoader, WorldSampler
 
     return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,
-            PromptSchedule, SaveVideo, VideoStream]
+            PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler]

@@ -221,7 +221,7 @@ def test_nodes(comfy, models, pack):
     nodes = asyncio.run(ext.get_node_list())
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
                 "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
-                "FastARVideoStream"}
+                "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()

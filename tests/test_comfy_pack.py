@@ -16,6 +16,7 @@ FASTAR = "FAST-AR - long video (TempCache)"
 DENSE = "FAST-AR - dense baseline (every frame kept)"
 CORE_AR = "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent)"
 STOCK_AR = "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video)"
+WORLD = "FAST-AR - world model, no download (TempCache against the window)"
 NODE_TYPES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
 
 
@@ -43,8 +44,11 @@ def test_example_workflows_are_wired():
         wf = json.loads(path.read_text())
         nodes = {n["id"]: n for n in wf["nodes"]}
         types = {n["type"] for n in nodes.values()}
-        sampler = "FastARARVideo" if "SamplerCustom" in types else "FastARAutoregressiveSampler"
-        assert {"FastARPatchModel", sampler} <= types
+        if path.stem == WORLD:
+            assert {"FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"} <= types
+        else:
+            sampler = "FastARARVideo" if "SamplerCustom" in types else "FastARAutoregressiveSampler"
+            assert {"FastARPatchModel", sampler} <= types
         for link_id, origin, slot, target, target_slot, type_ in wf["links"]:
             assert nodes[origin]["outputs"][slot]["type"] == type_
             assert link_id in nodes[origin]["outputs"][slot]["links"]
@@ -62,8 +66,34 @@ def test_fastar_workflows_run_fastar_at_the_defaults():
     """The FAST-AR templates feed TempCache Settings at the library's defaults into the patch, and no ANN
     Sparsity (off by default: it does not pay at the default budget)."""
     for path in sorted((REPO / "example_workflows").glob("*.json")):
-        if path.stem != DENSE:
+        if path.stem not in (DENSE, WORLD):
             _check_fastar_at_the_defaults(json.loads(path.read_text()))
+
+
+def test_the_world_template_flies_the_demos_route_with_tempcache_and_the_window():
+    """The no-download template: the pack's world over the demo's out-and-back (``fastar``'s default route),
+    one sampler on TempCache at its defaults and one on LongLive's sink 3 + window 12."""
+    import torch
+
+    from comfyui_fastar.fastar import CacheConfig, TempCacheConfig, worlds
+
+    wf = json.loads((REPO / "example_workflows" / f"{WORLD}.json").read_text())
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    by_type = {}
+    for n in nodes.values():
+        by_type.setdefault(n["type"], []).append(n)
+    (schedule,) = by_type["FastARActionSchedule"]
+    text = worlds.parse_actions(schedule["widgets_values"][0], worlds.ActionSpec(), 12)
+    poses = worlds.integrate(torch.from_numpy(text), worlds.ActionSpec())
+    assert len(text) == 24 + 96 + 12  # a lead-in, the loop, the way back over its start
+    assert all(torch.allclose(poses[f], poses[f - 96]) for f in range(120, 132))
+    assert (poses[24:120, 0] - poses[23, 0]).abs().max() > 64  # the loop takes the place out of view
+    t, w = TempCacheConfig(), CacheConfig()
+    assert by_type["FastARTempCacheSettings"][0]["widgets_values"] == [t.enabled, t.merge_threshold, t.max_cache_frames,
+                                                                       t.sink_frames]
+    assert by_type["FastARWindowCache"][0]["widgets_values"] == [w.sink_frames, w.window_frames, False]
+    assert [n["widgets_values"][0] for n in by_type["FastARWorldSampler"]] == [36, 36]  # shown up to the loop
+    assert len(by_type["SaveAnimatedWEBP"]) == 3
 
 
 def _check_fastar_at_the_defaults(wf):

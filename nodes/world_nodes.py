@@ -1,0 +1,157 @@
+"""The world-model nodes: FAST-AR World Model (the pack's trained world, no download), FAST-AR Action
+Schedule (a route a person writes) and FAST-AR World Sampler (the world flown along it under a KV cache),
+over ``fastar.worlds`` and ``fastar.models.world``."""
+from __future__ import annotations
+
+import os
+
+import comfy.model_management
+import comfy.utils
+import numpy as np
+import torch
+from comfy_api.latest import io
+
+from ..fastar import FastARError, TempCacheConfig, worlds
+from .schema import CacheType, in_words, schema
+
+WorldType = io.Custom("FASTAR_WORLD")
+ActionsType = io.Custom("FASTAR_ACTIONS")
+BUNDLED = "world.safetensors (the pack's)"
+CHUNK = 12  # video frames a chunk of 3 latent frames makes
+# the out-and-back of the pack's demo: away, a loop of 96 frames that takes the first place out of view,
+# and the loop's first leg again
+DEFAULT_ACTIONS = "A+S*2, D*38f, W*10f, A*38f, S*10f, D*1"
+_cache: dict[str, object] = {}
+
+
+def _load(name: str):
+    from ..fastar.models import load_wan
+    from ..fastar.models.world import WorldModel
+
+    device = comfy.model_management.get_torch_device()
+    key = f"{name}@{device}"
+    if key not in _cache:
+        path = worlds.WEIGHTS
+        model = load_wan(path, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+        if not isinstance(model, WorldModel):
+            raise FastARError(f"FAST-AR World Model: {os.path.basename(path)} is not a world model")
+        _cache.clear()
+        _cache[key] = model
+    return _cache[key]
+
+
+class WorldModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARWorldModel",
+            display_name="FAST-AR World Model",
+            description="The pack's trained world model (7.5 M parameters, in the pack: no download): keys and the "
+                        "mouse move a 64x64 camera over a photograph, and it makes what the camera sees, chunk by "
+                        "chunk, remembering through its KV cache what it saw. Runs on a CPU in seconds.",
+            inputs=[io.Combo.Input("world", options=[BUNDLED], default=BUNDLED,
+                                   tooltip="The world model file (the one the pack ships).")],
+            outputs=[WorldType.Output()],
+        )
+
+    @classmethod
+    def execute(cls, world) -> io.NodeOutput:
+        return io.NodeOutput(_load(world))
+
+
+class ActionSchedule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARActionSchedule",
+            display_name="FAST-AR Action Schedule",
+            description="Where the camera goes: comma-separated actions, each keys joined by + held for a count "
+                        "of chunks (12 video frames each) or of video frames with f. Keys: W S A D pan, zoom_in, "
+                        "zoom_out, look_up / look_down / look_left / look_right (the mouse), idle. E.g. "
+                        "'D*4, W+D*2, look_left*6f, idle'. The JSON form [[\"D\", 4], [\"W+D\", 2]] works too.",
+            inputs=[io.String.Input("actions", multiline=True, default=DEFAULT_ACTIONS,
+                                    tooltip="The route, e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle.")],
+            outputs=[ActionsType.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, actions):
+        try:
+            with in_words("FAST-AR Action Schedule", "actions: "):
+                worlds.parse_actions(actions, worlds.ActionSpec(), CHUNK)
+        except FastARError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def execute(cls, actions) -> io.NodeOutput:
+        return io.NodeOutput(actions)
+
+
+def _photo(image) -> torch.Tensor:
+    """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one."""
+    if image is None:
+        return worlds.load_photo(worlds.DEMO_PHOTO)
+    return image[0, ..., :3].permute(2, 0, 1).float().clamp(0, 1).cpu()
+
+
+class WorldSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARWorldSampler",
+            display_name="FAST-AR World Sampler",
+            description="Flies the world model over a photograph along an Action Schedule: it is shown the first "
+                        "observe video frames of the ground truth and makes the rest, 12 video frames a chunk, "
+                        "under the KV cache given (TempCache Settings, or Sink + Window Cache). Returns its frames "
+                        "and the ground truth (what the camera really sees there), 64x64.",
+            inputs=[
+                WorldType.Input("world"),
+                ActionsType.Input("actions"),
+                CacheType.Input("cache", optional=True,
+                                tooltip="TempCache Settings or Sink + Window Cache. Empty: TempCache at its defaults."),
+                io.Image.Input("image", optional=True,
+                               tooltip="The photograph the world is (at least 64 px a side, and large enough for the "
+                                       "route). Empty: a photograph the model never saw in training, in the pack."),
+                io.Int.Input("observe", default=36, min=CHUNK, max=1200, step=CHUNK,
+                             tooltip="Video frames of ground truth shown first (a multiple of 12): what the world "
+                                     "has shown before the model takes over."),
+                io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1,
+                             tooltip="Where on the photograph the route starts, and the noise."),
+            ],
+            outputs=[io.Image.Output("frames"), io.Image.Output("ground_truth")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, observe):
+        if observe % CHUNK:
+            return f"FAST-AR World Sampler: observe {observe} must be a multiple of {CHUNK} video frames"
+        return True
+
+    @classmethod
+    def execute(cls, world, actions, observe, seed, cache=None, image=None) -> io.NodeOutput:
+        node = "FAST-AR World Sampler"
+        with in_words(node):
+            spec = world.spec
+            route = worlds.parse_actions(actions, spec.actions, CHUNK)
+            route = np.concatenate([route, np.zeros((-len(route) % CHUNK, route.shape[1]), np.float32)])
+            if observe >= len(route):
+                raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "
+                                  f"frames")
+            photo = _photo(image)
+            if min(photo.shape[1:]) < spec.view:
+                raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
+                                  f"{spec.view} px, the image must be at least that on each side")
+            photo = photo.to(next(world.parameters()).device)
+            flight = worlds.flight(photo, route, spec.view, observe, np.random.default_rng(seed), None, spec.actions)
+            chunks = (len(route) - observe) // CHUNK
+            pbar = comfy.utils.ProgressBar(chunks)
+
+            def on_chunk(report):
+                pbar.update_absolute(report.chunk + 1, chunks)
+                comfy.model_management.throw_exception_if_processing_interrupted()
+
+            with torch.inference_mode():
+                video = worlds.fly(world, flight, cache=cache or TempCacheConfig(), seed=seed, on_chunk=on_chunk)
+        as_image = lambda v: ((v[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).float().cpu()  # noqa: E731
+        return io.NodeOutput(as_image(video), as_image(flight.truth))
