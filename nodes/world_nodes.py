@@ -106,8 +106,8 @@ class WorldSampler(io.ComfyNode):
                         "under the KV cache given (TempCache Settings, or Sink + Window Cache). Returns its frames "
                         "and the ground truth (what the camera really sees there), 64x64.",
             inputs=[
-                WorldType.Input("world"),
-                ActionsType.Input("actions"),
+                WorldType.Input("world", tooltip="FAST-AR World Model."),
+                ActionsType.Input("actions", tooltip="FAST-AR Action Schedule: where the camera goes."),
                 CacheType.Input("cache", optional=True,
                                 tooltip="TempCache Settings or Sink + Window Cache. Empty: TempCache at its defaults."),
                 io.Image.Input("image", optional=True,
