@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -195,8 +196,9 @@ def _run(args, device, group) -> list[dict]:
           + (f", head-parallel over {world} ranks ({model.num_heads // world} of {model.num_heads} heads per rank; "
              f"cache sizes per rank)" if world > 1 else ""))
     rows = []
+    # the bar only on a terminal: in a log file its carriage returns would garble the chunk lines
     bar = tqdm(total=video_frames(frames), unit="frame", desc="rollout (video frames)", file=sys.stderr,
-               disable=rank != 0)
+               disable=rank != 0 or not sys.stderr.isatty())
 
     def on_chunk(r):
         rows.append({"chunk": r.chunk, "frames": r.frames_done, "video_frames": video_frames(r.frames_done),
@@ -225,7 +227,12 @@ def _run(args, device, group) -> list[dict]:
     plot_rollout({args.cache + (f" + AnnSA {args.ann}" if ann is not None else ""): rows}, args.plot,
                  f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
                  f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
-    print(f"fastar: plot written to {args.plot}")
+    steady = rows[len(rows) // 2:]  # the cache full, repeating chunks replayed
+    last = rows[-1]
+    ms = statistics.median(r["latency_ms"] for r in steady)
+    print(f"fastar: {len(rows)} chunks, {last['video_frames']} video frames; {ms:.1f} ms a chunk (median of the "
+          f"last {len(steady)}); the cache holds {last['cache_gb']:.3f} GB against a dense cache's "
+          f"{last['dense_gb']:.3f} GB ({last['cache_tokens']} tokens); plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "model": label, "frames": frames, "video_frames": video_frames(frames),

@@ -37,6 +37,8 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     assert f"chunk    1/2 | frames {_wan_video(3):5d}/{_wan_video(6)} video (3/6 latent) |" in out
     assert f"chunk    2/2 | frames {_wan_video(6):5d}/{_wan_video(6)} video (6/6 latent) |" in out
     assert f"{_wan_video(6)} video frames (6 latent)" in out and "plot written" in out
+    assert out.splitlines()[-1].startswith(f"fastar: 2 chunks, {_wan_video(6)} video frames; ")  # the summary last
+    assert "ms a chunk (median of the last 1); the cache holds" in out and "\r" not in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = json.loads(table.read_text())
     rows = written["chunks"]

@@ -68,7 +68,8 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     layers = 1 + max(int(m.group(1)) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.", k)))
     heads = num_heads or (dim // 128 if dim % 128 == 0 else None)
     if heads is None:
-        raise FastARError(f"cannot tell the head count of a model with dim={dim}; pass num_heads")
+        raise FastARError(f"cannot tell the head count of a model with dim={dim} (not 128 a head): give it, "
+                          f"fastar convert --num-heads N (num_heads=N in Python)")
     patch = tuple(pe.shape[2:])
     return WanConfig(
         dim=dim, num_heads=heads, num_layers=layers, in_dim=in_dim,
