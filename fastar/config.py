@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import FastARError
+from .frames import frames_text
 
 CACHE_MODES = ("unbounded", "window")
 
@@ -181,5 +182,5 @@ def check_settings(cache: CacheConfig | TempCacheConfig, ann: AnnConfig | None, 
                               "frame slots cannot be bucket-sorted (set annsa=False, or change the cache mode)")
     if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
         raise ShortHistory(f"TempCacheConfig.max_cache_frames={cache.max_cache_frames} leaves "
-                           f"{cache.history_frames} history frames besides {cache.sink_frames} sink "
-                           f"frames; at least one chunk ({chunk_frames} frames) is needed")
+                           f"{frames_text(cache.history_frames)} of history beside {frames_text(cache.sink_frames)} "
+                           f"of sink; at least one chunk ({frames_text(chunk_frames)}) is needed")

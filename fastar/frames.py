@@ -6,6 +6,11 @@ from __future__ import annotations
 VIDEO_FRAMES_PER_LATENT = 4
 
 
+def frames_text(n: int) -> str:
+    """``n`` frames, in words: "1 frame", "3 frames"."""
+    return f"{n} frame" if n == 1 else f"{n} frames"
+
+
 def video_frames(latent_frames: int) -> int:
     """Video frames Wan's causal VAE decodes ``latent_frames`` to: 1 + 4 (latent - 1); none for none."""
     return 0 if latent_frames <= 0 else 1 + VIDEO_FRAMES_PER_LATENT * (latent_frames - 1)

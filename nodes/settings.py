@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..fastar import AnnConfig, CacheConfig, FastARError, ShortHistory, TempCacheConfig, UnsortableCache, check_settings
+from ..fastar.frames import frames_text
 
 SETTINGS_KEY = "fastar"  # model_options key holding FAST-AR Patch Model's settings
 
@@ -31,8 +32,8 @@ class FastARSettings:
         except ShortHistory:
             cache = self.cache
             raise FastARError(f"{node}: TempCache Settings' max_cache_frames {cache.max_cache_frames} leaves "
-                              f"{cache.history_frames} frames beside its {cache.sink_frames} sink frames, less than "
-                              f"one chunk of {chunk_frames}; set max_cache_frames to at least "
+                              f"{frames_text(cache.history_frames)} beside its {frames_text(cache.sink_frames)} of "
+                              f"sink, less than one chunk of {chunk_frames}; set max_cache_frames to at least "
                               f"{cache.sink_frames + chunk_frames}") from None
 
 

@@ -60,7 +60,7 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     (["--frames", "3", "--timesteps", "250,500"], "strictly decreasing"),
     (["--frames", "3", "--cache", "window", "--window-frames", "0"], "window_frames must be"),
     (["--frames", "3", "--merge-threshold", "1.5"], "TempCacheConfig.merge_threshold must lie in (0, 1]"),
-    (["--frames", "3", "--max-cache-frames", "4"], "max_cache_frames=4 leaves 1 history frames"),
+    (["--frames", "3", "--max-cache-frames", "4"], "max_cache_frames=4 leaves 1 frame of history beside 3 frames of sink"),
 ])
 def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
     assert main(["rollout", *argv, "--plot", str(tmp_path / "p.png")]) == 2

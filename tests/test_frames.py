@@ -66,8 +66,8 @@ def test_settings_that_cannot_run_together():
     check_settings(CacheConfig(), AnnConfig(), 3)
     short = TempCacheConfig(max_cache_frames=5, sink_frames=3)
     check_settings(short, AnnConfig(), 2)
-    with pytest.raises(ShortHistory, match="max_cache_frames=5 leaves 2 history frames besides 3 sink frames; at "
-                                           r"least one chunk \(3 frames\)"):
+    with pytest.raises(ShortHistory, match="max_cache_frames=5 leaves 2 frames of history beside 3 frames of sink; "
+                                           r"at least one chunk \(3 frames\)"):
         check_settings(short, AnnConfig(), 3)
     assert issubclass(UnsortableCache, FastARError) and issubclass(ShortHistory, FastARError)
 
@@ -80,8 +80,14 @@ def test_the_nodes_settings_name_conflicts_as_the_graph_shows_them():
                                           r"Sink \+ Window Cache does not keep"):
         FastARSettings(CacheConfig("window"), AnnConfig()).check(1, "Some Node")
     with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5 leaves 2 frames beside "
-                                          r"its 3 sink frames, less than one chunk of 3; set max_cache_frames to at "
+                                          r"its 3 frames of sink, less than one chunk of 3; set max_cache_frames to at "
                                           r"least 6$"):
+        FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "Some Node")
+    with pytest.raises(FastARError, match=r"leaves 1 frame beside its 3 frames of sink, less than one chunk of 3"):
+        FastARSettings(TempCacheConfig(max_cache_frames=4)).check(3, "Some Node")
+    with pytest.raises(FastARError, match=r"leaves 1 frame beside its 1 frame of sink"):
+        FastARSettings(TempCacheConfig(max_cache_frames=2, sink_frames=1)).check(3, "Some Node")
+    with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5"):
         FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "Some Node")
     FastARSettings(TempCacheConfig(max_cache_frames=5), AnnConfig()).check(1, "Some Node")
 

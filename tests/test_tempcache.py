@@ -152,7 +152,7 @@ def test_config_errors_name_the_field(kwargs, field):
 
 
 def test_budget_must_hold_a_chunk():
-    with pytest.raises(FastARError, match="max_cache_frames=4 leaves 1 history frames"):
+    with pytest.raises(FastARError, match="max_cache_frames=4 leaves 1 frame of history"):
         cache(TempCacheConfig(max_cache_frames=4, sink_frames=3), chunk_frames=3)
 
 
