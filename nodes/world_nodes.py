@@ -12,7 +12,7 @@ import torch
 from comfy_api.latest import io
 
 from ..fastar import FastARError, TempCacheConfig, worlds
-from .schema import CacheType, in_words, schema
+from .schema import CacheType, check_widget, in_words, schema
 
 WorldType = io.Custom("FASTAR_WORLD")
 ActionsType = io.Custom("FASTAR_ACTIONS")
@@ -124,8 +124,14 @@ class WorldSampler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, observe):
-        if observe % CHUNK:
-            return f"FAST-AR World Sampler: observe {observe} must be a multiple of {CHUNK} video frames"
+        """ComfyUI skips its own min / max for an input read here: checked here too."""
+        try:
+            with in_words("FAST-AR World Sampler"):
+                check_widget(cls, "observe", observe)
+                if observe % CHUNK:
+                    raise FastARError(f"observe {observe} must be a multiple of {CHUNK} video frames")
+        except FastARError as exc:
+            return str(exc)
         return True
 
     @classmethod

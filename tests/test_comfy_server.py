@@ -740,6 +740,15 @@ def test_the_world_nodes_refuse_bad_input_at_prompt_in_their_words(server):
     assert [e["details"] for e in errors] == [  # one message, on the one input it reads
         "actions - FAST-AR Action Schedule: unknown action 'jump'; this world knows W, S, A, D, zoom_in, zoom_out, "
         "idle, look_up, look_down, look_left, look_right"]
+    prompt[schedule]["inputs"]["actions"] = "W*2"
+    samplers = [k for k, n in prompt.items() if n["class_type"] == "FastARWorldSampler"]
+    for observe, said in ((30, "observe 30 must be a multiple of 12 video frames"),
+                          (0, "observe 0 is smaller than its minimum 12")):
+        for sampler in samplers:  # both: a prompt with one valid output would run that one
+            prompt[sampler]["inputs"]["observe"] = observe
+        status, body = _post(server["url"] + "/prompt", {"prompt": prompt})
+        assert status == 400 and all([e["details"] for e in body["node_errors"][k]["errors"]] == [
+            f"observe - FAST-AR World Sampler: {said}"] for k in samplers), body
 
 
 def test_example_workflows_teach_what_to_download_and_have_thumbnails(server):
