@@ -195,3 +195,39 @@ def test_a_file_that_is_no_checkpoint_is_refused_in_the_converters_words(tmp_pat
                                           r"nothing was written$"):
         convert_checkpoint(src, dst)
     assert not dst.exists()
+
+
+def test_a_pt_with_the_training_scripts_own_object_lists_its_entries_and_its_pasted_line_runs(model, tmp_path):
+    """A .pt whose training script pickled an object of its own class (``__main__.X``) beside the weights,
+    under entries the converter does not guess: the refusal lists the entries, picks the one holding the
+    tensors, and its one line, pasted into a shell, re-saves them; the command it ends with converts them."""
+    import shlex
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    src, dst = tmp_path / "run.pt", tmp_path / "run.safetensors"
+    weights = tmp_path / "weights.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    script = ("import torch\nfrom safetensors.torch import load_file\n"
+              "class TrainConfig:\n    def __init__(self):\n        self.lr = 1e-5\n"
+              f"torch.save({{'model': load_file({str(weights)!r}), 'obj': TrainConfig(), 'step': 7}}, {str(src)!r})\n")
+    subprocess.run([sys.executable, "-c", script], check=True)
+    with pytest.raises(FastARError) as refused:
+        convert_checkpoint(src, dst, num_heads=2)
+    message = str(refused.value)
+    assert "holds an object of __main__.TrainConfig" in message and not dst.exists()
+    n = len(model.state_dict())
+    assert f"its entries: model ({n} tensors), obj (a __main__.TrainConfig), step (a int)" in message
+    line = message.split(" with the Python and packages the checkpoint was made with: ", 1)[1].split(" ; then", 1)[0]
+    assert line.startswith("python -c ") and "ck['model']" in line
+    run = subprocess.run(line.replace("python", shlex.quote(sys.executable), 1), shell=True, cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    then = shlex.split(message.split("; then convert that file: ", 1)[1])
+    assert then[:2] == ["fastar", "convert"]
+    from comfyui_fastar.fastar.cli import main
+
+    assert main([*then[1:], "--num-heads", "2", "--dtype", "float32"]) == 0
+    assert torch.equal(load_wan(dst).state_dict()["head.head.weight"], model.state_dict()["head.head.weight"])
