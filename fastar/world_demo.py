@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                                      "zoom_out, look_up/down/left/right, idle). Default: an out-and-back of --revisit "
                                      "frames")
     p.add_argument("--revisit", type=int, default=96,
-                   help="the default route: video frames between leaving a place and coming back (default 96)")
+                   help="the default route: video frames between leaving a place and coming back, a multiple of 12 "
+                        "from 36 (default 96)")
     p.add_argument("--observe", type=int,
                    help="video frames of ground truth shown to the model first, a multiple of 12 (default: up to "
                         "the loop on the default route, 12 with --actions)")
@@ -66,8 +67,9 @@ def route(args, spec, photo) -> tuple[np.ndarray, int, range | None]:
     """(actions per video frame, observed video frames, revisited frames or None)."""
     chunk = 12  # video frames per chunk: 3 latent frames of 4
     if args.actions is None:
-        if args.revisit < 24:
-            raise FastARError(f"--revisit {args.revisit}: a loop needs at least 24 video frames")
+        if args.revisit < 36 or args.revisit % chunk:
+            raise FastARError(f"--revisit {args.revisit}: a loop of whole chunks ({chunk} video frames each) and at "
+                              f"least 36 frames, so that the way back retraces its first leg")
         r = worlds.revisit_actions(spec.actions, args.revisit, tuple(photo.shape[1:]), spec.view,
                                    np.random.default_rng(args.seed))
         actions, observed, revisit = r.actions, r.lead_in + chunk, r.revisit

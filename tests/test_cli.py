@@ -194,16 +194,16 @@ def test_the_default_flies_the_world_and_writes_what_each_cache_remembers(tmp_pa
     TempCache, the side-by-side GIF (ground truth | window | TempCache), the latency plot and the summary."""
     from PIL import Image
 
-    assert main(["--revisit", "24", "--out", str(tmp_path)]) == 0
+    assert main(["--revisit", "36", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "36 shown, 24 generated in 2 chunks, back over a place after 24 frames" in out
+    assert "36 shown, 36 generated in 3 chunks, back over a place after 36 frames" in out
     summary = json.loads((tmp_path / "world.json").read_text())
     assert set(summary["caches"]) == {"window (sink 3 + 12)", "TempCache 12"}
     for name, s in summary["caches"].items():
-        assert s["psnr_revisit"] > 15 and s["tokens_held"] <= 15 * 256 and len(summary["chunks"][name]) == 2
+        assert s["psnr_revisit"] > 15 and s["tokens_held"] <= 15 * 256 and len(summary["chunks"][name]) == 3
         assert f"the revisit {s['psnr_revisit']:.1f} dB" in out
     with Image.open(tmp_path / "world.gif") as gif:
-        assert gif.n_frames == 60 and gif.size[0] > 3 * 128
+        assert gif.n_frames == 72 and gif.size[0] > 3 * 128
     assert (tmp_path / "world_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -222,7 +222,8 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
     (["--frames", "6"], "--frames belongs to Wan 2.1 rollouts: fastar rollout --frames 6"),
     (["--actions", "W*2, jump"], "actions: unknown action 'jump'; this world knows W, S, A, D"),
     (["--observe", "7"], "--observe 7: must be a positive multiple of 12 video frames"),
-    (["--revisit", "12"], "--revisit 12: a loop needs at least 24 video frames"),
+    (["--revisit", "24"], "--revisit 24: a loop of whole chunks (12 video frames each) and at least 36 frames"),
+    (["--revisit", "40"], "--revisit 40: a loop of whole chunks"),
     (["--world", "nope.jpg"], "cannot read the world photograph nope.jpg"),
     (["--actions", "D*40"], "more than the 576x384 photograph: pan less, or zoom in"),
 ])
