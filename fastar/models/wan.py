@@ -402,31 +402,43 @@ class WanModel(nn.Module):
         from ..attention import FastARAttention
 
         self.validate(x, t, context)
-        cfg, dtype = self.config, self.dtype
         attention = attention if attention is not None else FastARAttention()
-        tokens = self.patch_embedding(x.to(self.patch_embedding.weight.dtype)).to(dtype)
-        b, c, f, h, w = tokens.shape
-        tokens = tokens.flatten(3).permute(0, 2, 3, 1).contiguous()  # [B, F, S, C]
-
-        t = t.reshape(b, -1)
-        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(dtype)).unflatten(0, t.shape)
-        e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
+        tokens, e, e0, grid = self.embed(x, t)
         text_kv = attention.cross_kv(context, self.cross_kv)
-        freqs = rope_frequencies(cfg.head_dim, (f, h, w), frame_offset, device=x.device)
+        freqs = rope_frequencies(self.config.head_dim, grid, frame_offset, device=x.device)
         parallel = getattr(attention, "parallel", None)
         if parallel is not None:  # head parallelism: this rank's part of every frame's tokens
             tokens, freqs = parallel.shard_tokens(tokens, freqs)
+        out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, text_kv=text_kv)
+        if fill_cache:
+            return out
+        if parallel is not None:
+            out = parallel.gather_tokens(out)
+        return self.unpatchify(out, grid)
 
-        residual = None
-        last = len(self.blocks) - 1
+    def embed(self, x: torch.Tensor, t: torch.Tensor):
+        """A chunk's tokens [B, F, S, C] (grouped by frame), time embedding e [B, T, C] and per-frame
+        modulation e0 [B, T, 6, C] for latents x [B, C, F, H, W] at timesteps t ([B] or [B, F]), and
+        the token grid (f, h, w)."""
+        cfg, dtype = self.config, self.dtype
+        tokens = self.patch_embedding(x.to(self.patch_embedding.weight.dtype)).to(dtype)
+        b, _, f, h, w = tokens.shape
+        tokens = tokens.flatten(3).permute(0, 2, 3, 1).contiguous()
+        t = t.reshape(b, -1)
+        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(dtype)).unflatten(0, t.shape)
+        return tokens, e, self.time_projection(e).unflatten(2, (6, cfg.dim)), (f, h, w)
+
+    def run_blocks(self, tokens, e, e0, freqs, attention, fill_cache: bool = False, *, text_kv=None, action=None):
+        """The blocks (block i with ``text_kv[i]`` where there is text, ``action`` where it has an action
+        module), then the head: [B, F, S, pt*ph*pw*C]. ``fill_cache``: stop once the last block's K/V are
+        in the cache, and return None."""
+        residual, last = None, len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             if fill_cache and i == last:
                 return block.fill_cache(tokens, e0, freqs, attention, i, residual)
-            tokens, residual = block(tokens, e0, freqs, text_kv[i], attention, i, residual)
-        out = self.head(tokens, e, residual)  # [B, F, S, pt*ph*pw*C]
-        if parallel is not None:
-            out = parallel.gather_tokens(out)
-        return self.unpatchify(out, (f, h, w))
+            tokens, residual = block(tokens, e0, freqs, None if text_kv is None else text_kv[i], attention, i,
+                                     residual, action=action)
+        return self.head(tokens, e, residual)
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         pt, ph, pw = self.config.patch_size

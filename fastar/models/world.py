@@ -195,21 +195,10 @@ class WorldModel(WanModel):
         """The forward over latent frames x [1, C, F, h, w] at frame indices ``frames`` [F], their mean
         camera poses [1, F, 3] and conditions [1, F, condition_dim]: the frames need not be one chunk
         (training runs many trajectories' frames as one sequence under a mask of its own)."""
-        cfg, dtype = self.config, self.dtype
-        tokens = self.patch_embedding(x.to(self.patch_embedding.weight.dtype)).to(dtype)
-        b, c, f, h, w = tokens.shape
-        tokens = tokens.flatten(3).permute(0, 2, 3, 1).contiguous()  # [B, F, S, C]
-        from .wan import sinusoidal_embedding
-        t = t.reshape(b, -1)
-        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(dtype)).unflatten(0, t.shape)
-        e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
-        freqs = self.world_rope(poses[0], frames, (h, w))
-        residual, last = None, len(self.blocks) - 1
-        for i, block in enumerate(self.blocks):
-            if fill_cache and i == last:
-                return block.fill_cache(tokens, e0, freqs, attention, i, residual)
-            tokens, residual = block(tokens, e0, freqs, None, attention, i, residual, action=condition)
-        return self.unpatchify(self.head(tokens, e, residual), (f, h, w))
+        tokens, e, e0, grid = self.embed(x, t)
+        freqs = self.world_rope(poses[0], frames, grid[1:])
+        out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, action=condition)
+        return out if fill_cache else self.unpatchify(out, grid)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> "WorldModel":
