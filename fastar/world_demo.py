@@ -24,6 +24,7 @@ import torch
 from . import worlds
 from .config import CacheConfig, TempCacheConfig
 from .errors import FastARError
+from .plot import plot_rollout
 
 PANEL = 128  # pixels a 64-pixel frame is drawn at
 
@@ -137,32 +138,6 @@ def strip(path, columns: dict[str, torch.Tensor], observed: int, revisit: range 
     out.save(path)
 
 
-def plot(path, rows: dict[str, list[dict]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, chunks in rows.items():
-        frames = [r["video_frames"] for r in chunks]
-        ax_t.plot(frames, [r["latency_ms"] for r in chunks], marker=".", label=name)
-        ax_m.plot(frames, [r["cache_tokens"] for r in chunks], marker=".", label=name)
-    first = next(iter(rows.values()))
-    ax_m.plot([r["video_frames"] for r in first], [r["dense_tokens"] for r in first], "k--", lw=1,
-              label="every frame (dense)")
-    ax_t.set(xlabel="video frames done", ylabel="ms per chunk", title="latency")
-    ax_m.set(xlabel="video frames done", ylabel="tokens held", title="KV cache")
-    for ax in (ax_t, ax_m):
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def run(argv) -> dict:
     from tqdm import tqdm
 
@@ -205,7 +180,7 @@ def run(argv) -> dict:
         def on_chunk(r, rows=rows[name]):
             rows.append({"video_frames": 4 * r.frames_done, "latency_ms": 1e3 * r.latency_s,
                          "cache_tokens": r.cache.tokens_held, "dense_tokens": r.cache.dense_tokens,
-                         "merged": r.cache.merged})
+                         "cache_gb": r.cache.held_gb, "dense_gb": r.cache.dense_gb, "merged": r.cache.merged})
             bar.update()
 
         with torch.inference_mode():
@@ -233,7 +208,7 @@ def run(argv) -> dict:
     columns = {"ground truth": flight.truth, **videos}
     gif(paths["gif"], columns, observed, revisit)
     strip(paths["strip"], columns, observed, revisit)
-    plot(paths["plot"], rows, f"the world model on {device}, {os.path.basename(args.world)}: per chunk")
+    plot_rollout(rows, paths["plot"], f"the world model on {device}, {os.path.basename(args.world)}: per chunk")
     summary["seconds"] = round(time.perf_counter() - tic, 1)
     with open(paths["json"], "w") as f:
         json.dump({**summary, "chunks": rows}, f, indent=1)
