@@ -15,4 +15,4 @@ if __name__ == "__main__":
     spec.loader.exec_module(package)
     from comfyui_fastar.fastar.cli import main
 
-    sys.exit(main(["convert", *sys.argv[1:]]))
+    sys.exit(main(["convert", *sys.argv[1:]], convert_command=f"python {sys.argv[0]}"))

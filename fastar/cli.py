@@ -246,9 +246,9 @@ def _run(args, device, group) -> list[dict]:
     return rows
 
 
-def parse_convert_args(argv):
+def parse_convert_args(argv, prog: str = "fastar convert"):
     known = ", ".join(f"{c.name} ({c.repo})" for c in KNOWN_CHECKPOINTS.values())
-    p = argparse.ArgumentParser(prog="fastar convert",
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Write a causal Wan 2.1 checkpoint (a training .pt: Self-Forcing, CausVid, "
                                             "LongLive, Causal-Forcing, Rolling Forcing ...; or a .safetensors file) "
                                             "as a .safetensors file for ComfyUI's models/diffusion_models/ and fastar "
@@ -292,10 +292,10 @@ def _convert_sampling(args) -> Sampling | None:
     return Sampling(**{**settings, **given})
 
 
-def convert(args) -> None:
+def convert(args, command: str = "fastar convert") -> None:
     done = convert_checkpoint(args.src, args.dst, preset=args.preset, key=args.key, lora=args.lora,
                               lora_key=args.lora_key, lora_alpha=args.lora_alpha, sampling=_convert_sampling(args),
-                              dtype=getattr(torch, args.dtype), num_heads=args.num_heads)
+                              dtype=getattr(torch, args.dtype), num_heads=args.num_heads, command=command)
     config = done.config
     print(f"wrote {args.dst}: Wan 2.1 T2V, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
           f"{args.dtype}"
@@ -316,11 +316,13 @@ def _rollout_flag(argv) -> str | None:
     return next((a.split("=")[0] for a in argv if a.split("=")[0] in only), None)
 
 
-def main(argv=None) -> int:
+def main(argv=None, convert_command: str = "fastar convert") -> int:
+    """``convert_command``: how the user runs the converter (``convert.py`` in a cloned pack), named in
+    its usage and in the command a refusal ends with."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["convert"]:
-            convert(parse_convert_args(argv[1:]))
+            convert(parse_convert_args(argv[1:], convert_command), convert_command)
             return 0
         if argv[:1] == ["rollout"]:
             run(parse_args(argv[1:]))

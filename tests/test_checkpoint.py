@@ -135,10 +135,10 @@ def test_conversion_refuses_what_it_cannot_write_and_runs_no_code(model, tmp_pat
         convert_checkpoint(lora, dst)
     nothing = tmp_path / "nothing.pt"
     torch.save({"optimizer": {"lr": torch.tensor(1.0)}, "step": 3}, nothing)
-    with pytest.raises(FastARError, match="no Wan weights found .*--key"):
+    with pytest.raises(FastARError, match=r"no Wan weights found \(entries: optimizer, step\); .*--key"):
         convert_checkpoint(nothing, dst)
     _training_checkpoint(model, src)
-    with pytest.raises(FastARError, match="no entry 'ema'"):
+    with pytest.raises(FastARError, match=r"no entry 'ema' \(entries: generator, generator_ema, critic, step\)"):
         convert_checkpoint(src, dst, key="ema", num_heads=2)
     with pytest.raises(FastARError, match="must be a .safetensors file"):
         convert_checkpoint(src, tmp_path / "out.pt", num_heads=2)
@@ -201,6 +201,7 @@ def test_a_pt_with_the_training_scripts_own_object_lists_its_entries_and_its_pas
     """A .pt whose training script pickled an object of its own class (``__main__.X``) beside the weights,
     under entries the converter does not guess: the refusal lists the entries, picks the one holding the
     tensors, and its one line, pasted into a shell, re-saves them; the command it ends with converts them."""
+    import argparse
     import shlex
     import subprocess
     import sys
@@ -214,12 +215,17 @@ def test_a_pt_with_the_training_scripts_own_object_lists_its_entries_and_its_pas
               "class TrainConfig:\n    def __init__(self):\n        self.lr = 1e-5\n"
               f"torch.save({{'model': load_file({str(weights)!r}), 'obj': TrainConfig(), 'step': 7}}, {str(src)!r})\n")
     subprocess.run([sys.executable, "-c", script], check=True)
+    stated = tmp_path / "stated.pt"  # a module's state_dict() as it is: an OrderedDict that pickles its _metadata
+    torch.save({"model": model.state_dict(), "config": argparse.Namespace(lr=1e-5)}, stated)
+    with pytest.raises(FastARError, match=rf"its entries: model \({len(model.state_dict())} tensors\), config "
+                                          rf"\(an argparse.Namespace\)"):
+        convert_checkpoint(stated, dst, num_heads=2)
     with pytest.raises(FastARError) as refused:
         convert_checkpoint(src, dst, num_heads=2)
     message = str(refused.value)
     assert "holds an object of __main__.TrainConfig" in message and not dst.exists()
     n = len(model.state_dict())
-    assert f"its entries: model ({n} tensors), obj (a __main__.TrainConfig), step (a int)" in message
+    assert f"its entries: model ({n} tensors), obj (a __main__.TrainConfig), step (an int)" in message
     line = message.split(" with the Python and packages the checkpoint was made with: ", 1)[1].split(" ; then", 1)[0]
     assert line.startswith("python -c ") and "ck['model']" in line
     run = subprocess.run(line.replace("python", shlex.quote(sys.executable), 1), shell=True, cwd=tmp_path,

@@ -259,7 +259,8 @@ class Converted:
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset: str | None = None,
                        key: str | None = None, lora: str | os.PathLike | None = None, lora_key: str | None = None,
                        lora_alpha: float | None = None, sampling: Sampling | None = None,
-                       dtype: torch.dtype = torch.bfloat16, num_heads: int | None = None) -> Converted:
+                       dtype: torch.dtype = torch.bfloat16, num_heads: int | None = None,
+                       command: str = "fastar convert") -> Converted:
     """Write a causal checkpoint's Wan weights as a ``.safetensors`` file ComfyUI's Load Diffusion Model
     and ``load_wan`` read, marked causal (ComfyUI with core's autoregressive nodes loads it as its causal
     Wan model) and, where known, with its sampling in the metadata (``checkpoint_sampling`` reads it).
@@ -269,7 +270,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
     ``lora``: a LoRA file (LongLive's) merged into the weights (``merge_lora``). A ``.pt`` file is read
     with torch's tensors-only unpickler (``weights_only=True``): tensors and plain containers only, no code
     runs; a file holding other objects is refused in ``_read_tensors_only``'s words. A ``.safetensors``
-    source (Krea Realtime's) is read as it is."""
+    source (Krea Realtime's) is read as it is. ``command``: how the user runs the converter, for the
+    command a refusal ends with."""
     from safetensors.torch import save_file
 
     known = known_checkpoint(preset) if preset is not None else None
@@ -287,13 +289,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
     key_flag = f" --key {key}" if key else ""
     lora_flag = f" --lora {os.fspath(lora)}" if lora is not None else ""
     entry = key or (known.key if known and known.key else "generator_ema")
-    state = _generator_state(_read_source(src, entry, lambda w: f"fastar convert {w} {dst}{preset_flag}{lora_flag}"),
+    state = _generator_state(_read_source(src, entry, lambda w: f"{command} {w} {dst}{preset_flag}{lora_flag}"),
                              key, name, known)
     merged = 0
     if lora is not None:
         lora, lora_key = os.fspath(lora), lora_key or (known.lora_key if known else None)
         adapters = _lora_state(_read_source(lora, lora_key or LORA_KEYS[0],
-                                            lambda w: f"fastar convert {src} {dst}{preset_flag}{key_flag} --lora {w}"),
+                                            lambda w: f"{command} {src} {dst}{preset_flag}{key_flag} --lora {w}"),
                                lora_key, os.path.basename(lora))
         alpha = lora_alpha if lora_alpha is not None else (known.lora_alpha if known else None)
         state, merged = merge_lora(state, adapters, alpha=alpha, name=os.path.basename(lora))
@@ -378,7 +380,7 @@ CODE_MODULES = ("builtins", "os", "posix", "nt", "sys", "subprocess", "shutil", 
 
 
 class _Inert:
-    """What ``_entries`` builds for any class or call a pickle names: it keeps its arguments and runs nothing."""
+    """What ``_pickled_entries`` builds for any class or call a pickle names: keeps its arguments, runs nothing."""
 
     def __init__(self, *args, **kwargs):
         self.args = args
@@ -390,16 +392,20 @@ class _Inert:
         pass
 
 
-def _entries(src: str) -> dict[str, int | str] | None:
+def _pickled_entries(src: str) -> dict[str, int | str] | None:
     """A torch zip checkpoint's top-level entries, read without running anything in it: an entry's count
     of tensors, or the class of what it holds; None where the file is not such a checkpoint."""
     import pickle
     import zipfile
 
+    class Dict(dict):  # a state dict: an OrderedDict whose pickle sets its _metadata after its items
+        def __setstate__(self, state):
+            pass
+
     class Inert(pickle.Unpickler):
         def find_class(self, module, name):
             if (module, name) in (("collections", "OrderedDict"), ("builtins", "dict")):
-                return dict
+                return Dict
             if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
                 return _Tensor
             return type(f"{module}.{name}", (_Inert,), {})
@@ -438,12 +444,16 @@ def _refusal(src: str, name: str, found: list[str], entry: str, then) -> str:
         return (f"{name} carries code: loading it would call {', '.join(calls)}. Nothing in the file ran and "
                 f"nothing was written. A model checkpoint needs no such calls; get the weights from the "
                 f"checkpoint's authors (a .safetensors file or a plain state dict)")
-    entries = _entries(src) or {}
+    entries = _pickled_entries(src) or {}
     weighty = {k: v for k, v in entries.items() if isinstance(v, int) and v > 0}
     if entry not in weighty and weighty:  # the entry that holds the most tensors, not a guess
         entry = max(weighty, key=weighty.get)
-    listed = "; its entries: " + ", ".join(f"{k} ({v} tensors)" if isinstance(v, int) else f"{k} (a {v})"
-                                            for k, v in entries.items()) if entries else ""
+    def held(k, v):
+        if isinstance(v, int):
+            return f"{k} ({v} tensor{'' if v == 1 else 's'})"
+        return f"{k} ({'an' if v[:1].lower() in 'aeiou' else 'a'} {v})"
+
+    listed = "; its entries: " + ", ".join(held(k, v) for k, v in entries.items()) if entries else ""
     modules = sorted({g.rsplit(".", 1)[0] for g in found if "." in g and not g.startswith("__main__.")})
     own = [g.split(".", 1)[1] for g in found if g.startswith("__main__.")]
     stand_ins = ("import __main__; " + "; ".join(f"__main__.{n} = type('{n}', (), {{}})" for n in own) + "; "
