@@ -1,7 +1,7 @@
 """ComfyUI node classes: schemas and glue into ``fastar``; no math lives here.
 
 The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
-it takes), ``sampler_nodes`` (the two samplers), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
+it takes), ``sampler_nodes`` (the two samplers and the Long Sampler's start image), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
 (the streaming save and the video stream), ``world_nodes`` (the pack's world model, its action schedule and
 sampler), over what they share (``schema``). Beneath them, by job:
 ``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
@@ -16,10 +16,10 @@ works without ComfyUI.
 def node_list() -> list:
     """The pack's node classes (imports ComfyUI's API)."""
     from .prompt_nodes import PromptSchedule
-    from .sampler_nodes import ARVideo, AutoregressiveLongSampler
+    from .sampler_nodes import ARVideo, AutoregressiveLongSampler, StartImageNode
     from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
     from .video_nodes import SaveVideo, VideoStream
     from .world_nodes import ActionSchedule, WorldModelLoader, WorldSampler
 
-    return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, ARVideo,
-            PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler]
+    return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, StartImageNode,
+            ARVideo, PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler]

@@ -85,10 +85,18 @@ class CacheEvents:
         self.engine_name, self.engine_reason = None, None
         self.prompts = 1
         self.files, self.frames_saved = None, None  # a video stream's (None: none)
+        self.sampled = None  # how the chunks are sampled and where that came from (``sampling``)
 
     def _send(self, data: dict) -> None:
         send_event(CACHE_EVENT, {"node": self.node, "engine": self.engine_name, "engine_reason": self.engine_reason,
-                                 **data})
+                                 "sampling": self.sampled, **data})
+
+    def sampling(self, frames_per_chunk: int, timesteps, shift: float, source: str) -> None:
+        """How the rollout samples (latent frames a chunk, steps, shift) and where that came from (the
+        file, the widgets, the graph's sigmas): shown on the node, since a file's sampling overrides
+        the widgets without changing them."""
+        self.sampled = {"frames_per_chunk": int(frames_per_chunk), "timesteps": [float(t) for t in timesteps],
+                        "shift": float(shift), "source": source}
 
     def start(self, total_frames: int, chunks: int, prompts: int = 1, length: int | None = None) -> None:
         """``total_frames`` latent frames in ``chunks`` chunks; ``length``: the video frames asked for,

@@ -13,7 +13,9 @@ _UNCONNECTED = object()  # an optional input left unconnected (validate_inputs' 
 class PromptSchedule(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        inputs = [io.Conditioning.Input("prompt_1", tooltip="The prompt from the first frame.")]
+        inputs = [io.Conditioning.Input("prompt_1", optional=True,
+                                        tooltip="The prompt from the first frame. Empty: the sampler's own positive "
+                                                "(which a connected prompt_1 replaces).")]
         for i in range(2, SCHEDULE_SLOTS + 1):
             inputs += [
                 io.Conditioning.Input(f"prompt_{i}", optional=True,
@@ -29,7 +31,8 @@ class PromptSchedule(io.ComfyNode):
                         "or FAST-AR AR Video: at each switch the new text conditions the chunks that follow and the "
                         "frames the cache holds are re-encoded with it (the sink and the budget or window of "
                         "recent frames: a fixed cost; every frame so far with the unbounded cache), so the video "
-                        "follows without a cut. Every frame before a switch is the earlier prompt's.",
+                        "follows without a cut. Every frame before a switch is the earlier prompt's. The first "
+                        "prompt is the sampler's positive unless prompt_1 is connected.",
             inputs=inputs,
             outputs=[PromptsType.Output()],
         )
@@ -50,7 +53,7 @@ class PromptSchedule(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, prompt_1, **slots) -> io.NodeOutput:
+    def execute(cls, prompt_1=None, **slots) -> io.NodeOutput:
         used = {i: int(slots[f"start_{i}"]) for i in range(2, SCHEDULE_SLOTS + 1)
                 if slots.get(f"prompt_{i}") is not None}
         with in_words("FAST-AR Prompt Schedule"):

@@ -82,16 +82,19 @@ def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int
                 for i, (_, cond) in enumerate(schedule, 1)]
     starts = "".join(f"; prompt {i} from frame {chunk_first_frame(c, chunk_frames, first)} (asked {start})"
                      for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2))
-    logging.info("%s: the prompt schedule conditions the video (positive is not used)%s", node, starts)
+    logging.info("%s: the prompt schedule conditions the video%s", node, starts)
     return contexts[0], list(zip(chunks, contexts[1:]))
 
 
 def prompt_contexts(patcher, prompts, positive, negative, encode: Callable, noise: torch.Tensor, device,
                     frames: int, chunk_frames: int, node: str, first: int = 0):
     """(first context, [(chunk, context)] prompt switches, negative context or None) at one token count.
-    A prompt schedule conditions the video instead of ``positive``; ``encode(conditioning, name)`` turns
+    A prompt schedule conditions the video, from ``positive`` where its first prompt is None (prompt_1
+    unconnected), else instead of it; ``encode(conditioning, name)`` turns
     the sampler's own positive / negative into a context. ``first``: latent frames before chunk 0."""
     switches = []
+    if prompts and prompts[0][1] is None:  # the schedule's first prompt unconnected: the sampler's positive
+        prompts = [(0, positive)] + list(prompts[1:])
     if prompts:
         context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node, first)
     else:

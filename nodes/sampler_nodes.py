@@ -1,8 +1,10 @@
 """The sampler nodes: Autoregressive Long Sampler (a whole rollout to a LATENT) and FAST-AR AR Video
-(the rollout as a SAMPLER for core's autoregressive video graph)."""
+(the rollout as a SAMPLER for core's autoregressive video graph), and FAST-AR Start Image (the Long
+Sampler's image-to-video input)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 
 from comfy_api.latest import io, ui
 
@@ -11,9 +13,10 @@ from ..fastar.frames import is_video_length, latent_frames, nearest_video_length
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
-from .schema import MAX_LENGTH, check_widget, in_words, node_id, prompts_input, schema, stream_input
+from .schema import (MAX_LENGTH, StartType, check_widget, graph_prompt, in_words, node_id, prompts_input, schema,
+                     stream_input)
 from .stream import ChunkStream
-from .wan import recorded_sampling
+from .wan import graph_model_file, recorded_sampling, unrecorded_reason
 
 FRAMES_PER_CHUNK = ("3", "1")
 
@@ -84,11 +87,10 @@ class AutoregressiveLongSampler(io.ComfyNode):
                 io.Conditioning.Input("negative", optional=True,
                                       tooltip="Negative prompt, used only when cfg > 1."),
                 prompts_input("positive"),
-                io.Image.Input("start_image", optional=True,
-                               tooltip="Image-to-video: the video's first frame (resized to width x height), "
-                                       "encoded by the vae input and cached before the first chunk, as core's "
-                                       "AR Video I2V does. Needs vae."),
-                io.Vae.Input("vae", optional=True, tooltip="The Wan VAE that encodes start_image."),
+                StartType.Input("start", optional=True,
+                                tooltip="Image-to-video: a FAST-AR Start Image, the video's first frame (resized to "
+                                        "width x height), encoded and cached before the first chunk, as core's AR "
+                                        "Video I2V does."),
                 stream_input(),
                 io.Boolean.Input("checkpoint_sampling", default=True, optional=True,
                                  tooltip="Where the model's file records how it samples (fastar convert --preset "
@@ -97,24 +99,18 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                          "a block size other than the file's refused."),
             ],
             outputs=[io.Latent.Output()],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
             is_output_node=True,  # with a stream its file is the output, with nothing after the LATENT
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, length, timesteps, frames_per_chunk):
-        """What /prompt can refuse before anything runs, in the node's words. ComfyUI shows a message from
-        here on each input this function reads and skips its own min / max (and combo options) for them, so
-        those are checked here too (``_check_widget``); every other input keeps ComfyUI's checks."""
+    def validate_inputs(cls, timesteps):
+        """The one free-text input, refused at /prompt in the node's words. ComfyUI puts this message on
+        every input the function reads, so it reads this one only: the numbers keep ComfyUI's own min /
+        max (the page rounds them to their step: 16 pixels, 1 + 4k frames), and the image's VAE is a
+        required input of FAST-AR Start Image. A value the page cannot send (a script's width of 100) is
+        refused when the node runs, in the same words."""
         try:
-            if str(frames_per_chunk) not in FRAMES_PER_CHUNK:  # ComfyUI 0.3.64 checks no V3 combo's options
-                raise FastARError(f"frames_per_chunk {frames_per_chunk!r} is not one of {', '.join(FRAMES_PER_CHUNK)}")
-            for name, value in (("width", width), ("height", height)):
-                check_widget(cls, name, value)
-                if int(value) % 16:
-                    raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
-            check_widget(cls, "length", length)
-            _check_length(int(length))
             FlowMatchSchedule.parse(str(timesteps))
         except FastARError as exc:
             return f"Autoregressive Long Sampler: {exc}"
@@ -122,27 +118,36 @@ class AutoregressiveLongSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                context_noise, cfg, negative=None, prompts=None, start_image=None, vae=None,
-                stream=None, checkpoint_sampling=True) -> io.NodeOutput:
+                context_noise, cfg, negative=None, prompts=None, start=None, stream=None,
+                checkpoint_sampling=True) -> io.NodeOutput:
+        with in_words("Autoregressive Long Sampler"):  # the widgets first: a script can send what the page cannot
+            settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
+                                 context_noise, cfg, prompts)
         if not is_patched(model):  # FAST-AR's defaults; a model that is no Wan fails here, in Patch Model's words
             model = patch_model(model)
-        recorded = recorded_sampling(model) if checkpoint_sampling else None
+        model_file = graph_model_file(graph_prompt(cls), node_id(cls))
+        settings = replace(settings, model_file=model_file)
+        recorded = recorded_sampling(model, model_file) if checkpoint_sampling else None
         if recorded is not None:
             name, sampling = recorded
-            frames_per_chunk, shift = str(sampling.frames_per_block), sampling.shift
-            timesteps = ",".join(f"{t:g}" for t in sampling.timesteps)
+            settings = replace(settings, chunk_frames=sampling.frames_per_block, shift=sampling.shift,
+                               timesteps=",".join(f"{t:g}" for t in sampling.timesteps))
             logging.info("Autoregressive Long Sampler: sampling as %s records (%s), not as the widgets say "
                          "(checkpoint_sampling)", name, sampling.describe())
-        with in_words("Autoregressive Long Sampler"):
-            if (start_image is None) != (vae is None):
-                raise FastARError(f"start_image needs vae (the Wan VAE that encodes it), and vae is used only with "
-                                  f"start_image: connect {'vae' if vae is None else 'start_image'}")
-            start = None if start_image is None else encode_start_image(vae, start_image, int(width), int(height))
-            settings = _settings(width, height, length, batch_size, seed, timesteps, shift, frames_per_chunk,
-                                 context_noise, cfg, prompts, start)
-            if settings.first_frame and settings.frames <= settings.first_frame:
-                raise FastARError(f"length {length} holds only the start image; make it at least 5 video frames")
+            source = f"as {name} records (checkpoint_sampling), not the widgets"
+        elif not checkpoint_sampling:
+            source = "as the widgets say (checkpoint_sampling off)"
+        else:
+            source = "as the widgets say: " + unrecorded_reason(model, model_file)
+        if start is not None:
+            if settings.frames <= 1:
+                raise FastARError(f"Autoregressive Long Sampler: length {length} holds only the start image; make "
+                                  f"it at least 5 video frames")
+            settings = replace(settings, start=encode_start_image(start.vae, start.image, settings.width,
+                                                                  settings.height))
         events = CacheEvents(node_id(cls))
+        events.sampling(settings.chunk_frames, FlowMatchSchedule.parse(settings.timesteps).timesteps, settings.shift,
+                        source)
         events.start(settings.generated_frames, settings.chunks, len(prompts) if prompts else 1, length=int(length))
         on_chunk, chunks = events, None
         try:
@@ -165,6 +170,32 @@ class AutoregressiveLongSampler(io.ComfyNode):
             return io.NodeOutput(latent)
         return io.NodeOutput(latent, ui=ui.PreviewVideo([ui.SavedResult(f, sub, io.FolderType.output)
                                                          for f, sub in saved]))
+
+
+@dataclass(frozen=True)
+class StartImage:
+    """FAST-AR Start Image's output: the image and the VAE the sampler encodes it with, at its own size."""
+    image: object
+    vae: object
+
+
+class StartImageNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return schema(
+            node_id="FastARStartImage",
+            display_name="FAST-AR Start Image",
+            description="Image-to-video for the Autoregressive Long Sampler: the video's first frame and the Wan "
+                        "VAE that encodes it. The sampler resizes it to its width x height (bilinear, centre crop), "
+                        "encodes it and caches it before the first chunk, as core's AR Video I2V does.",
+            inputs=[io.Image.Input("image", tooltip="The first frame (the first image of a batch)."),
+                    io.Vae.Input("vae", tooltip="The Wan 2.1 VAE (wan_2.1_vae.safetensors).")],
+            outputs=[StartType.Output()],
+        )
+
+    @classmethod
+    def execute(cls, image, vae) -> io.NodeOutput:
+        return io.NodeOutput(StartImage(image, vae))
 
 
 class ARVideo(io.ComfyNode):
@@ -194,8 +225,9 @@ class ARVideo(io.ComfyNode):
     def validate_inputs(cls, num_frame_per_block):
         """Block sizes the causal Wan 2.1 checkpoints are trained with, refused by /prompt otherwise
         (ComfyUI skips its own min / max for the input read here: checked here too). The block size a
-        converted file records is checked when the sampler runs (``wan.check_sampling``): /prompt does not
-        know which file the graph's model will come from."""
+        converted file records is checked when the sampler runs (``wan.check_sampling``), where ComfyUI
+        names the file on the model (2026 on): this node's SAMPLER outlives a change of model file in
+        ComfyUI's cache, so it cannot take the name from the graph as the Long Sampler does."""
         try:
             check_widget(cls, "num_frame_per_block", num_frame_per_block)
             if str(num_frame_per_block) not in FRAMES_PER_CHUNK:

@@ -41,6 +41,7 @@ class SampleSettings:
     cfg: float = 1.0
     prompts: list | None = None  # FAST-AR Prompt Schedule's [(start video frame, CONDITIONING)]; None: positive
     start: torch.Tensor | None = None  # a start image's latent (VAE space, ``encode_start_image``): image-to-video
+    model_file: str | None = None  # the file the graph's Load Diffusion Model read (``wan.graph_model_file``)
 
     @property
     def first_frame(self) -> int:
@@ -92,7 +93,7 @@ def _sample(model, positive, negative, settings, on_chunk, preview, on_engine, n
         raise FastARError(f"{node}: cfg={settings.cfg} needs a negative prompt; connect one or set cfg to 1")
     fastar = settings_of(model)
     fastar.check(settings.chunk_frames, node)
-    check_sampling(model, settings.chunk_frames, node, "frames_per_chunk", schedule)
+    check_sampling(model, settings.chunk_frames, node, "frames_per_chunk", schedule, settings.model_file)
     warn_if_not_causal(model, node)
     first, whole = settings.first_frame, settings.generated_frames
     latent_shape = (settings.batch_size, model.model.latent_format.latent_channels, whole,
@@ -243,7 +244,9 @@ class ARVideoSampler(comfy.samplers.Sampler):
         start = None
         if initial is not None:  # as core seeds its cache with it: in the model's latent space, every video
             start = base.process_latent_in(initial).to(device=device, dtype=torch.float32).expand(batch, -1, -1, -1, -1)
-        if self.events is not None:
+        if self.events is not None:  # the graph's sigmas are already shifted: shift 1 on them
+            self.events.sampling(self.chunk_frames, [1000.0 * s for s in steps], 1.0,
+                                 "as the graph says (num_frame_per_block and the sigmas, the model's shift applied)")
             self.events.start(frames, whole_chunks(frames - first, self.chunk_frames), 1 + len(texts[1]))
         rollout = engine_rollout(patcher, options, model_options, texts, device, node,
                                  None if self.events is None else self.events.engine, fastar,

@@ -13,6 +13,7 @@ CacheType = io.Custom("FASTAR_CACHE")
 AnnType = io.Custom("FASTAR_ANN")
 PromptsType = io.Custom("FASTAR_PROMPTS")
 StreamType = io.Custom("FASTAR_VIDEO_STREAM")
+StartType = io.Custom("FASTAR_START_IMAGE")
 MAX_LENGTH = 100001  # video frames
 
 
@@ -20,10 +21,10 @@ def schema(**fields) -> io.Schema:
     return io.Schema(category=CATEGORY, **fields)
 
 
-def prompts_input(instead_of: str):
+def prompts_input(positive: str):
     return PromptsType.Input("prompts", optional=True,
-                             tooltip=f"A FAST-AR Prompt Schedule: prompts that change along the video, which "
-                                     f"then condition it instead of {instead_of}.")
+                             tooltip=f"A FAST-AR Prompt Schedule: prompts that take over from {positive} at "
+                                     f"the frames it sets (its prompt_1, where connected, replaces {positive}).")
 
 
 @contextlib.contextmanager
@@ -59,3 +60,8 @@ def node_id(cls):
     """The running node's id in the graph (ComfyUI's hidden unique_id); None outside a graph."""
     return getattr(getattr(cls, "hidden", None), "unique_id", None)
 
+
+
+def graph_prompt(cls):
+    """The prompt ComfyUI is running (its hidden PROMPT, for nodes that ask for it); None outside a graph."""
+    return getattr(getattr(cls, "hidden", None), "prompt", None)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..fastar import AnnConfig, CacheConfig, TempCacheConfig
+from ..fastar import AnnConfig, CacheConfig, FastARError, ShortHistory, TempCacheConfig, check_settings
+from ..fastar.frames import frames_text
 from .patching import patch_model
-from .schema import AnnType, CacheType, in_words, schema
+from .schema import AnnType, CacheType, check_widget, in_words, schema
 from .settings import FastARSettings
+
+CHUNK_FRAMES = 3  # the largest chunk the samplers take (latent frames): chunkwise checkpoints
 
 
 class PatchModel(io.ComfyNode):
@@ -75,6 +78,27 @@ class TempCacheSettings(io.ComfyNode):
             ],
             outputs=[CacheType.Output()],
         )
+
+    @classmethod
+    def validate_inputs(cls, max_cache_frames, sink_frames):
+        """A budget that leaves no room for a chunk beside the sink, refused at /prompt on the two inputs
+        it reads. The sampler's chunk size is not known here: the largest (3 latent frames, the chunkwise
+        checkpoints') is asked for, which a framewise rollout needs no less to keep any history."""
+        try:
+            check_widget(cls, "max_cache_frames", max_cache_frames)
+            check_widget(cls, "sink_frames", sink_frames)
+            with in_words("TempCache Settings", "TempCacheConfig."):
+                config = TempCacheConfig(max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames))
+            check_settings(config, None, CHUNK_FRAMES)
+        except ShortHistory:
+            return (f"TempCache Settings: max_cache_frames {max_cache_frames} leaves {frames_text(config.history_frames)} "
+                    f"beside its {frames_text(sink_frames)} of sink, less than a chunk of {CHUNK_FRAMES} latent "
+                    f"frames (the chunkwise checkpoints'); set max_cache_frames to at least "
+                    f"{sink_frames + CHUNK_FRAMES}" + (f" or sink_frames to at most {max_cache_frames - CHUNK_FRAMES}"
+                                                       if max_cache_frames >= CHUNK_FRAMES else ""))
+        except FastARError as exc:
+            return str(exc)
+        return True
 
     @classmethod
     def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames) -> io.NodeOutput:

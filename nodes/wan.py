@@ -71,51 +71,98 @@ def causal_checkpoint(patcher) -> bool | None:
     return isinstance(getattr(getattr(patcher, "model", None), "diffusion_model", None), CausalWanModel)
 
 
+_said_once: dict[str, bool] = {}
+
+
 def warn_if_not_causal(patcher, node: str) -> None:
     """A log warning where the model may not be a causal checkpoint (an autoregressive rollout of a
-    bidirectional Wan 2.1 T2V model runs, but its video falls apart)."""
+    bidirectional Wan 2.1 T2V model runs, but its video falls apart); where this ComfyUI cannot tell,
+    a note once per server."""
     causal = causal_checkpoint(patcher)
     if causal is False:
         logging.warning("%s: the model carries no causal metadata (ComfyUI loaded it as the bidirectional Wan 2.1 "
                         "WanModel): if it is a plain Wan 2.1 T2V file, chunk-by-chunk sampling gives a broken video; "
                         "the causal checkpoints (Causal-Forcing's ComfyUI files, or a .pt converted with "
                         "fastar convert) carry it", node)
-    elif causal is None:
+    elif causal is None and not _said_once.get("no causal class"):
+        _said_once["no causal class"] = True
         logging.info("%s: this ComfyUI loads every Wan 2.1 T2V file as WanModel, so it cannot tell a causal "
                      "checkpoint from a plain T2V one; the video holds together only with a causal checkpoint "
                      "(Self-Forcing, CausVid, Causal-Forcing)", node)
 
 
-def _checkpoint_path(patcher) -> str | None:
-    """The diffusion-model file the MODEL was loaded from, where this ComfyUI says (newer trees name it on
-    the model, by its base name; 0.3.x keep no trace) and one file of that name is in diffusion_models."""
+def graph_model_file(prompt: dict | None, node, via: str = "model") -> str | None:
+    """The file Load Diffusion Model read for the MODEL on ``node``'s input ``via``, in the prompt ComfyUI
+    runs: followed back through the nodes that take a MODEL as their own ``model`` input and pass it on
+    (FAST-AR Patch Model, LoRA loaders, model patches). None where the chain ends anywhere else (a
+    checkpoint loader, a merge of two models) or outside a graph. Every ComfyUI has the prompt; only
+    the 2026 trees also name the file on the model. Read while the node runs: a node whose output
+    ComfyUI caches across a change of file must not keep it."""
+    if not prompt or node is None or str(node) not in prompt:
+        return None
+    link, seen = prompt[str(node)].get("inputs", {}).get(via), set()
+    while isinstance(link, list) and link and str(link[0]) not in seen:
+        seen.add(str(link[0]))
+        source = prompt.get(str(link[0]))
+        if source is None:
+            return None
+        inputs = source.get("inputs", {})
+        if source.get("class_type") == "UNETLoader":
+            name = inputs.get("unet_name")
+            return name if isinstance(name, str) else None
+        link = inputs.get("model")
+    return None
+
+
+def _checkpoint_file(patcher, graph_file: str | None) -> tuple[str | None, str | None]:
+    """(the model file's name, its path in diffusion_models or None): the name the graph's Load Diffusion
+    Model was given (``graph_model_file``), else the one newer ComfyUIs put on the model (a base name,
+    looked up where one file of that name is in diffusion_models)."""
+    folder_paths = comfy_module("folder_paths")
+    if graph_file:
+        try:
+            return graph_file, folder_paths.get_full_path("diffusion_models", graph_file)
+        except KeyError:  # no such folder registered
+            return graph_file, None
     name = getattr(patcher, "ckpt_name", None)
     if not name:
-        return None
-    folder_paths = comfy_module("folder_paths")
+        return None, None
     try:
         found = [f for f in folder_paths.get_filename_list("diffusion_models") if os.path.basename(f) == name]
-    except KeyError:  # no such folder registered
-        return None
-    return folder_paths.get_full_path("diffusion_models", found[0]) if len(found) == 1 else None
+    except KeyError:
+        return name, None
+    return name, folder_paths.get_full_path("diffusion_models", found[0]) if len(found) == 1 else None
 
 
-def recorded_sampling(patcher):
+def unrecorded_reason(patcher, graph_file: str | None = None) -> str:
+    """Why the sampler cannot take the MODEL's sampling from its file: said on the node, beside the
+    sampling the widgets gave."""
+    name, path = _checkpoint_file(patcher, graph_file)
+    if name is None:
+        return "the model does not come from one Load Diffusion Model file"
+    if path is None:
+        return f"{name} is not one file in diffusion_models"
+    return f"{name} records no sampling (fastar convert --preset writes it)"
+
+
+def recorded_sampling(patcher, graph_file: str | None = None):
     """(file name, the ``fastar.models.Sampling`` it records) for the MODEL's checkpoint file, or None where
-    the file or its record is unknown."""
-    path = _checkpoint_path(patcher)
+    the file or its record is unknown. ``graph_file``: the file the graph loaded it from
+    (``graph_model_file``)."""
+    name, path = _checkpoint_file(patcher, graph_file)
     try:
         sampling = None if path is None else checkpoint_sampling(path)
     except FastARError:
         return None
-    return None if sampling is None else (os.path.basename(path), sampling)
+    return None if sampling is None else (os.path.basename(name), sampling)
 
 
-def check_sampling(patcher, chunk_frames: int, node: str, widget: str, schedule=None) -> None:
+def check_sampling(patcher, chunk_frames: int, node: str, widget: str, schedule=None,
+                   graph_file: str | None = None) -> None:
     """Refuse a block size other than the one the checkpoint file records (``fastar convert --preset``
     writes it), where the file is known; log where the sampler's steps or shift (``schedule``, a
     ``FlowMatchSchedule``) differ from the file's."""
-    recorded = recorded_sampling(patcher)
+    recorded = recorded_sampling(patcher, graph_file)
     if recorded is None:
         return
     name, sampling = recorded

@@ -221,7 +221,8 @@ def test_nodes(comfy, models, pack):
     nodes = asyncio.run(ext.get_node_list())
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
                 "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
-                "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"}
+                "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler",
+                "FastARStartImage"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()
@@ -262,12 +263,12 @@ def test_nodes(comfy, models, pack):
     assert latent["samples"].shape[2] == 4
     assert rel(latent["samples"], comfy_model.model.process_latent_out(ref)[:, :, :4]) <= TOL
 
-    valid = dict(width=W, height=H, timesteps="1000,750,500,250", frames_per_chunk="3")  # all it reads
-    assert AutoregressiveLongSampler.validate_inputs(length=22, **valid) == (
-        "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); use 21 or 25")
-    assert AutoregressiveLongSampler.validate_inputs(length=13, **valid) is True
+    assert AutoregressiveLongSampler.validate_inputs(timesteps="250,500") == (  # the one input it reads
+        "Autoregressive Long Sampler: timesteps must be strictly decreasing, got [250.0, 500.0]")
+    assert AutoregressiveLongSampler.validate_inputs(timesteps="1000,750,500,250") is True
     for i, value, message in ((7, "250,500", "timesteps must be strictly decreasing"),
                               (2, 40, "width 40 is not a multiple of 16 pixels"),
+                              (4, 22, r"length 22 is not 1 \+ 4k video frames"),
                               (9, "2", "frames_per_chunk '2' is not one of 3, 1")):
         args = [comfy_model, [[pos, {}]], W, H, 9, 1, 3, "1000,750,500,250", 5.0, "3", 0.0, 1.0]
         args[i] = value
@@ -554,11 +555,11 @@ def test_weight_patches_are_used_as_comfyui_applied_them(models, pack, monkeypat
 
 
 def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, vae):
-    """start_image + vae: the image encoded as core's AR Video I2V encodes it is the video's first latent
+    """FAST-AR Start Image: the image encoded as core's AR Video I2V encodes it is the video's first latent
     frame, cached before the first chunk; the rollout is the library's with that start latent. (A model
     of its own: the pip-installable ComfyUI may keep the shared one loaded as an earlier test patched it.)"""
     from comfyui_fastar.fastar import FastARError, TempCacheConfig
-    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
+    from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler, StartImageNode
     from comfyui_fastar.nodes.samplers import encode_start_image
     from comfyui_fastar.nodes.settings_nodes import PatchModel
 
@@ -573,16 +574,15 @@ def test_the_long_sampler_starts_from_an_image(comfy, models, checkpoint, vae):
         return AutoregressiveLongSampler.execute(patched, [[pos, {}]], W, H, length, 1, 3, "1000,750,500,250", 5.0,
                                                  "1", 0.0, 1.0, **kw).result[0]["samples"]
 
-    latent = sample(13, start_image=image, vae=vae)  # 4 latent frames: the image's, then 3 chunks of 1
+    first = StartImageNode.execute(image, vae).result[0]
+    latent = sample(13, start=first)  # 4 latent frames: the image's, then 3 chunks of 1
     start = encode_start_image(vae, image, W, H)
     assert latent.shape[2] == 4 and rel(latent[:, :, :1], start) <= 1e-5
     ref = _core_rollout(core, pos, frames=4, chunk=1, cache=tc, start=comfy_model.model.process_latent_in(start))
     assert rel(latent, comfy_model.model.process_latent_out(ref)) <= TOL
     assert rel(latent[:, :, 1:], sample(13)[:, :, 1:]) > 1e-3  # the image conditions what follows
-    with pytest.raises(FastARError, match="start_image needs vae"):
-        sample(13, start_image=image)
     with pytest.raises(FastARError, match="length 1 holds only the start image"):
-        sample(1, start_image=image, vae=vae)
+        sample(1, start=first)
 
 
 def test_the_samplers_keep_the_block_size_the_checkpoint_records(comfy, tmp_path, caplog):

@@ -400,9 +400,12 @@ def test_a_length_of_part_chunks_runs_whole_chunks_cut_to_it(server):
 
 
 @pytest.mark.parametrize("name, value, expected", [
-    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for the other inputs
-    ("cfg", 0.5, "value_smaller_than_min"),
+    ("batch_size", 0, "value_smaller_than_min"),       # ComfyUI's own checks stay on for the inputs
+    ("cfg", 0.5, "value_smaller_than_min"),            # validate_inputs does not read
     ("seed", -1, "value_smaller_than_min"),
+    ("width", -32, "value_smaller_than_min"),
+    ("height", 8192, "value_bigger_than_max"),
+    ("length", 0, "value_smaller_than_min"),
 ])
 def test_comfyuis_own_checks_give_one_error_on_the_input(server, name, value, expected):
     graph = _graph(length=9, chunk="1")
@@ -413,22 +416,13 @@ def test_comfyuis_own_checks_give_one_error_on_the_input(server, name, value, ex
     assert [(e["extra_info"]["input_name"], e["type"]) for e in errors] == [(name, expected)], errors
 
 
-# the values a user typed that the pack refuses at /prompt, and the message that names the input
-BAD_VALUES = [
-    ("4", "length", 22, "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE "
-                        "decodes to); use 21 or 25"),
-    ("4", "width", 100, "Autoregressive Long Sampler: width 100 is not a multiple of 16 pixels"),
-    ("4", "height", 40, "Autoregressive Long Sampler: height 40 is not a multiple of 16 pixels"),
-    ("4", "width", -32, "Autoregressive Long Sampler: width -32 is smaller than its minimum 16"),
-    ("4", "timesteps", "1000,1000", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got "
-                                    "[1000.0, 1000.0]"),
-    ("4", "timesteps", "250,500", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got "
-                                  "[250.0, 500.0]"),
-    ("4", "timesteps", "abc", "Autoregressive Long Sampler: timesteps must be comma-separated numbers, got 'abc'"),
-    ("4", "timesteps", "1200,500", "Autoregressive Long Sampler: timesteps must lie in (0, 1000], got "
-                                   "[1200.0, 500.0]"),
-    ("4", "timesteps", "", "Autoregressive Long Sampler: timesteps: at least one denoising step is needed"),
-    ("4", "frames_per_chunk", "2", "Autoregressive Long Sampler: frames_per_chunk '2' is not one of 3, 1"),
+# the timesteps a user typed that the pack refuses at /prompt, and the message that names the input
+BAD_TIMESTEPS = [
+    ("1000,1000", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got [1000.0, 1000.0]"),
+    ("250,500", "Autoregressive Long Sampler: timesteps must be strictly decreasing, got [250.0, 500.0]"),
+    ("abc", "Autoregressive Long Sampler: timesteps must be comma-separated numbers, got 'abc'"),
+    ("1200,500", "Autoregressive Long Sampler: timesteps must lie in (0, 1000], got [1200.0, 500.0]"),
+    ("", "Autoregressive Long Sampler: timesteps: at least one denoising step is needed"),
 ]
 
 
@@ -441,19 +435,104 @@ def _refused(server, graph, node):
     return body["node_errors"][node]["errors"]
 
 
-def _custom_errors(errors, name, message):
-    """ComfyUI puts a node's validate_inputs message on each input that function reads: the bad input
-    is among them, and every error is that one message (no second, unrelated one)."""
-    assert name in [e["extra_info"]["input_name"] for e in errors], errors
+def _custom_errors(errors, names, message):
+    """ComfyUI puts a node's validate_inputs message on each input that function reads: exactly the
+    inputs ``names`` the check is about, each with that one message."""
+    assert sorted(e["extra_info"]["input_name"] for e in errors) == sorted(names), errors
     assert {e["type"] for e in errors} == {"custom_validation_failed"}, errors
     assert {e["details"].split(" - ", 1)[1] for e in errors} == {message}, errors
 
 
-@pytest.mark.parametrize("node, name, value, message", BAD_VALUES, ids=[f"{n}={v!r}" for _, n, v, _ in BAD_VALUES])
-def test_a_bad_widget_value_is_refused_at_prompt_in_the_nodes_words(server, node, name, value, message):
+@pytest.mark.parametrize("value, message", BAD_TIMESTEPS, ids=[repr(v) for v, _ in BAD_TIMESTEPS])
+def test_bad_timesteps_are_refused_at_prompt_in_one_message(server, value, message):
     graph = _graph(length=9, chunk="1")
-    graph[node]["inputs"][name] = value
-    _custom_errors(_refused(server, graph, node), name, message)
+    graph["4"]["inputs"]["timesteps"] = value
+    _custom_errors(_refused(server, graph, "4"), ["timesteps"], message)
+
+
+# what the page cannot send (it rounds width and height to 16 pixels and length to 1 + 4k frames, and
+# offers the combo's options only) but a script can: refused as the node runs, before the rollout
+SCRIPT_VALUES = [
+    ("width", 100, "Autoregressive Long Sampler: width 100 is not a multiple of 16 pixels"),
+    ("height", 40, "Autoregressive Long Sampler: height 40 is not a multiple of 16 pixels"),
+    ("length", 22, "Autoregressive Long Sampler: length 22 is not 1 + 4k video frames (what Wan's VAE decodes to); "
+                   "use 21 or 25"),
+    ("frames_per_chunk", "2", "Autoregressive Long Sampler: frames_per_chunk '2' is not one of 3, 1"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", SCRIPT_VALUES, ids=[f"{n}={v!r}" for n, v, _ in SCRIPT_VALUES])
+def test_a_value_only_a_script_can_send_gives_one_error_in_the_nodes_words(server, name, value, message):
+    graph = _graph(length=9, chunk="1")
+    graph["4"]["inputs"][name] = value
+    status, body = _post(server["url"] + "/prompt", {"prompt": graph})
+    if status == 400:  # ComfyUI's own combo check (2026 on): one error, on that input
+        errors = body["node_errors"]["4"]["errors"]
+        assert name == "frames_per_chunk" and [(e["extra_info"]["input_name"], e["type"]) for e in errors] == [
+            (name, "value_not_in_list")], errors
+        return
+    assert status == 200, body
+    _, events = asyncio.run(_run(server["url"], server["port"], graph))
+    (error,) = [e["data"] for e in events if e["type"] == "execution_error"]
+    assert error["node_id"] == "4" and error["exception_message"].strip() == message, error
+
+
+def test_a_tempcache_budget_with_no_room_for_a_chunk_is_refused_at_prompt(server):
+    graph = _graph(length=9, chunk="3", tempcache=True)
+    graph["6"]["inputs"].update(max_cache_frames=4, sink_frames=3)
+    _custom_errors(_refused(server, graph, "6"), ["max_cache_frames", "sink_frames"],
+                   "TempCache Settings: max_cache_frames 4 leaves 1 frame beside its 3 frames of sink, less than a "
+                   "chunk of 3 latent frames (the chunkwise checkpoints'); set max_cache_frames to at least 6 or "
+                   "sink_frames to at most 1")
+
+
+def _start_image_graph(vae=True):
+    graph = _graph(length=9, chunk="1")
+    graph["10"] = {"class_type": "EmptyImage", "inputs": {"width": 48, "height": 32, "batch_size": 1, "color": 0x7f3f1f}}
+    graph["11"] = {"class_type": "FastARStartImage", "inputs": {"image": ["10", 0]}}
+    if vae:
+        graph["12"] = {"class_type": "VAELoader", "inputs": {"vae_name": "fastar_tiny_vae.safetensors"}}
+        graph["11"]["inputs"]["vae"] = ["12", 0]
+    graph["4"]["inputs"]["start"] = ["11", 0]
+    return graph
+
+
+def test_a_start_image_without_its_vae_is_refused_at_prompt_and_with_it_runs(server):
+    errors = _refused(server, _start_image_graph(vae=False), "11")
+    assert [(e["extra_info"]["input_name"], e["type"]) for e in errors] == [("vae", "required_input_missing")], errors
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], _start_image_graph()))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 3, 4, 4)  # the image's latent frame, then 2 chunks of 1
+
+
+def test_the_node_shows_how_it_sampled_and_whose_settings_those_were(server):
+    """The cache widget's events carry the sampling the rollout used and where it came from: the widgets
+    where the model's file records none, the file's record over widgets that say otherwise (the file
+    found through the graph's Load Diffusion Model, on every ComfyUI)."""
+    from safetensors.torch import save_file
+
+    from comfyui_fastar.fastar.models import SAMPLING_METADATA_KEY, Sampling
+    from comfyui_fastar.testing.comfy_harness import tiny_wan
+
+    def sampling_shown(graph):
+        _, events = asyncio.run(_run(server["url"], server["port"], graph))
+        shown = [e["data"]["sampling"] for e in events if e["type"] == "fastar.cache"]
+        assert shown and all(s == shown[0] for s in shown), shown
+        return shown[0]
+
+    assert sampling_shown(_graph(length=9, chunk="1")) == {
+        "frames_per_chunk": 1, "timesteps": [1000, 750, 500, 250], "shift": 5.0,
+        "source": "as the widgets say: fastar_tiny.safetensors records no sampling (fastar convert --preset writes it)"}
+    name = "recorded_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()},
+              str(server["base"] / "models" / "diffusion_models" / name),
+              metadata={SAMPLING_METADATA_KEY: Sampling(3, (1000, 757, 522), 1.0, "causvid").to_json()})
+    graph = _graph(length=9, chunk="1")
+    graph["1"]["inputs"]["unet_name"] = name
+    assert sampling_shown(graph) == {"frames_per_chunk": 3, "timesteps": [1000, 757, 522], "shift": 1.0,
+                                     "source": f"as {name} records (checkpoint_sampling), not the widgets"}
+    graph["4"]["inputs"]["checkpoint_sampling"] = False
+    graph["4"]["inputs"]["frames_per_chunk"] = "3"
+    assert sampling_shown(graph)["source"] == "as the widgets say (checkpoint_sampling off)"
 
 
 def _schedule_graph(starts: dict, connected=(2, 3)):
@@ -470,8 +549,9 @@ def _schedule_graph(starts: dict, connected=(2, 3)):
 
 def test_prompt_schedule_starts_that_decrease_are_refused_at_prompt(server):
     errors = _refused(server, _schedule_graph({2: 21, 3: 9}), "8")
-    _custom_errors(errors, "start_3", "FAST-AR Prompt Schedule: start_3 (9) must come after start_2 (21); the "
-                                      "prompts start in order")
+    # the order of the starts is one check over all of them: on each start and each connected prompt
+    _custom_errors(errors, ["start_2", "start_3", "start_4", "prompt_2", "prompt_3"],
+                   "FAST-AR Prompt Schedule: start_3 (9) must come after start_2 (21); the prompts start in order")
     # the start of a slot whose prompt is not connected is not part of the schedule: nothing refused
     status, body = _post(server["url"] + "/prompt", {"prompt": _schedule_graph({2: 21, 3: 9}, connected=(2,))})
     assert status == 200, body
@@ -515,8 +595,9 @@ def test_ar_video_runs_a_trained_block_size_and_warns_of_a_model_without_causal_
     said = log.read_text()[before:]
     if CORE_AR:  # a ComfyUI that loads marked files as its causal model: this file carries no mark
         assert "FAST-AR AR Video: the model carries no causal metadata" in said, said[-3000:]
-    else:
-        assert "FAST-AR AR Video: this ComfyUI loads every Wan 2.1 T2V file as WanModel" in said, said[-3000:]
+    else:  # said once a server, by whichever sampler ran first
+        said = log.read_text()
+        assert said.count("this ComfyUI loads every Wan 2.1 T2V file as WanModel") == 1, said[-3000:]
 
 
 def test_the_engine_line_on_a_cpu_server_names_the_cpu_and_no_cuda_graphs(server):
@@ -552,6 +633,38 @@ def test_convert_in_the_comfyui_python_refuses_a_pt_in_the_packs_words(server, t
         else:
             assert "holds an object of argparse.Namespace" in said and "nothing in the file ran" in said, said
             assert "torch.serialization.add_safe_globals([argparse.Namespace])" in said, said
+
+
+def test_a_refused_pts_pasted_commands_run_in_the_comfyui_folder_and_convert_it(server, tmp_path):
+    """A .pt holding a config object beside a model's weights, converted as the README says (ComfyUI's
+    Python, the ComfyUI folder): the refusal's two commands, pasted as they are, re-save the weights and
+    convert them into a file the Long Sampler runs. (The tiny test model has 2 heads of 16 channels: its
+    conversion is told so, as the refusal of a model off the 128-per-head rule says to.)"""
+    import argparse
+    import shlex
+
+    from comfyui_fastar.testing.comfy_harness import tiny_wan
+
+    src, name = tmp_path / "trained.pt", "pasted.safetensors"
+    dst = Path("models") / "diffusion_models" / name
+    torch.save({"model": tiny_wan().state_dict(), "config": argparse.Namespace(lr=1e-5)}, src)
+    convert = server["base"] / "custom_nodes" / "ComfyUI-FastAR" / "convert.py"
+    run = subprocess.run([sys.executable, str(convert), str(src), str(dst)], cwd=server["base"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run
+    said = run.stderr.strip()
+    assert "its entries: model (" in said and "config (an argparse.Namespace)" in said, said
+    resave, then = said.split("with the Python and packages the checkpoint was made with: ", 1)[1].split(
+        " ; then convert that file: ", 1)
+    assert then == f"python {convert} {tmp_path / 'trained_weights.pt'} {dst}", then
+    for line in (resave, then + " --num-heads 2 --dtype float32"):
+        run = subprocess.run(line.replace("python", shlex.quote(sys.executable), 1), shell=True, cwd=server["base"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (line, run.stdout, run.stderr)
+    graph = _graph(length=9, chunk="1")
+    graph["1"]["inputs"]["unet_name"] = name
+    prompt_id, _ = asyncio.run(_run(server["url"], server["port"], graph))
+    assert _latent_of(server, prompt_id).shape == (1, 16, 3, 4, 4)
 
 
 # -- example workflows ------------------------------------------------------------------------
@@ -840,6 +953,94 @@ def _frontend(p, server, sync_api):
     return browser, page
 
 
+# the whole graph in view: the canvas scaled and moved so every node fits
+FIT_GRAPH = """() => { const c = window.app.canvas, ns = window.app.graph._nodes;
+    const b = ns.map((n) => n.getBounding());
+    const x0 = Math.min(...b.map((r) => r[0])), y0 = Math.min(...b.map((r) => r[1]));
+    const x1 = Math.max(...b.map((r) => r[0] + r[2])), y1 = Math.max(...b.map((r) => r[1] + r[3]));
+    const el = c.canvas, s = 0.95 * Math.min(el.width / (x1 - x0), el.height / (y1 - y0));
+    c.ds.scale = s;
+    c.ds.offset = [-x0 + (el.width / s - (x1 - x0)) / 2, -y0 + (el.height / s - (y1 - y0)) / 2];
+    c.setDirty(true, true); }"""
+CLOSE_DIALOGS = """() => document.querySelectorAll('.p-dialog-close-button, .p-dialog [aria-label=Close]')
+                             .forEach((b) => b.click())"""
+
+
+def _screenshot(page, name):
+    """Where FASTAR_SCREENSHOTS names a folder (docs/ for the README), the page as ``name``."""
+    folder = os.environ.get("FASTAR_SCREENSHOTS")
+    if folder:
+        page.screenshot(path=str(Path(folder) / name))
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_the_world_template_plays_in_the_frontend(server):
+    """The no-download template as a user runs it: opened, queued from the page, its three animations shown
+    on their nodes."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(WORLD_WORKFLOW.read_text()))
+            page.wait_for_timeout(800)
+            page.evaluate(CLOSE_DIALOGS)
+            page.evaluate("() => window.app.queuePrompt(0)")
+            page.wait_for_function("""() => { const saves = window.app.graph._nodes.filter((n) => n.type === 'SaveAnimatedWEBP');
+                return saves.length === 3 && saves.every((n) => n.imgs && n.imgs.length && n.imgs[0].complete
+                                                              && n.imgs[0].naturalWidth > 0); }""", timeout=120000)
+            shown = page.evaluate("""() => window.app.graph._nodes.filter((n) => n.type === 'SaveAnimatedWEBP')
+                                           .map((n) => [n.title, n.imgs[0].naturalWidth, n.imgs[0].naturalHeight])""")
+            page.evaluate(FIT_GRAPH)
+            page.wait_for_timeout(500)
+            _screenshot(page, "world_template_result.png")
+        finally:
+            browser.close()
+    assert sorted(t for t, _, _ in shown) == ["Ground truth", "Sink + window", "TempCache"], shown
+    assert all((w, h) == (64, 64) for _, w, h in shown), shown
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_the_node_shows_a_files_sampling_in_the_frontend(server):
+    """A file that records its sampling, run from the page with widgets that say otherwise: the cache widget's
+    sampling row shows the file's (3 latent frames a chunk, its steps and shift) and says whose it is."""
+    from safetensors.torch import save_file
+
+    from comfyui_fastar.fastar.models import SAMPLING_METADATA_KEY, Sampling
+    from comfyui_fastar.testing.comfy_harness import tiny_wan
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    name = "causvid_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()},
+              str(server["base"] / "models" / "diffusion_models" / name),
+              metadata={SAMPLING_METADATA_KEY: Sampling(3, (1000, 757, 522), 1.0, "causvid").to_json()})
+    graph = _graph(length=21, chunk="1")
+    graph["1"]["inputs"]["unet_name"] = name
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(g) => window.app.loadApiJson(g, 'fastar_sampling_test')", graph)
+            page.wait_for_selector(".fastar-cache", state="attached", timeout=20000)
+            page.evaluate("() => window.app.queuePrompt(0)")
+            page.wait_for_function("() => document.querySelector('.fastar-cache [data-field=status]')"
+                                   ".textContent.endsWith('done')", timeout=240000)
+            row = page.evaluate("""() => { const f = (k) => document.querySelector('.fastar-cache [data-field=' + k + ']');
+                                           return [f('sampling').textContent, f('sampled_from').textContent,
+                                                   f('sampled_from').title]; }""")
+            widget = page.evaluate("() => window.app.graph.getNodeById(4).widgets.find((w) => w.name === "
+                                   "'frames_per_chunk').value")
+            page.evaluate(CLOSE_DIALOGS)
+            page.evaluate("""() => { const n = window.app.graph.getNodeById(4);
+                                     if (n && window.app.canvas.centerOnNode) window.app.canvas.centerOnNode(n);
+                                     window.app.canvas.setDirty(true, true); }""")
+            page.wait_for_timeout(500)
+            _screenshot(page, "sampling_from_file.png")
+        finally:
+            browser.close()
+    assert widget == "1"  # the widget as the user left it; the row says what ran
+    assert row == ["3 fr · 3 steps · shift 1", "file", f"timesteps 1000,757,522 at shift 1, as {name} records "
+                                                       f"(checkpoint_sampling), not the widgets"], row
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
 def test_templates_open_in_the_frontend_with_no_node_over_another(server):
     """Each template as the frontend lays it out (titles and widgets included): no two nodes overlap.
@@ -862,17 +1063,14 @@ def test_templates_open_in_the_frontend_with_no_node_over_another(server):
                                        if a[2] < b[2] + b[4] and b[2] < a[2] + a[4] and a[3] < b[3] + b[5]
                                        and b[3] < a[3] + a[5]]
                 if os.environ.get("FASTAR_TEMPLATE_THUMBNAILS"):
-                    page.evaluate("""async () => {  // no node-source badges on a thumbnail
-                        try { await window.app.ui.settings.setSettingValueAsync(
-                            'Comfy.NodeBadge.NodeSourceBadgeMode', 'None'); } catch (e) {} }""")
-                    page.evaluate("""() => { const c = window.app.canvas, ns = window.app.graph._nodes;
-                        const b = ns.map((n) => n.getBounding());
-                        const x0 = Math.min(...b.map((r) => r[0])), y0 = Math.min(...b.map((r) => r[1]));
-                        const x1 = Math.max(...b.map((r) => r[0] + r[2])), y1 = Math.max(...b.map((r) => r[1] + r[3]));
-                        const el = c.canvas, s = 0.95 * Math.min(el.width / (x1 - x0), el.height / (y1 - y0));
-                        c.ds.scale = s;
-                        c.ds.offset = [-x0 + (el.width / s - (x1 - x0)) / 2, -y0 + (el.height / s - (y1 - y0)) / 2];
-                        c.setDirty(true, true); }""")
+                    page.evaluate("""async () => {  // the graph alone on a thumbnail: no badges, tabs, minimap
+                        const set = async (k, v) => { try { await window.app.ui.settings.setSettingValueAsync(k, v); }
+                                                      catch (e) {} };
+                        await set('Comfy.NodeBadge.NodeSourceBadgeMode', 'None');
+                        await set('Comfy.Workflow.WorkflowTabsPosition', 'Sidebar');
+                        await set('Comfy.Minimap.Visible', false);
+                        await set('Comfy.Graph.CanvasInfo', false); }""")
+                    page.evaluate(FIT_GRAPH)
                     page.wait_for_timeout(500)
                     page.locator("canvas#graph-canvas").screenshot(path=str(path.with_suffix(".jpg")), type="jpeg",
                                                                    quality=80)
@@ -935,7 +1133,8 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
             if os.environ.get("FASTAR_WIDGET_SCREENSHOT"):  # for the README
                 page.screenshot(path=os.environ["FASTAR_WIDGET_SCREENSHOT"])
             texts = {k: page.text_content(f".fastar-cache [data-field={k}]") for k in
-                     ("tokens", "gb", "relative", "frames", "latent", "rate", "annsa", "annsa_sparse", "prompt", "legend",
+                     ("tokens", "gb", "relative", "frames", "latent", "rate", "annsa", "annsa_sparse", "prompt",
+                      "sampling", "sampled_from", "legend",
                       "y_max", "y_min", "x_min", "x_max", "x_title")}
             # how far the widget's last line (the graph's x axis) runs past the widget's own box (px)
             overflow = page.evaluate("""() => { const root = document.querySelector('.fastar-cache');
@@ -964,6 +1163,7 @@ def test_cache_widget_updates_live_in_the_frontend(server, tmp_path):
     # 12 tokens x K+V of 256 fp32 channels x 2 layers held; the allocation as the last event reported it
     assert texts["gb"] == f"{_kb(12 * 2 * 256 * 4 * 2)} (alloc {_kb(last['gb'] * 1e9)})", (texts, last)
     assert texts["annsa"] == "off" and texts["annsa_sparse"] == "off"  # a window cache without AnnSA
+    assert (texts["sampling"], texts["sampled_from"]) == ("1 fr · 4 steps · shift 5", "widgets")  # the file records none
     assert canvas_ink > 0                         # the history graph was drawn
     assert max(overflow) <= 1, overflow           # all of it inside the widget: nothing spills over the node
     # its legend names both lines; its x axis runs over the video frames done, its y axis up to the largest size

@@ -5,8 +5,10 @@
 // `length` counts, and in latent frames), chunk latency, AnnSA's density (the share of the cached keys
 // its plans read) and the share of its layers that ran sparse (both null without AnnSA), which prompt of
 // a prompt schedule is active, and which engine runs the forwards
-// ("fused" or "comfy", with the reason as the row's tooltip). Everything shown is formatted here from
-// numbers or picked from known words; no string from the server is ever inserted as HTML.
+// ("fused" or "comfy", with the reason as the row's tooltip), and how the chunks are sampled (frames a
+// chunk, steps, shift) with where that came from: a model file's record overrides the sampler's widgets
+// without changing them, so the node says so. Strings from the server are shown as text
+// (textContent), never inserted as HTML.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -50,6 +52,20 @@ export function formatFrames(done, total) {
   return n(done) + " / " + n(total);
 }
 
+// "3 fr · 4 steps · shift 5": latent frames a chunk, denoising steps, shift; whose settings they are
+// ("file", "widgets", "graph"); the steps themselves and the whole source ("as X.safetensors records ...")
+// as the tooltip
+export function formatSampling(s) {
+  if (!s || typeof s !== "object") return { text: "–", from: "–", title: "" };
+  const steps = Array.isArray(s.timesteps) ? s.timesteps.map((t) => String(Math.round(num(t) * 10) / 10)) : [];
+  const source = typeof s.source === "string" ? s.source : "";
+  const from = source.startsWith("as the widgets") ? "widgets" : source.startsWith("as the graph") ? "graph"
+    : source ? "file" : "–";
+  const text = num(s.frames_per_chunk) + " fr · " + steps.length + " step" + (steps.length === 1 ? "" : "s") +
+    " · shift " + num(s.shift);
+  return { text, from, title: "timesteps " + steps.join(",") + " at shift " + num(s.shift) + ", " + source };
+}
+
 const HELD_COLOR = "#4fc3f7", DENSE_COLOR = "rgba(200,200,200,0.6)";
 
 function el(tag, style, text) {
@@ -72,7 +88,7 @@ class CacheView {
     for (const [key, label] of [["tokens", "tokens"], ["gb", "size"], ["relative", "vs dense"],
                                 ["frames", "frames"], ["latent", "latent"], ["rate", "speed"], ["annsa", "AnnSA reads"],
                                 ["annsa_sparse", "AnnSA sparse"], ["prompt", "prompt"], ["engine", "engine"],
-                                ["saved", "on disk"]]) {
+                                ["sampling", "sampling"], ["sampled_from", "from"], ["saved", "on disk"]]) {
       grid.appendChild(el("span", "opacity: 0.7;", label));
       const v = el("span", "text-align: right;", "–");
       v.dataset.field = key;
@@ -149,6 +165,10 @@ class CacheView {
     this.fields.saved.textContent = Number.isFinite(saved) && files.length
       ? saved + " frames, " + files[0] + (files.length > 1 ? " +" + (files.length - 1) : "") : "–";
     this.fields.engine.title = typeof d.engine_reason === "string" ? d.engine_reason : "";
+    const sampling = formatSampling(d.sampling);
+    this.fields.sampling.textContent = sampling.text;
+    this.fields.sampled_from.textContent = sampling.from;
+    this.fields.sampling.title = this.fields.sampled_from.title = sampling.title;
     if (status === "running" && Number.isFinite(num(d.held_gb))) {
       if (num(d.chunk) === 1) this.history = [];
       const x = num(d.video_frames_done);
@@ -211,7 +231,7 @@ app.registerExtension({
       const result = onNodeCreated?.apply(this, arguments);
       const view = new CacheView();
       const widget = this.addDOMWidget("fastar_cache", "fastar_cache", view.root,
-                                       { serialize: false, getMinHeight: () => 246 });
+                                       { serialize: false, getMinHeight: () => 276 });
       if (widget) widget.serialize = false;
       this.fastarCacheView = view;
       views.set(String(this.id), view);
