@@ -56,3 +56,11 @@ def test_the_readmes_first_runs_run_as_pasted(tmp_path):
         assert set(summary["caches"]) == {"window (sink 3 + 12)", "TempCache 12"}
         assert summary["world"] == ("my_photo.jpg" if "--world" in command else os.path.basename(worlds.DEMO_PHOTO))
         assert (tmp_path / "fastar_world" / "world.gif").stat().st_size > 0
+
+
+def test_the_readme_is_a_page_a_user_reads_and_its_pictures_exist():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    pictures = re.findall(r"\]\(((?:docs|bench)/[^)\s]+\.(?:png|jpg|gif))\)", readme)
+    assert "docs/world_template_result.png" in pictures and "docs/sampling_from_file.png" in pictures
+    assert [p for p in pictures if not (REPO / p).is_file()] == []
