@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, wall_ms, write_json  # noqa: E402
 from common.testbed import NoAttention, prefill  # noqa: E402
 
+EVERY_FRAME = fastar.CacheConfig("unbounded")  # the dense cache these points measure
+
 CacheConfig, Rollout = fastar.CacheConfig, fastar.Rollout
 build_model = fastar.models.build_model
 
@@ -79,7 +81,7 @@ def main():
     print("SDPA backends @81 frames:", {k: (round(v["ms"], 3) if v else None) for k, v in backends.items()})
 
     # Floor: forwards with attention removed (independent of cache size).
-    run = Rollout(model, context, frames=CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK)
+    run = Rollout(model, context, frames=CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK, cache=EVERY_FRAME)
     run.attention = NoAttention()
     with torch.inference_mode():
         run.sample_chunk(0)
@@ -100,7 +102,8 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            run = Rollout(model, context, frames=n + CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK)
+            run = Rollout(model, context, frames=n + CHUNK, height=HEIGHT, width=WIDTH, chunk_frames=CHUNK,
+                          cache=EVERY_FRAME)
             with torch.inference_mode():
                 prefill(run, n)
                 run.cache.begin_chunk(n, CHUNK)

@@ -98,6 +98,9 @@ class AnnSA:
         reach = cache.config.history_frames
         self.can_pay = reach is None or cache.config.sink_frames + reach >= self.least_budget()
         self._review = None  # the last chunk's densities: (their host copy, its CUDA event or None)
+        # observer(layer, q, keys, bias, plan): sees every sparse call's plan as it runs (a measurement's
+        # hook: reading its results on the host, it rules out replaying the chunk from a CUDA graph)
+        self.observer = None
 
     @torch.no_grad()
     def index_history(self, layer: int) -> None:
@@ -169,6 +172,18 @@ class AnnSA:
     def runs(self, layer: int) -> bool:
         """Whether the layer's sparse steps run sparse in the open chunk."""
         return self.pays[layer] and self.worth
+
+    def graph_key(self):
+        """What decides the open chunk's kernels besides the cache's layout: the layers written so far
+        (a layer's first plan over history has no key blocks yet), those whose sparse calls pay, and
+        whether the history is long enough for any to (``worth``)."""
+        return tuple(r is None for r in self.reps), tuple(self.pays), self.worth
+
+    @property
+    def sparse_share(self) -> float:
+        """The share of the layers AnnSA may run (not ``dense_layers``) that run sparse in the open chunk."""
+        layers = [i for i in range(len(self.pays)) if i not in self.config.dense_layers]
+        return sum(self.runs(i) for i in layers) / max(len(layers), 1)
 
     def indexes(self, layer: int) -> bool:
         """Whether the clean pass sorts and indexes the layer's history for later plans."""
@@ -273,34 +288,6 @@ class AnnSA:
             self.fixed[layer] = (means, counts)
         return (*self.fixed[layer], ns)
 
-    @torch.no_grad()
-    def recall(self, q, keys, bias, plan, sample_blocks: int = 4, history_only: bool = False) -> torch.Tensor:
-        """Dense attention mass inside ``plan`` (``self.plan``'s result), averaged over the
-        queries of ``sample_blocks`` query blocks spread over the chunk (device scalar).
-        ``history_only``: the share of the mass on cached keys (all but the open chunk's own,
-        which every plan reads) that the plan keeps: the part of recall the selection earns."""
-        ranges, counts = plan
-        b, n, h, d = q.shape
-        nqb, bq, lk = ranges.shape[2], self.config.block_q, keys.shape[1]
-        n_pick = min(sample_blocks, nqb)
-        picks = sorted({round(i * (nqb - 1) / max(n_pick - 1, 1)) for i in range(n_pick)})
-        used = torch.arange(ranges.shape[3], device=q.device) < counts[..., None]        # [B, H, nqb, R]
-        key = torch.arange(lk, device=q.device)
-        chunk = self.cache.layout.chunk
-        cached = ((key < chunk.start) | (key >= chunk.stop)) if history_only else torch.ones_like(key, dtype=torch.bool)
-        mass = []
-        for blk in picks:
-            r = ranges[:, :, blk]
-            inside = ((key >= r[..., 0, None]) & (key < r[..., 1, None]) & used[:, :, blk, :, None]).any(-2)
-            for i in range(h):  # one head at a time: [B, r, Lk] logits stay small
-                qs = q[:, blk * bq:(blk + 1) * bq, i].float()
-                logits = qs @ keys[:, :, i].float().transpose(1, 2) / math.sqrt(d)
-                if bias is not None:
-                    logits = logits + bias[:, i, None]
-                p = logits.softmax(-1) * cached
-                mass.append(((p * inside[:, i, None]).sum(-1) / p.sum(-1).clamp_min(1e-30)).flatten())
-        return torch.cat(mass).mean()
-
     def attention(self, layer: int, q, keys, values, bias, plan=None):
         """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
         layout = self.cache.layout
@@ -315,6 +302,8 @@ class AnnSA:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 prior = attend_lse(q, keys[:, layout.fixed], values[:, layout.fixed])
         ranges, counts = plan if plan is not None else self.plan(layer, q)
+        if self.observer is not None:
+            self.observer(layer, q, keys, bias, (ranges, counts))
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         if prior is not None:
@@ -348,7 +337,3 @@ class AnnSA:
                                     blocks=blocks, block_size=(FA4_BLOCK_Q, KEY_BLOCK))
         return flash4.join(prior[0].transpose(1, 2), prior[1], out, lse)
 
-
-def plan_density(ranges: torch.Tensor, counts: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Mean fraction of the ``num_keys`` keys a query block reads (device scalar; telemetry)."""
-    return range_reads(ranges, counts).float().mean() / max(num_keys, 1)

@@ -11,6 +11,7 @@ open chunk) go to cuDNN, whose softmax the kernel starts from (``fastar.sdpa.att
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,15 @@ from .lsh import LSH
 from .sdpa import attend, attend_biased
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkTelemetry:
+    """What a chunk's attention reports as it closes (``FastARAttention.finish_chunk``): each layer's AnnSA
+    plan density [num_layers] (a device tensor: read only when asked) and the share of AnnSA's layers that
+    ran sparse; both None without AnnSA."""
+    annsa_densities: torch.Tensor | None = None
+    annsa_sparse: float | None = None
 _warned = False
 _aside: set = set()  # the cache settings AnnSA stood aside under, said once each
 
@@ -68,9 +78,10 @@ class FastARAttention:
     """Routes a forward's attention: through the KV cache when there is one, else dense.
 
     ``cache`` follows the KV cache protocol (``attend`` in every forward, ``write_history`` in
-    the clean pass; the engine opens chunks and commits them); ``mask`` applies only without a
-    cache. ``ann`` (an ``AnnConfig``, needs a cache) makes attention AnnSA / AnnCA sparse where
-    its schedule says so; the engine sets ``step`` / ``num_steps`` before each forward for it.
+    the clean pass; the engine opens chunks, ``finish_chunk`` closes them); without one attention is
+    dense over the forward's own tokens. ``ann`` (an ``AnnConfig``, needs a cache) makes attention
+    AnnSA / AnnCA sparse where its schedule says so; the engine sets ``step`` / ``num_steps`` before
+    each forward for it.
     """
 
     # Its calls sync nothing with the host and keep no per-call tensors: a rollout may replay a
@@ -81,11 +92,8 @@ class FastARAttention:
     # (``fastar.parallel``); None: all
     lsh_heads: tuple[slice, int] | None = None
 
-    def __init__(self, cache=None, mask: torch.Tensor | None = None, ann: AnnConfig | None = None):
-        if cache is not None and mask is not None:
-            raise FastARError("FastARAttention takes a KV cache or a full-sequence mask, not both")
+    def __init__(self, cache=None, ann: AnnConfig | None = None):
         self.cache = cache
-        self.mask = mask
         self.ann = ann
         self.annsa = self.annca = None
         self._cross_kv = None              # (context, its version, maker, every layer's cross-attention K/V)
@@ -107,13 +115,20 @@ class FastARAttention:
         return self.cache.q_rows() if self.cache is not None else None
 
     def graph_key(self):
-        """The cache's ``graph_key`` plus AnnSA's written layers (a layer's first plan over
-        history has no key blocks yet), the layers where its sparse calls pay and whether the history
-        is long enough for any to (``AnnSA.worth``): equal keys, equal kernels."""
+        """The cache's ``graph_key`` and AnnSA's (``AnnSA.graph_key``): equal keys, equal kernels."""
+        return self.cache.graph_key(), None if self.annsa is None else self.annsa.graph_key()
+
+    def finish_chunk(self) -> ChunkTelemetry:
+        """Close the open chunk: the share of AnnSA's layers that ran sparse in it (read while its layout
+        is open), the cache's commit, then AnnSA's review of its plans (which layers' sparse calls pay
+        from the next chunk on). What a chunk's report, the cache widget and the benchmarks read."""
         if self.annsa is None:
-            return self.cache.graph_key(), None
-        return self.cache.graph_key(), tuple(r is None for r in self.annsa.reps), tuple(self.annsa.pays), \
-            self.annsa.worth
+            self.cache.commit()
+            return ChunkTelemetry()
+        sparse = self.annsa.sparse_share
+        self.cache.commit()
+        parallel = getattr(self, "parallel", None)  # head parallelism: decide on every rank's mean
+        return ChunkTelemetry(self.annsa.review(None if parallel is None else parallel.average), sparse)
 
     def begin_clean_pass(self) -> None:
         """The next forward is the clean pass: its K/V become the cache's history, and it runs as the
@@ -127,7 +142,7 @@ class FastARAttention:
 
     def self_attention(self, layer: int, q, k, v):
         if self.cache is None:
-            return attend(q, k, v, mask=self.mask)
+            return attend(q, k, v)
         keys, values, bias = self.cache.attend(layer, k, v)
         if self.annsa is not None and self._sparse(layer) and self.annsa.runs(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)

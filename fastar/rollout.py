@@ -28,7 +28,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .attention import FastARAttention
-from .config import AnnConfig, CacheConfig, TempCacheConfig
+from .config import AnnConfig, CacheConfig, TempCacheConfig, check_settings
 from .errors import FastARError
 from .kvcache import CacheStats, FrameCache, KVCache
 from .schedule import FlowMatchSchedule
@@ -219,6 +219,9 @@ class Rollout:
     ``sample_chunk(c)`` runs chunk c's denoising steps and clean pass inside an open cache
     chunk; ``run`` loops ``begin_chunk -> sample_chunk -> commit`` over all chunks.
 
+    ``cache``: a ``TempCacheConfig`` (the default: TempCache at its defaults, memory flat however long
+    the video) or a ``CacheConfig`` (a window, or ``"unbounded"``: every frame, the dense baseline).
+
     ``start`` (image-to-video, or a world's observed past): the clean latent of the video's first
     frames [B, C, n, h, w] (a start image encodes to one): cached by clean passes before the first chunk,
     as core ComfyUI's autoregressive sampler seeds its cache, and the video's first n frames; the chunks
@@ -263,7 +266,9 @@ class Rollout:
         self.sigmas = (schedule or FlowMatchSchedule()).sigmas()
         batch = context.shape[0] // (2 if self.guided else 1)
         self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
-        self._cache_args = dict(config=cache or CacheConfig(), num_layers=model.num_layers, batch=context.shape[0],
+        cache = TempCacheConfig() if cache is None else cache  # bounded, as the CLI's and the nodes' default
+        check_settings(cache, ann, chunk_frames)
+        self._cache_args = dict(config=cache, num_layers=model.num_layers, batch=context.shape[0],
                                 num_heads=model.num_heads if self.parallel is None else self.parallel.local_heads,
                                 head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                                 chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
@@ -392,13 +397,6 @@ class Rollout:
                     self.cache.skip_to(a)
                 passes.run(frames(a, b), a)
 
-    def _sparse_share(self) -> float | None:
-        annsa = self.attention.annsa
-        if annsa is None:
-            return None
-        layers = [i for i in range(len(annsa.pays)) if i not in self.ann.dense_layers]
-        return sum(annsa.runs(i) for i in layers) / max(len(layers), 1)
-
     def run(self, on_chunk: Callable[[ChunkReport], None] | None = None, keep: bool = True) -> torch.Tensor:
         """Every chunk, then [B, C, frames, h, w]: the video's clean latents. ``keep=False`` (the frames
         go to ``on_chunk`` as they come): only the last chunk's are returned, and the rollout holds just
@@ -417,18 +415,14 @@ class Rollout:
                 self.switch_prompt(self.switches[c], start, history.frames)
             self.cache.begin_chunk(start, self.chunk_frames)
             x0 = self.sample_chunk(c)
-            sparse = self._sparse_share()  # this chunk's, while its layout is open and before the review
-            self.cache.commit()
-            densities = None
-            if self.attention.annsa is not None:
-                densities = self.attention.annsa.review(self.parallel.average if self.parallel is not None else None)
+            telemetry = self.attention.finish_chunk()
             history.add(start, x0)
             if on_chunk is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
-                                     time.perf_counter() - tic, self.cache.stats(), x0, densities,
-                                     self.prompt, sparse))
+                                     time.perf_counter() - tic, self.cache.stats(), x0, telemetry.annsa_densities,
+                                     self.prompt, telemetry.annsa_sparse))
         return history.out if keep else x0
 
 
@@ -487,7 +481,8 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
             **settings) -> torch.Tensor:
     """Generate ``frames`` latent frames at ``height`` x ``width`` pixels; returns [B, C, F, h, w].
 
-    Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache, seed,
+    Settings are ``Rollout``'s: frames, height, width, chunk_frames (3), schedule, cache (TempCache at its
+    defaults; ``CacheConfig("unbounded")`` keeps every frame), seed,
     context_noise (0), negative_context, cfg (1: off), ann (an ``AnnConfig``; None: dense) and
     cuda_graphs (True: replay repeating chunks from a CUDA graph where the model allows it) and
     prompts ((chunk, context) pairs: the prompt from that chunk on, the history re-encoded with it) and

@@ -22,28 +22,22 @@ SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-           key_bias: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+           key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention on [B, L, H, D] tensors; returns [B, Lq, H, D].
 
-    ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m);
-    ``mask`` [Lq, Lk] is a boolean keep-mask (reference full-sequence forwards).
-    On Hopper with FlashAttention-4 installed, calls over many keys without a mask run there: faster
-    than cuDNN on the history's shapes (``kernels/flash4.py``, bench/NOTES.md).
+    ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m).
+    On Hopper with FlashAttention-4 installed, calls over many keys run there: faster than cuDNN on
+    the history's shapes (``kernels/flash4.py``).
     """
-    if mask is None and flash4.runs(q, k):
+    if flash4.runs(q, k):
         return flash4.attention(q, k, v, key_bias=key_bias)[0]
-    return attend_sdpa(q, k, v, key_bias=key_bias, mask=mask)
+    return attend_sdpa(q, k, v, key_bias=key_bias)
 
 
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                key_bias: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``attend`` on PyTorch's SDPA (cuDNN first)."""
-    attn_mask = None
-    if key_bias is not None:
-        attn_mask = key_bias.to(q.dtype).unsqueeze(2)
-    if mask is not None:
-        m = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        attn_mask = m if attn_mask is None else attn_mask + m
+    attn_mask = None if key_bias is None else key_bias.to(q.dtype).unsqueeze(2)
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=attn_mask)

@@ -318,7 +318,7 @@ def fly(model, flight: Flight, *, cache=None, ann=None, seed: int = 0, on_chunk=
         attention=None) -> torch.Tensor:
     """The world model's video [1, 3, N, view, view] of a flight: its first ``observed`` frames are the
     ground truth (cached by clean passes: what the world has shown), the rest sampled chunk by chunk,
-    steered by the flight's actions, under ``cache`` (a cache config; None: every frame) and ``ann``.
+    steered by the flight's actions, under ``cache`` (a cache config; None: TempCache at its defaults) and ``ann``.
     ``attention``: a ``FastARAttention`` subclass to run instead of the rollout's own (an experiment's
     control)."""
     from .models.world import WORLD_SAMPLING

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from comfy_api.latest import io
 
-from ..fastar import FastARError, TempCacheConfig, worlds
+from ..fastar import FastARError, worlds
 from .schema import CacheType, check_widget, in_words, schema
 
 WorldType = io.Custom("FASTAR_WORLD")
@@ -158,6 +158,6 @@ class WorldSampler(io.ComfyNode):
                 comfy.model_management.throw_exception_if_processing_interrupted()
 
             with torch.inference_mode():
-                video = worlds.fly(world, flight, cache=cache or TempCacheConfig(), seed=seed, on_chunk=on_chunk)
+                video = worlds.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
         as_image = lambda v: ((v[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).float().cpu()  # noqa: E731
         return io.NodeOutput(as_image(video), as_image(flight.truth))

@@ -1,1 +1,2 @@
-"""What the pack's tests and benchmarks share to run it inside a real ComfyUI tree (``comfy_harness``)."""
+"""What the pack's tests and benchmarks share: running it inside a real ComfyUI tree (``comfy_harness``),
+measuring AnnSA's plans (``annsa``) and checkpoints at the real key layouts (``checkpoints``)."""

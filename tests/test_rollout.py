@@ -53,11 +53,25 @@ class Recorder:
         return out
 
 
-class KVTap(FastARAttention):
-    """Dense masked attention that keeps each layer's K/V."""
+class Masked(FastARAttention):
+    """A full-sequence forward's attention under a token mask [L, L] (True: attended), no cache: the
+    reference a cached rollout must equal."""
 
     def __init__(self, mask):
-        super().__init__(mask=mask)
+        super().__init__()
+        self.mask = mask
+
+    def self_attention(self, layer, q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), attn_mask=self.mask)
+        return out.transpose(1, 2)
+
+
+class KVTap(Masked):
+    """Masked attention that keeps each layer's K/V."""
+
+    def __init__(self, mask):
+        super().__init__(mask)
         self.kv = {}
 
     def self_attention(self, layer, q, k, v):
@@ -109,7 +123,7 @@ def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=Non
             call = rec.calls[c * (steps + 1) + s]
             x = torch.cat([latents[:, :, :c * chunk_frames], call["x"]], dim=2)
             t = torch.cat([torch.zeros(c * chunk_frames), call["t"].expand(chunk_frames)])[None]
-            out = model(x, t, ctx, attention=FastARAttention(mask=mask[:n * TPF, :n * TPF]))
+            out = model(x, t, ctx, attention=Masked(mask[:n * TPF, :n * TPF]))
             assert rel(call["out"], out[:, :, c * chunk_frames:]) <= 1e-5
     return rec
 
@@ -540,3 +554,22 @@ def test_a_bad_start_latent_names_the_problem(model, start, frames, message):
     ctx = pad_context(torch.randn(1, 7, model.text_dim), model.text_len)
     with pytest.raises(FastARError, match=message):
         Rollout(model, ctx, frames=frames, height=H, width=W, chunk_frames=2, start=torch.zeros(start))
+
+
+def test_a_rollout_left_to_its_default_cache_keeps_its_memory_bounded():
+    """``Rollout`` without ``cache=`` holds TempCache's budget (12 frames, the CLI's and the nodes' default),
+    allocated once: flat however long the video, where every frame kept grows with it."""
+    model = build_model("tiny", seed=3)
+    ctx = torch.randn(1, 8, model.text_dim, generator=torch.Generator().manual_seed(1))
+
+    def cache_sizes(**cache):
+        seen = []
+        Rollout(model, ctx, frames=60, height=H, width=W, chunk_frames=3, **cache).run(
+            lambda r: seen.append((r.cache.tokens_held, r.cache.bytes)))
+        return seen
+
+    default, every = cache_sizes(), cache_sizes(cache=CacheConfig("unbounded"))
+    budget = TempCacheConfig().max_cache_frames * TPF
+    assert max(t for t, _ in default) <= budget and default[-1][0] == budget
+    assert len({b for _, b in default}) == 1                 # allocated once, at the budget
+    assert every[-1][0] == 60 * TPF and every[-1][1] > 3 * default[-1][1]  # 60 frames' K/V against 12 + merge state

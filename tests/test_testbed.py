@@ -203,7 +203,9 @@ def test_frontier_smoke(tmp_path):
         assert r["precision"] == "bf16" and r["ms"] > 0 and 0 < r["density"] <= 1
         assert r["chunks"] == -(-r["held_frames"] // 3) + 5 == len(r["all_ms"])  # full for its last 5 chunks
         assert set(r["fidelity"]) == {"9", "15"} and all(f["psnr"] > 0 for f in r["fidelity"].values())
-        assert ("annsa_recall" in r["fidelity"]["15"]) == (r["family"] == "fastar")
+        # a recall is measured on the calls AnnSA runs sparse: none where it stands aside (the smoke's
+        # budgets of 6 and 12 frames are below the 15 its history needs to pay; its density is then 1)
+        assert ("annsa_recall" in r["fidelity"]["15"]) == (r["family"] == "fastar" and r["density"] < 1)
     assert rows["window6"]["chunks"] == 8 and rows["tempcache12"]["chunks"] == 9
     assert rows["fastar12-p.9-nodense"]["ann"]["dense_steps_fraction"] == 0.0
     assert rows["tempcache6"]["fidelity"]["15"]["kv_held"] < rows["tempcache12"]["fidelity"]["15"]["kv_held"]

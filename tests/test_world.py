@@ -190,7 +190,8 @@ def test_committed_world_model_loads_and_remembers():
 
     f = revisit_flight(model.spec, 48)
     with torch.no_grad():
-        video, alone = worlds.fly(model, f), worlds.fly(model, f, attention=OwnChunk)
+        every = CacheConfig()  # every frame kept
+        video, alone = worlds.fly(model, f, cache=every), worlds.fly(model, f, cache=every, attention=OwnChunk)
     revisit = list(f.revisit)
 
     def psnr(video):

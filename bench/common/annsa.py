@@ -11,8 +11,9 @@ import torch
 from . import fastar, op_ms, side_by_side_ms  # (fastar: this checkout, imported as comfyui_fastar)
 from .testbed import CHUNK
 
-from comfyui_fastar.fastar.annsa import KEY_BLOCK, plan_density
+from comfyui_fastar.fastar.annsa import KEY_BLOCK
 from comfyui_fastar.fastar.attention import build_ann
+from comfyui_fastar.testing.annsa import plan_density, recall
 from comfyui_fastar.kernels.quant_block_scores import quant_block_scores_auto, quant_block_scores_torch
 from comfyui_fastar.kernels.quant_select import quant_select_auto, quant_select_torch
 
@@ -39,13 +40,13 @@ def measure(cfg, kv_dense, layer, clean_q, query_q, history_frames):
     q = query_q[layer]
     plan = annsa.plan(0, q)
     every = 10**6  # sample every query block
-    recall = annsa.recall(q, keys, bias, plan, sample_blocks=every).item()
-    history_recall = annsa.recall(q, keys, bias, plan, sample_blocks=every, history_only=True).item()
+    kept = recall(annsa, q, keys, bias, plan, sample_blocks=every).item()
+    history_recall = recall(annsa, q, keys, bias, plan, sample_blocks=every, history_only=True).item()
     density = plan_density(*plan, keys.shape[1]).item()
     out = annsa.attention(0, q, keys, values, bias, plan)
     dense = attend(q, keys, values)
     err = ((out.float() - dense.float()).norm() / dense.float().norm()).item()
-    row = {"recall": recall, "history_recall": history_recall, "density": density, "rel_error": err,
+    row = {"recall": kept, "history_recall": history_recall, "density": density, "rel_error": err,
            "ranges_per_block": plan[1].float().mean().item()}
     # the planning kernels against their twins, on this device's data
     k8, logit_scale, log_mass, held = annsa.reps[0]

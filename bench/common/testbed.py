@@ -273,19 +273,18 @@ def fork(run, make):
 def probe_annsa(attention, layers):
     """AnnSA's recall measured on an attention state a rollout made (whatever its settings), not a new one:
     every sparse self-attention call of ``layers`` records its plan's recall of the dense attention mass and
-    its key density into the returned lists (recalls, densities). The state reads them on the host from then
-    on, so its rollout replays no CUDA graph."""
-    recalls, densities, layers = [], [], set(layers)
-    inner = attention.self_attention
+    its key density into the returned lists (recalls, densities), through AnnSA's ``observer``. The state
+    reads them on the host from then on, so its rollout replays no CUDA graph."""
+    from comfyui_fastar.testing.annsa import plan_density, recall
 
-    def self_attention(layer, q, k, v):
-        if layer in layers and attention._sparse(layer):
-            keys, _, bias = attention.cache.attend(layer, k, v)
-            plan = attention.annsa.plan(layer, q)
-            recalls.append(attention.annsa.recall(q, keys, bias, plan).item())
-            densities.append(fastar.annsa.plan_density(*plan, keys.shape[1]).item())
-        return inner(layer, q, k, v)
-    attention.self_attention = self_attention
+    recalls, densities, layers = [], [], set(layers)
+    annsa = attention.annsa
+
+    def observe(layer, q, keys, bias, plan):
+        if layer in layers:
+            recalls.append(recall(annsa, q, keys, bias, plan).item())
+            densities.append(plan_density(*plan, keys.shape[1]).item())
+    annsa.observer = observe
     attention.graph_safe = False
     return recalls, densities
 
