@@ -6,11 +6,12 @@ comfyui_fastar.fastar`` or ``fastar``) are thin layers over this package.
 from .annca import AnnCA
 from .annsa import AnnSA
 from .attention import FastARAttention
+from .chunk_model import ChunkModel, ChunkReport
 from .config import CACHE_MODES, AnnConfig, CacheConfig, ShortHistory, TempCacheConfig, UnsortableCache, check_settings
 from .errors import FastARError
 from .frames import latent_frames, video_frames
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
-from .rollout import ChunkModel, ChunkReport, Rollout, make_cache, pad_context, rollout
+from .rollout import Rollout, make_cache, pad_context, rollout
 from .schedule import FlowMatchSchedule
 from .sdpa import attend
 from .tempcache import TempCache

@@ -21,65 +21,19 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .attention import FastARAttention
+from .chunk_model import ChunkModel, ChunkReport, check_prompts, check_rollout, chunk_noise
 from .config import AnnConfig, CacheConfig, TempCacheConfig, check_settings
 from .errors import FastARError
-from .kvcache import CacheStats, FrameCache, KVCache
+from .history import History
+from .kvcache import FrameCache, KVCache
+from .replay import CleanPasses, ReplayGraph
 from .schedule import FlowMatchSchedule
 from .tempcache import TempCache
-
-VAE_SCALE = 8  # Wan 2.1 VAE: 8x spatial compression
-
-
-class ChunkModel(Protocol):
-    """What the engine needs of a model: its attention geometry and a chunk forward."""
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    latent_channels: int
-    text_dim: int
-    patch_size: tuple[int, int, int]
-    dtype: torch.dtype
-
-    def __call__(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
-                 frame_offset: int, attention: FastARAttention) -> torch.Tensor: ...
-
-    # Optional: True where a forward syncs nothing with the host and accepts ``frame_offset``
-    # as a 0-d tensor, so the engine may replay chunks from a CUDA graph.
-    # graph_safe: bool
-    # Optional: True where a forward takes ``fill_cache=True`` for the clean pass (see
-    # ``Rollout.fill_cache``).
-    # fills_cache: bool
-
-
-@dataclass
-class ChunkReport:
-    chunk: int
-    num_chunks: int
-    frames_done: int
-    total_frames: int
-    latency_s: float
-    cache: CacheStats
-    latent: torch.Tensor  # the chunk's clean latent [B, C, F, h, w]
-    # each layer's AnnSA plan density as this chunk ended (a device tensor: read only when asked)
-    annsa_densities: torch.Tensor | None = field(default=None, repr=False)
-    prompt: int = 0  # the prompt this chunk was generated with (0: ``context``, i: the i-th switch)
-    # the share of AnnSA's layers that ran sparse in this chunk, the rest dense where sparsity did not
-    # pay (``AnnSA.review``; None: no AnnSA)
-    annsa_sparse: float | None = None
-
-    @cached_property
-    def annsa_density(self) -> float | None:
-        """Keys AnnSA's plans of this chunk's clean pass read / keys they attend (None: no AnnSA), from
-        the report's own snapshot: read when first asked, at any time; a report nobody asks costs no
-        host sync."""
-        return None if self.annsa_densities is None else self.annsa_densities.mean().item()
 
 
 def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
@@ -94,123 +48,6 @@ def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
             return HeadParallelTempCache(config, parallel=parallel, **geometry)
         return TempCache(config, **geometry)
     return FrameCache(config, **geometry)
-
-
-class ReplayGraph:
-    """One CUDA graph, the latest key's: ``run`` captures ``fn`` on fixed input buffers the first
-    time a key comes, then fills those buffers and replays. Why: a chunk is ~150 layer forwards
-    whose Python launches otherwise set the pace, not the GPU (bench/NOTES.md)."""
-
-    def __init__(self):
-        self.key = self.graph = self.inputs = self.out = None
-
-    def run(self, key, make_inputs: Callable, fn: Callable, fill: Callable):
-        """``fn(*inputs)`` for the buffers ``make_inputs()`` made, after ``fill(*inputs)``."""
-        if self.key is None or self.key != key:
-            self.key = self.graph = self.inputs = self.out = None  # free the old graph's memory first
-            inputs = make_inputs()
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph):  # records; the replay below computes
-                out = fn(*inputs)
-            self.key, self.graph, self.inputs, self.out = key, graph, inputs, out
-        fill(*self.inputs)
-        self.graph.replay()
-        return self.out
-
-
-class CleanPasses:
-    """Clean passes of given clean latents into a rollout's cache, chunk by chunk: a history re-encoded
-    under a new prompt (``Rollout.switch_prompt``), or real video cached (the benchmarks' testbed). On CUDA
-    the passes replay from one graph once the attention state's key repeats, as chunks do; successive
-    ``run`` calls continue one another."""
-
-    def __init__(self, rollout: "Rollout"):
-        self.rollout, self.last, self.graph = rollout, None, ReplayGraph()
-
-    def _pass(self, x0, offset):
-        self.rollout.fill_cache(x0, offset)
-        self.rollout.cache.join_writes()
-
-    def run(self, latents: torch.Tensor, start: int = 0) -> None:
-        """latents [B, C, F, h, w]: chunks (the last may be short: a start latent), the first one's first
-        frame ``start``."""
-        r = self.rollout
-        r.attention.num_steps = len(r.sigmas)
-        for i in range(0, latents.shape[2], r.chunk_frames):
-            x0, frame = latents[:, :, i:i + r.chunk_frames], start + i
-            r.cache.begin_chunk(frame, x0.shape[2])
-            key = r.attention.graph_key() if r.cuda_graphs and r.attention.graph_safe else None
-            r.attention.begin_clean_pass()
-            if key is None or key != self.last:
-                self.last = key
-                self._pass(x0, frame)
-            else:
-                self.graph.run(key, lambda: (torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=r.device)),
-                               self._pass, lambda buf, offset: (buf.copy_(x0), offset.fill_(frame)))
-            r.cache.commit()
-
-
-def chunk_noise(seed: int, chunk: int, step: int, shape, device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Noise for (chunk, step), independent of how many chunks the rollout has. Drawn on the
-    device itself: a host-to-device copy would stall the host on every step."""
-    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + chunk * 7919 + step) % 2**63)
-    return torch.randn(shape, generator=g, device=device, out=out)
-
-
-def latent_grid(model: ChunkModel, height: int, width: int) -> tuple[int, int, int]:
-    """Latent height, width and tokens per latent frame for a pixel size (a model's ``vae_scale`` pixels
-    to a latent pixel: Wan's VAE's 8 unless it says otherwise)."""
-    scale = getattr(model, "vae_scale", VAE_SCALE)
-    for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or value <= 0 or value % (scale * model.patch_size[1]):
-            raise FastARError(f"{name}={value} must be a positive multiple of {scale * model.patch_size[1]} pixels")
-    h, w = height // scale, width // scale
-    return h, w, (h // model.patch_size[1]) * (w // model.patch_size[2])
-
-
-def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height: int, width: int,
-                  chunk_frames: int, context_noise: float = 0.0, start: torch.Tensor | None = None
-                  ) -> tuple[int, int, int]:
-    """Validate a rollout's settings before any work; returns ``latent_grid``."""
-    if not isinstance(frames, int) or frames < 1:
-        raise FastARError(f"frames must be a positive integer (latent frames), got {frames!r}")
-    if not isinstance(chunk_frames, int) or chunk_frames < 1:
-        raise FastARError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
-    grid = latent_grid(model, height, width)
-    first = 0
-    if start is not None:
-        first = start.shape[2] if start.ndim == 5 else 0
-        want = (model.latent_channels, grid[0], grid[1])
-        if start.ndim != 5 or (start.shape[1], *start.shape[3:]) != want or first < 1:
-            raise FastARError(f"the start latent must be [B, {want[0]}, frames, {want[1]}, {want[2]}], "
-                              f"got {tuple(start.shape)}")
-    if first and ((frames - first) % chunk_frames or frames <= first):
-        raise FastARError(f"frames={frames} after the start latent's {first} is not a whole number of chunks of "
-                          f"chunk_frames={chunk_frames}")
-    if not first and frames % chunk_frames:
-        raise FastARError(f"frames={frames} is not divisible by chunk_frames={chunk_frames}")
-    if context.ndim != 3 or context.shape[-1] != model.text_dim:
-        raise FastARError(f"context must be [B, tokens, {model.text_dim}], got {tuple(context.shape)}")
-    if start is not None and start.shape[0] != context.shape[0]:
-        raise FastARError(f"the start latent's batch {start.shape[0]} must match the context's {context.shape[0]}")
-    if not 0 <= context_noise < 1000:
-        raise FastARError(f"context_noise must lie in [0, 1000), got {context_noise}")
-    return grid
-
-
-def check_prompts(prompts, context: torch.Tensor, num_chunks: int) -> dict[int, torch.Tensor]:
-    """``prompts`` as {chunk: context}: chunks strictly increasing inside the rollout (not the
-    first: that is ``context``'s), each context shaped like ``context``."""
-    switches, last = {}, 0
-    for i, (chunk, text) in enumerate(prompts, 1):
-        if not isinstance(chunk, int) or not last < chunk < num_chunks:
-            raise FastARError(f"prompt switch {i} is at chunk {chunk!r}; switches must fall strictly after the "
-                              f"previous one (chunk {last}) and inside the rollout's {num_chunks} chunks")
-        if tuple(text.shape) != tuple(context.shape):
-            raise FastARError(f"prompt switch {i}'s context {tuple(text.shape)} must match the first prompt's "
-                              f"{tuple(context.shape)}")
-        switches[chunk], last = text.to(context), chunk
-    return switches
 
 
 class Rollout:
@@ -424,47 +261,6 @@ class Rollout:
                                      time.perf_counter() - tic, self.cache.stats(), x0, telemetry.annsa_densities,
                                      self.prompt, telemetry.annsa_sparse))
         return history.out if keep else x0
-
-
-class History:
-    """The clean latents a rollout has made, as far as it keeps them: every frame (``keep``, in one
-    [B, C, frames, h, w] tensor, ``out``), else only those a later prompt switch re-encodes: the start
-    frames, the sink's chunks and the most recent chunks the cache reaches (``Rollout.recache_chunks``),
-    none once no switch is left."""
-
-    def __init__(self, rollout: Rollout, keep: bool):
-        self.rollout, self.keep = rollout, keep
-        b, ch, _, h, w = rollout.chunk_shape
-        self.out = torch.empty(b, ch, rollout.frames, h, w, device=rollout.device) if keep else None
-        self.held: dict[int, torch.Tensor] = {}  # first frame -> latents, without ``keep``
-
-    def add(self, start: int, x0: torch.Tensor) -> None:
-        stop = start + x0.shape[2]
-        if self.keep:
-            self.out[:, :, start:stop] = x0
-            return
-        self.held[start] = x0
-        r = self.rollout
-        later = [c for c in r.switches if r.chunk_start(c) >= stop]
-        if not later:
-            self.held.clear()
-            return
-        sink, recent = r.recache_chunks(stop)  # a later switch reaches no further back than one now
-        needed = {r.chunk_start(i) for i in (*sink, *range(recent.start, r.num_chunks))}
-        for first in [f for f in self.held if f >= r.first_frame and f not in needed]:
-            del self.held[first]
-
-    def frames(self, a: int, b: int) -> torch.Tensor:
-        """Frames [a, b), which must be held."""
-        if self.keep:
-            return self.out[:, :, a:b]
-        parts, frame = [], a
-        while frame < b:
-            if frame not in self.held:
-                raise FastARError(f"frame {frame} is not held (the history keeps what a prompt switch re-encodes)")
-            parts.append(self.held[frame])
-            frame += parts[-1].shape[2]
-        return torch.cat(parts, 2)[:, :, :b - a]
 
 
 def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:

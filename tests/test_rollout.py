@@ -5,7 +5,9 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, rollout)
-from comfyui_fastar.fastar.rollout import CleanPasses, History, pad_context
+from comfyui_fastar.fastar.history import History
+from comfyui_fastar.fastar.replay import CleanPasses
+from comfyui_fastar.fastar.rollout import pad_context
 from comfyui_fastar.fastar.models import build_model
 
 H, W = 64, 96            # pixels -> 8x12 latent -> 4x6 = 24 tokens per frame

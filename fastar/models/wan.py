@@ -324,7 +324,7 @@ class WanModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.head = Head(cfg)
 
-    # The chunk-model protocol the rollout engine drives (see fastar.rollout.ChunkModel).
+    # The chunk-model protocol the rollout engine drives (see fastar.chunk_model.ChunkModel).
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
