@@ -174,8 +174,9 @@ class ARVideoSampler(comfy.samplers.Sampler):
 
     def __init__(self, chunk_frames: int, events=None, prompts: list | None = None,
                  stream: StreamSettings | None = None):
-        """``events``: gets ``start(frames, chunks, prompts)``, ``engine(Engine)``, a ``ChunkReport`` per
-        chunk (called) and ``finish("done" | "stopped")`` (the cache widget's ``CacheEvents``).
+        """``events``: gets ``sampling(frames_per_chunk, timesteps, shift, source)``, ``start(frames, chunks,
+        prompts)``, ``engine(Engine)``, a ``ChunkReport`` per chunk (called) and ``finish("done" | "stopped")``
+        (the cache widget's ``CacheEvents``).
         ``prompts``: a FAST-AR Prompt Schedule, which then conditions the video instead of the graph's
         positive. ``stream``: a FAST-AR Video Stream, which gets every chunk decoded as it comes (the
         whole latent is still returned: the graph decodes it)."""

@@ -132,6 +132,9 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
     stats = []
 
     class Events:
+        def sampling(self, frames_per_chunk, timesteps, shift, source):
+            stats.append(("sampling", frames_per_chunk, len(timesteps), source.split(" (")[0]))
+
         def start(self, frames, chunks, prompts):
             stats.append(("start", frames, chunks, prompts))
 
@@ -149,8 +152,9 @@ def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal
     out = _sample_custom(patched, sampler, frames=6)
     assert isinstance(tc, TempCacheConfig) and out.shape[2] == 6
     tokens_per_frame = (H // 16) * (W // 16)
-    assert stats[:2] == [("start", 6, 6, 1), ("engine", "fused")] and stats[-1] == "done"
-    assert max(stats[2:-1]) <= 3 * tokens_per_frame  # TempCache's budget, not the whole video
+    assert stats[:3] == [("sampling", 1, 4, "as the graph says"), ("start", 6, 6, 1), ("engine", "fused")]  # 4 steps
+    assert stats[-1] == "done"
+    assert max(stats[3:-1]) <= 3 * tokens_per_frame  # TempCache's budget, not the whole video
 
 
 def test_fastar_sampler_errors_name_the_node_and_input(causal):
