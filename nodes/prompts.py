@@ -74,11 +74,14 @@ def schedule_chunks(starts: list[int], frames: int, chunk_frames: int, node: str
 
 
 def scheduled_contexts(model, schedule, noise: torch.Tensor, device, frames: int, chunk_frames: int,
-                       node: str, first: int = 0) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+                       node: str, first: int = 0, positive: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
     """A FAST-AR Prompt Schedule as the rollout's first context and its (chunk, context) switches;
-    logs where each prompt starts (a chunk's first frame, at or after the asked one)."""
+    logs where each prompt starts (a chunk's first frame, at or after the asked one). ``positive``: the
+    first context where the schedule's first prompt is None (its prompt_1 unconnected)."""
     chunks = schedule_chunks([start for start, _ in schedule], frames, chunk_frames, node, first)
-    contexts = [conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
+    contexts = [positive if cond is None else
+                conditioning_context(model, cond, noise, device, node, f"prompt schedule's prompt {i}")
                 for i, (_, cond) in enumerate(schedule, 1)]
     starts = "".join(f"; prompt {i} from frame {chunk_first_frame(c, chunk_frames, first)} (asked {start})"
                      for i, (c, (start, _)) in enumerate(zip(chunks, schedule[1:]), 2))
@@ -93,10 +96,10 @@ def prompt_contexts(patcher, prompts, positive, negative, encode: Callable, nois
     unconnected), else instead of it; ``encode(conditioning, name)`` turns
     the sampler's own positive / negative into a context. ``first``: latent frames before chunk 0."""
     switches = []
-    if prompts and prompts[0][1] is None:  # the schedule's first prompt unconnected: the sampler's positive
-        prompts = [(0, positive)] + list(prompts[1:])
     if prompts:
-        context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node, first)
+        own = encode(positive, "positive") if prompts[0][1] is None else None  # prompt_1 unconnected
+        context, switches = scheduled_contexts(patcher, prompts, noise, device, frames, chunk_frames, node, first,
+                                               own)
     else:
         context = encode(positive, "positive")
     negative = None if negative is None else encode(negative, "negative")

@@ -93,10 +93,10 @@ class AutoregressiveLongSampler(io.ComfyNode):
                                         "Video I2V does."),
                 stream_input(),
                 io.Boolean.Input("checkpoint_sampling", default=True, optional=True,
-                                 tooltip="Where the model's file records how it samples (fastar convert --preset "
-                                         "writes it; ComfyUI 2026 and later name the file a model came from), "
-                                         "take frames_per_chunk, timesteps and shift from it. Off: these widgets, "
-                                         "a block size other than the file's refused."),
+                                 tooltip="Where the model's file (the graph's Load Diffusion Model) records how it "
+                                         "samples (fastar convert --preset writes it), take frames_per_chunk, "
+                                         "timesteps and shift from it; the cache widget says which ran. Off: these "
+                                         "widgets, a block size other than the file's refused."),
             ],
             outputs=[io.Latent.Output()],
             hidden=[io.Hidden.unique_id, io.Hidden.prompt],

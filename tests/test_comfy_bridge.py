@@ -291,8 +291,8 @@ def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, pack):
     pos, other = prompt(1), prompt(5)
     model = PatchModel.execute(comfy_model, TempCacheConfig(max_cache_frames=4, sink_frames=1)).result[0]
 
-    def sample(length=29, **schedule):
-        prompts = PromptSchedule.execute([[pos, {}]], **schedule).result[0] if schedule else None
+    def sample(length=29, first=True, **schedule):
+        prompts = PromptSchedule.execute(*([[[pos, {}]]] if first else []), **schedule).result[0] if schedule else None
         return AutoregressiveLongSampler.execute(model, [[pos, {}]], W, H, length, 1, 3, "1000,750,500,250", 5.0,
                                                  "1", 0.0, 1.0, prompts=prompts).result[0]["samples"]
 
@@ -301,6 +301,8 @@ def test_a_prompt_schedule_switches_the_prompt_along_the_video(models, pack):
     switched = sample(prompt_2=[[other, {}]], start_2=10)  # frame 10 lies in latent 3 (frames 9-12): the switch waits to latent 4
     assert torch.equal(switched[:, :, :4], plain[:, :, :4])  # video frames 0..12, every one before frame 13
     assert rel(switched[:, :, 4:], plain[:, :, 4:]) > 1e-3
+    # prompt_1 unconnected: the sampler's positive (the same prompt here) comes first
+    assert torch.equal(sample(first=False, prompt_2=[[other, {}]], start_2=10), switched)
     from comfyui_fastar.fastar import FlowMatchSchedule, rollout
     ref = rollout(core, pos, frames=8, height=H, width=W, chunk_frames=1, schedule=FlowMatchSchedule(),
                   cache=TempCacheConfig(max_cache_frames=4, sink_frames=1), seed=3, prompts=[(4, other)])

@@ -120,6 +120,9 @@ def test_fastar_sampler_follows_a_prompt_schedule_in_cores_graph(causal):
     switched = _sample_custom(causal, ARVideo.execute(1, prompts=story).result[0])
     assert torch.equal(switched[:, :, :3], plain[:, :, :3])  # latent 3 starts at video frame 9
     assert rel(switched[:, :, 3:], plain[:, :, 3:]) > 1e-3
+    # prompt_1 unconnected: the graph's positive (the same prompt here) comes first
+    after_positive = PromptSchedule.execute(prompt_2=_conditioning(7), start_2=9).result[0]
+    assert torch.equal(_sample_custom(causal, ARVideo.execute(1, prompts=after_positive).result[0]), switched)
 
 
 def test_fastar_sampler_bounds_the_cache_with_the_patched_models_settings(causal):
