@@ -27,7 +27,7 @@ import torch
 
 from .attention import FastARAttention
 from .chunk_model import ChunkModel, ChunkReport, check_prompts, check_rollout, chunk_noise
-from .config import AnnConfig, CacheConfig, TempCacheConfig, check_settings
+from .config import AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
 from .history import History
 from .kvcache import FrameCache, KVCache
@@ -104,7 +104,6 @@ class Rollout:
         batch = context.shape[0] // (2 if self.guided else 1)
         self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
         cache = TempCacheConfig() if cache is None else cache  # bounded, as the CLI's and the nodes' default
-        check_settings(cache, ann, chunk_frames)
         self._cache_args = dict(config=cache, num_layers=model.num_layers, batch=context.shape[0],
                                 num_heads=model.num_heads if self.parallel is None else self.parallel.local_heads,
                                 head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,

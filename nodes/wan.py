@@ -71,21 +71,22 @@ def causal_checkpoint(patcher) -> bool | None:
     return isinstance(getattr(getattr(patcher, "model", None), "diffusion_model", None), CausalWanModel)
 
 
-_said_once: dict[str, bool] = {}
+_noted_no_causal_class = False  # the note below, said once a server
 
 
 def warn_if_not_causal(patcher, node: str) -> None:
     """A log warning where the model may not be a causal checkpoint (an autoregressive rollout of a
     bidirectional Wan 2.1 T2V model runs, but its video falls apart); where this ComfyUI cannot tell,
     a note once per server."""
+    global _noted_no_causal_class
     causal = causal_checkpoint(patcher)
     if causal is False:
         logging.warning("%s: the model carries no causal metadata (ComfyUI loaded it as the bidirectional Wan 2.1 "
                         "WanModel): if it is a plain Wan 2.1 T2V file, chunk-by-chunk sampling gives a broken video; "
                         "the causal checkpoints (Causal-Forcing's ComfyUI files, or a .pt converted with "
                         "fastar convert) carry it", node)
-    elif causal is None and not _said_once.get("no causal class"):
-        _said_once["no causal class"] = True
+    elif causal is None and not _noted_no_causal_class:
+        _noted_no_causal_class = True
         logging.info("%s: this ComfyUI loads every Wan 2.1 T2V file as WanModel, so it cannot tell a causal "
                      "checkpoint from a plain T2V one; the video holds together only with a causal checkpoint "
                      "(Self-Forcing, CausVid, Causal-Forcing)", node)

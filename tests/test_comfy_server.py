@@ -504,15 +504,23 @@ def test_a_start_image_without_its_vae_is_refused_at_prompt_and_with_it_runs(ser
     assert _latent_of(server, prompt_id).shape == (1, 16, 3, 4, 4)  # the image's latent frame, then 2 chunks of 1
 
 
-def test_the_node_shows_how_it_sampled_and_whose_settings_those_were(server):
-    """The cache widget's events carry the sampling the rollout used and where it came from: the widgets
-    where the model's file records none, the file's record over widgets that say otherwise (the file
-    found through the graph's Load Diffusion Model, on every ComfyUI)."""
+def _recorded_model(server, name):
+    """The tiny model as ``name`` in the server's diffusion_models, recording CausVid's sampling (3 latent
+    frames a block, steps 1000,757,522, shift 1), as ``fastar convert --preset causvid`` records it."""
     from safetensors.torch import save_file
 
     from comfyui_fastar.fastar.models import SAMPLING_METADATA_KEY, Sampling
     from comfyui_fastar.testing.comfy_harness import tiny_wan
 
+    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()},
+              str(server["base"] / "models" / "diffusion_models" / name),
+              metadata={SAMPLING_METADATA_KEY: Sampling(3, (1000, 757, 522), 1.0, "causvid").to_json()})
+
+
+def test_the_node_shows_how_it_sampled_and_whose_settings_those_were(server):
+    """The cache widget's events carry the sampling the rollout used and where it came from: the widgets
+    where the model's file records none, the file's record over widgets that say otherwise (the file
+    found through the graph's Load Diffusion Model, on every ComfyUI)."""
     def sampling_shown(graph):
         _, events = asyncio.run(_run(server["url"], server["port"], graph))
         shown = [e["data"]["sampling"] for e in events if e["type"] == "fastar.cache"]
@@ -523,9 +531,7 @@ def test_the_node_shows_how_it_sampled_and_whose_settings_those_were(server):
         "frames_per_chunk": 1, "timesteps": [1000, 750, 500, 250], "shift": 5.0,
         "source": "as the widgets say: fastar_tiny.safetensors records no sampling (fastar convert --preset writes it)"}
     name = "recorded_tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()},
-              str(server["base"] / "models" / "diffusion_models" / name),
-              metadata={SAMPLING_METADATA_KEY: Sampling(3, (1000, 757, 522), 1.0, "causvid").to_json()})
+    _recorded_model(server, name)
     graph = _graph(length=9, chunk="1")
     graph["1"]["inputs"]["unet_name"] = name
     assert sampling_shown(graph) == {"frames_per_chunk": 3, "timesteps": [1000, 757, 522], "shift": 1.0,
@@ -1003,16 +1009,9 @@ def test_the_world_template_plays_in_the_frontend(server):
 def test_the_node_shows_a_files_sampling_in_the_frontend(server):
     """A file that records its sampling, run from the page with widgets that say otherwise: the cache widget's
     sampling row shows the file's (3 latent frames a chunk, its steps and shift) and says whose it is."""
-    from safetensors.torch import save_file
-
-    from comfyui_fastar.fastar.models import SAMPLING_METADATA_KEY, Sampling
-    from comfyui_fastar.testing.comfy_harness import tiny_wan
-
     sync_api = pytest.importorskip("playwright.sync_api")
     name = "causvid_tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in tiny_wan().state_dict().items()},
-              str(server["base"] / "models" / "diffusion_models" / name),
-              metadata={SAMPLING_METADATA_KEY: Sampling(3, (1000, 757, 522), 1.0, "causvid").to_json()})
+    _recorded_model(server, name)
     graph = _graph(length=21, chunk="1")
     graph["1"]["inputs"]["unet_name"] = name
     with sync_api.sync_playwright() as p:
