@@ -4,7 +4,7 @@ TempCache's biased read (sink 3 + the open chunk 3 unbiased, then F history fram
 per-key bias, the TempCache layout) and AnnSA's block plans over that history at densities d, at
 F = 21 / 81 / 240 cached frames: 4680 queries (a 3-frame chunk), 12 heads x 128, bf16 (Wan 2.1 1.3B).
 Paths: cuDNN dense without the bias (the rate to reach), cuDNN with the bias as a float mask, the
-Triton kernel (``fastar.sdpa.attend_biased_kernel``, ``block_sparse_attention``), FlashAttention-4
+Triton kernel (``fastar.backend.Triton().biased``, ``block_sparse_attention``), FlashAttention-4
 where it imports (``kernels/flash4.py``; ``pip install comfyui-fastar[hopper]``): dense, and with
 the bias folded into the keys; its block sparsity over the history (cuDNN's softmax over the
 unbiased keys joined to it). Cross-attention's shape (512 prompt tokens) for cuDNN against FA4. Each call is
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, write_json  # noqa: E402,F401
 from common.attention import D, FIXED, H, LQ, TPF, inputs, reference, rel, timed  # noqa: E402
 from comfyui_fastar.fastar import sdpa  # noqa: E402
+from comfyui_fastar.fastar.backend import Triton  # noqa: E402
 from comfyui_fastar.kernels import flash4  # noqa: E402
 from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention  # noqa: E402
 from comfyui_fastar.kernels.plan import runs_to_ranges  # noqa: E402
@@ -94,7 +95,7 @@ def main():
             fns = {
                 "cudnn": lambda: sdpa.attend_sdpa(q, k, v),
                 "cudnn_mask": lambda: sdpa.attend_sdpa(q, k, v, key_bias=bias),
-                "triton": lambda: sdpa.attend_biased_kernel(q, k, v, bias, window),
+                "triton": lambda: Triton().biased(q, k, v, bias, window),
             }
             hist_bias = bias[:, :, FIXED:].contiguous()
             if has_fa4:

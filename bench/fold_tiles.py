@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--frames", default="9,18,78", help="history frames F (TempCache 12 / 21 / 81)")
     ap.add_argument("--only", default="", help="comma-separated variants (default all)")
     args = ap.parse_args()
-    interface, _ = flash4._module()
+    interface, _ = flash4.modules()
     variants = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only.split(",")}
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = torch.randperm(LQ, generator=torch.Generator().manual_seed(1))[:256].cuda()

@@ -100,12 +100,10 @@ class HeadBudgets(fastar.FastARAttention):
         keys, values, bias = self.cache.attend(layer, k, v)
         o_s = fastar.attend(q.index_select(2, s), keys[:, fixed].index_select(2, s),
                             values[:, fixed].index_select(2, s))
-        folded = self.cache.folded_keys(layer)
-        o_d = fastar.sdpa.attend_biased(q.index_select(2, d), keys.index_select(2, d), values.index_select(2, d),
-                                        bias.index_select(1, d), layout.bias,
-                                        None if folded is None else folded.index_select(2, d))
+        o_d = self.backend.biased(q.index_select(2, d), keys.index_select(2, d), values.index_select(2, d),
+                                  bias.index_select(1, d), layout.bias)
         if self.cache.clean_pass:
-            self._write_history(layer, q)
+            self.write_history(layer, q)
         return torch.cat([o_s, o_d], 2).index_select(2, order)
 
 

@@ -48,6 +48,9 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
     n_all = (history_frames + CHUNK) * TPF
     owner = torch.full((heads, n_all), -1, dtype=torch.long, device="cuda")  # slot of each token (-1 evicted)
     written = merged = 0
+    slots_of = []  # the history slot of each token of the last merge (TempCache's observer)
+    if tc_cfg:
+        kv.observer = lambda layer, b, slots: slots_of.append(slots)
     for c in range(n_chunks):
         span = slice(c * CHUNK * TPF, (c + 1) * CHUNK * TPF)
         kv.begin_chunk(c * CHUNK, CHUNK)
@@ -57,19 +60,19 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
         kv.commit()
         if not tc_cfg:
             continue
-        tc = kv
         n_sink = max(0, min(CHUNK, SINK - c * CHUNK)) * TPF
         new = slice(span.start + n_sink, span.stop)
         if new.stop > new.start:
-            slots = tc._last_slots[0, 0, :, -(new.stop - new.start):]
-            placed = tc._count[0, 0].gather(1, slots.clamp_min(0)) == 1
+            slots = slots_of.pop()
+            _, _, log_m = kv.held_keys(0, kv.history)
+            placed = log_m[0].gather(1, slots.clamp_min(0)) == 0  # a group of one: a newly placed token
             for h in range(heads):  # tokens whose slot a newly placed token took are evicted
                 taken = slots[h][placed[h]]
                 old = owner[h, :new.start]
                 owner[h, :new.start] = torch.where(torch.isin(old, taken), -1, old)
             owner[:, new] = slots
             written += (new.stop - new.start)
-            merged += int(tc._merged[0].item()) / heads
+            merged += kv.stats().merged
 
     # the query chunk over the compressed cache and over the dense one
     q = query_q[layer]
@@ -106,11 +109,11 @@ def replay(cfg, kv_dense, layer, clean_q, query_q, history_frames, n_queries=384
             group_recalls.append(group_recall.mean().item())
             hist_recalls.append((hist_kept.sum() / p_dense[:, sink_tok:own.start].sum()).item())
             p_tok[:, :sink_tok] = p_c[:, :sink_tok]
-            cnt = kv._count[0, 0, h]
+            cnt = kv.held_keys(0, hist)[2][0, h].exp()  # each slot's group size m (0: empty)
             contrib = p_c[:, hist.start + o.clamp_min(0)] / cnt[o.clamp_min(0)].clamp_min(1)
             p_tok[:, sink_tok:own.start] = torch.where((o >= 0)[None], contrib, 0.0)
         else:  # sink + window cache: a frame slot holds the last frame the ring put there
-            for slot, frame in {kv._slot(f): f for f in range(kv.frames_cached)}.items():
+            for slot, frame in {kv.frame_slot(f): f for f in range(kv.frames_cached)}.items():
                 p_tok[:, frame * TPF:(frame + 1) * TPF] = p_c[:, slot * TPF:(slot + 1) * TPF]
         p_tok[:, own] = p_c[:, chunk]
         recalls.append(torch.minimum(p_dense, p_tok).sum(-1).mean().item())

@@ -13,7 +13,7 @@ from .frames import latent_frames, video_frames
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
 from .rollout import Rollout, make_cache, pad_context, rollout
 from .schedule import FlowMatchSchedule
-from .sdpa import attend
+from .backend import attend
 from .tempcache import TempCache
 
 __all__ = [

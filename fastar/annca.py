@@ -4,13 +4,13 @@ Per current frame, prompt tokens sharing an LSH bucket (with probes: a query's l
 bits flipped) with at least one of the frame's queries are kept; if fewer than ``min_tokens``
 survive, the ``min_tokens`` best-scoring tokens (against the frame's mean query) join them.
 Each frame's kept tokens are gathered to the front of a per-frame key copy (the prompt is a few
-hundred tokens) and attended through the block-sparse kernel with one range ``[0, kept)``.
+hundred tokens) and attended block-sparse (the attention backend's ``sparse``) with one range ``[0, kept)``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.block_sparse_attention import block_sparse_attention_auto
+from .backend import Torch
 from .config import AnnConfig
 from .errors import FastARError
 from .lsh import LSH
@@ -29,8 +29,8 @@ def _hit_buckets(cands: torch.Tensor, group: torch.Tensor, groups: int, buckets:
 class AnnCA:
     """Per-frame prompt-token selection for cross-attention."""
 
-    def __init__(self, config: AnnConfig, lsh: LSH, tokens_per_frame: int, num_layers: int, device):
-        self.config, self.lsh, self.tokens_per_frame = config, lsh, tokens_per_frame
+    def __init__(self, config: AnnConfig, lsh: LSH, tokens_per_frame: int, num_layers: int, device, backend: Torch):
+        self.config, self.lsh, self.tokens_per_frame, self.backend = config, lsh, tokens_per_frame, backend
         self.density = torch.ones(num_layers, device=device)  # prompt tokens kept, last sparse call
 
     def keep(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -68,6 +68,7 @@ class AnnCA:
             idx = order[:, :, f, :, None].expand(b, h, lc, kt.shape[-1])
             ranges = torch.zeros(b, h, nqb, 1, 2, dtype=torch.int32, device=q.device)
             ranges[..., 0, 1] = kept[:, :, f, None]
-            outs.append(block_sparse_attention_auto(qt[:, :, f * tpf:(f + 1) * tpf], kt.gather(2, idx),
-                                                    vt.gather(2, idx), ranges, counts, block_q=bq))
-        return torch.cat(outs, dim=2).transpose(1, 2)
+            outs.append(self.backend.sparse(qt[:, :, f * tpf:(f + 1) * tpf].transpose(1, 2),
+                                            kt.gather(2, idx).transpose(1, 2), vt.gather(2, idx).transpose(1, 2),
+                                            ranges, counts, block_q=bq))
+        return torch.cat(outs, dim=1)

@@ -20,27 +20,23 @@ share: a query block whose own neighbourhood holds its attention needs few histo
 diffuse one many. Why a floor: a mean key underestimates a block that mixes unlike keys (Jensen),
 so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
 kernels, nothing syncs with the host: every shape comes from Python integers the schedule knows.
-Where the kernel runs, cuDNN attends the keys every plan reads (``Layout.fixed``: the sink and the
-open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that softmax. On
-Hopper with FlashAttention-4 its block sparsity reads the plan's history instead, joined to that softmax.
+Where a kernel runs (``fastar.backend``), cuDNN attends the keys every plan reads (``Layout.fixed``: the
+sink and the open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that
+softmax; on FlashAttention-4 its block sparsity reads the plan's history, joined to that softmax.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-from ..kernels import flash4, use_kernel
 from ..kernels.block_means import block_means_auto
-from ..kernels.block_sparse_attention import block_sparse_attention_auto, kernel_supports
 from ..kernels.quant_block_scores import quant_block_scores_auto
 from ..kernels.quant_block_shares import quant_block_shares_auto
-from ..kernels.plan import range_blocks, range_reads, runs_to_ranges
+from ..kernels.plan import range_reads, runs_to_ranges
 from ..kernels.quant_select import quant_select_auto
 from .config import AnnConfig, check_settings
 from .lsh import LSH
-from .sdpa import attend_lse, side_stream
 
 # History keys per scored block. 128 rather than the kernel's 64-key tile: a pick is then two
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
@@ -58,9 +54,6 @@ DENSE_ABOVE = 0.8
 #: pays: the prior's call over those rows, the join and the plan then cost more than the history's
 #: skipped blocks save (bench/NOTES.md, "AnnSA only where it can pay").
 MIN_HISTORY_RATIO = 2.0
-#: Queries per FlashAttention-4 tile: its block sparsity at 64-query tiles ran at about half its
-#: 128-query rate, so pairs of 64-query plans are read as their union.
-FA4_BLOCK_Q = 128
 
 
 def _int8(x: torch.Tensor):
@@ -289,51 +282,14 @@ class AnnSA:
         return (*self.fixed[layer], ns)
 
     def attention(self, layer: int, q, keys, values, bias, plan=None):
-        """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D]."""
-        layout = self.cache.layout
-        prior, side = None, None
-        fa4 = layout.fixed is not None and flash4.runs(q, keys)
-        if layout.fixed is not None and (fa4 or use_kernel(q, kernel_supports(q, self.config.block_q))):  # a kernel runs
-            if q.is_cuda:
-                # the side stream waits for this layer's K/V, and waits again before its next call,
-                # which orders its reuse of the memory it allocates after the kernel that reads it
-                side = side_stream(q.device, "prior")
-                side.wait_stream(torch.cuda.current_stream(q.device))
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                prior = attend_lse(q, keys[:, layout.fixed], values[:, layout.fixed])
+        """Sparse self-attention of q [B, n, H, D] over ``attend``'s keys/values [B, Lk, H, D] on the cache's
+        attention backend: the prior softmax over the keys every plan reads starts (beside the plan, on
+        CUDA) before the plan is made."""
+        layout, backend = self.cache.layout, self.cache.backend
+        prior = backend.start_prior(q, keys, values, layout.fixed, self.config.block_q) if layout.fixed is not None \
+            else None
         ranges, counts = plan if plan is not None else self.plan(layer, q)
         if self.observer is not None:
             self.observer(layer, q, keys, bias, (ranges, counts))
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        if prior is not None:
-            ranges, counts = ranges[:, :, :, 2:], counts - 2
-            if fa4:
-                return self._attend_blocks(q, keys, values, bias, ranges, counts, prior, self.cache.folded_keys(layer),
-                                           self.cache.folded_queries(q))
-        out = block_sparse_attention_auto(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                          ranges, counts, key_bias=bias, block_q=self.config.block_q, prior=prior,
-                                          bias_window=layout.bias)
-        return out.transpose(1, 2)
-
-    def _attend_blocks(self, q, keys, values, bias, ranges, counts, prior, folded=None, folded_q=None):
-        """``attention``'s history on FlashAttention-4's block sparsity (Hopper): the plan's history
-        ranges as lists of its ``KEY_BLOCK`` blocks, ``FA4_BLOCK_Q`` queries a list, read over the
-        history's view with TempCache's bias (``folded``: the cache's keys with it folded in; ``folded_q``:
-        q's fold where the model computed q in it), joined to
-        the prior (cuDNN's softmax over the keys every query reads)."""
-        hist = self.cache.layout.history
-        if hist.stop <= hist.start:
-            return prior[0].transpose(1, 2)
-        blocks = range_blocks(ranges, counts, hist.start, hist.stop - hist.start, KEY_BLOCK,
-                              FA4_BLOCK_Q // self.config.block_q)
-        window = None
-        if bias is not None:  # the bias window, in the history's rows
-            lo, hi = self.cache.layout.bias
-            window = (min(max(lo - hist.start, 0), hist.stop - hist.start), max(min(hi, hist.stop) - hist.start, 0))
-            bias = bias[..., hist]
-        out, lse = flash4.attention(q, keys[:, hist], values[:, hist], key_bias=bias, bias_window=window,
-                                    folded=folded[:, hist] if folded is not None else None, folded_q=folded_q,
-                                    blocks=blocks, block_size=(FA4_BLOCK_Q, KEY_BLOCK))
-        return flash4.join(prior[0].transpose(1, 2), prior[1], out, lse)
-
+        return backend.sparse(q, keys, values, ranges, counts, block_q=self.config.block_q, key_bias=bias,
+                              window=layout.bias, prior=prior, layout=layout, key_block=KEY_BLOCK)

@@ -3,10 +3,9 @@
 ``FastARAttention`` is the attention state a forward runs under. Self-attention reads the
 sink, the history and its own chunk from the KV cache (writing the chunk's own K/V into the
 cache's rows first, so no concatenation is ever made); cross-attention attends the prompt
-tokens. Dense calls end in ``attend`` (cuDNN SDPA), or, with TempCache's log m as a key bias on a
-GPU, in the block-sparse kernel (``attend_biased``); where an ``AnnConfig`` schedules sparsity
-they go to AnnSA / AnnCA. In both kernel paths the keys every query reads unbiased (the sink, the
-open chunk) go to cuDNN, whose softmax the kernel starts from (``fastar.sdpa.attend_lse``).
+tokens. Every call runs on the cache's attention backend (``fastar.backend``, chosen once per
+cache): dense, biased by TempCache's log m, or, where an ``AnnConfig`` schedules sparsity, AnnSA's
+block-sparse call / AnnCA's.
 """
 from __future__ import annotations
 
@@ -15,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import triton_runs_on
 from .annca import AnnCA
 from .annsa import AnnSA
 from .config import AnnConfig
 from .errors import FastARError
 from .lsh import LSH
-from .sdpa import attend, attend_biased
+from .backend import attend
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ def build_ann(config: AnnConfig, cache, heads: tuple[slice, int] | None = None) 
     if bad:
         raise FastARError(f"AnnConfig.dense_layers {bad} name layers the model does not have "
                           f"({cache.num_layers} layers: 0..{cache.num_layers - 1})")
-    if not _warned and not triton_runs_on(cache.k):
+    if not _warned and cache.backend.name == "torch":
         _warned = True
         log.warning("FAST-AR: Triton cannot run on %s; AnnSA/AnnCA use the torch twin of the "
                     "block-sparse kernel (correct, slow)", cache.device)
@@ -70,7 +68,8 @@ def build_ann(config: AnnConfig, cache, heads: tuple[slice, int] | None = None) 
                     "call reads dense (the sink and the chunk) for a sparse call to pay; it runs from max_cache_frames "
                     "%d on", cache.config.history_frames, cache.config.sink_frames + cache.chunk_frames,
                     annsa.least_budget())
-    annca = AnnCA(config, lsh, cache.tokens_per_frame, cache.num_layers, cache.device) if config.annca else None
+    annca = (AnnCA(config, lsh, cache.tokens_per_frame, cache.num_layers, cache.device, cache.backend)
+             if config.annca else None)
     return annsa, annca
 
 
@@ -91,9 +90,13 @@ class FastARAttention:
     # (the model's heads the cache holds, the model's head count) where it holds part of them
     # (``fastar.parallel``); None: all
     lsh_heads: tuple[slice, int] | None = None
+    # where the cache holds part of the heads, the mean of a tensor over the ranks (AnnSA's densities, so
+    # every rank decides as one process does); None: this process decides alone
+    densities_mean = None
 
     def __init__(self, cache=None, ann: AnnConfig | None = None):
         self.cache = cache
+        self.backend = cache.backend if cache is not None else None
         self.ann = ann
         self.annsa = self.annca = None
         self._cross_kv = None              # (context, its version, maker, every layer's cross-attention K/V)
@@ -110,9 +113,12 @@ class FastARAttention:
         return self.cache.rows(layer) if self.cache is not None else None
 
     def q_rows(self, layer: int):
-        """Where a self-attention call's q may be computed (``KVCache.q_rows``: the view of a fold the biased
-        call then reads as it is); None without a cache or where it keeps no fold."""
-        return self.cache.q_rows() if self.cache is not None else None
+        """Where a self-attention call's q may be computed (the backend's ``q_rows``: a view of storage its
+        biased call then reads as it is); None without a cache or where anywhere will do."""
+        if self.cache is None or self.cache.layout is None:
+            return None
+        chunk = self.cache.layout.chunk
+        return self.backend.q_rows(chunk.stop - chunk.start)
 
     def graph_key(self):
         """The cache's ``graph_key`` and AnnSA's (``AnnSA.graph_key``): equal keys, equal kernels."""
@@ -127,8 +133,7 @@ class FastARAttention:
             return ChunkTelemetry()
         sparse = self.annsa.sparse_share
         self.cache.commit()
-        parallel = getattr(self, "parallel", None)  # head parallelism: decide on every rank's mean
-        return ChunkTelemetry(self.annsa.review(None if parallel is None else parallel.average), sparse)
+        return ChunkTelemetry(self.annsa.review(self.densities_mean), sparse)
 
     def begin_clean_pass(self) -> None:
         """The next forward is the clean pass: its K/V become the cache's history, and it runs as the
@@ -146,11 +151,12 @@ class FastARAttention:
         keys, values, bias = self.cache.attend(layer, k, v)
         if self.annsa is not None and self._sparse(layer) and self.annsa.runs(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)
+        elif bias is not None:
+            out = self.backend.biased(q, keys, values, bias, self.cache.layout.bias)
         else:
-            out = attend_biased(q, keys, values, bias, self.cache.layout.bias, self.cache.folded_keys(layer),
-                                self.cache.folded_queries(q)) if bias is not None else attend(q, keys, values)
+            out = self.backend.attend(q, keys, values)
         if self.cache.clean_pass:
-            self._write_history(layer, q)
+            self.write_history(layer, q)
         return out
 
     def fill_cache(self, layer: int, q, k, v) -> None:
@@ -159,9 +165,9 @@ class FastARAttention:
         if self.cache is None or not self.cache.clean_pass:
             raise FastARError("FastARAttention.fill_cache is for the clean pass of a cached rollout")
         self.cache.attend(layer, k, v)
-        self._write_history(layer, q)
+        self.write_history(layer, q)
 
-    def _write_history(self, layer: int, q) -> None:
+    def write_history(self, layer: int, q) -> None:
         """The clean pass's writes of one layer's history: TempCache's merge, AnnSA's sort. Only
         the next chunk reads them, so on CUDA they run on a side stream and overlap the rest of
         the pass (layers after this one never touch this layer's cache); ``KVCache.join_writes``
@@ -199,4 +205,4 @@ class FastARAttention:
     def cross_attention(self, layer: int, q, k, v):
         if self.annca is not None and self._sparse(layer):
             return self.annca.attention(layer, q, k, v)
-        return attend(q, k, v)
+        return attend(q, k, v) if self.backend is None else self.backend.attend(q, k, v)

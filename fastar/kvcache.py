@@ -18,7 +18,8 @@ by the clean pass, and never changes afterwards. Frame bookkeeping is in Python 
 from the schedule (TempCache's slot state lives on the device): no host sync per layer. On CUDA
 the clean pass's history writes may run on a side stream (``write_aside``, which
 ``FastARAttention`` calls; the cache alone holds that stream); ``join_writes`` (the engine's, before a chunk's CUDA graph ends) and
-``commit`` wait for them.
+``commit`` wait for them. The keys live where the cache's attention backend (``fastar.backend``) reads
+them: its ``new_keys``.
 
 The frame caches live here: ``unbounded`` (every frame, one slot each) and ``window`` (sink +
 a ring of frame slots). TempCache, a token budget with merging, is ``fastar.tempcache``.
@@ -29,9 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import flash4
-from ..kernels.rows import gather_rows_auto
-from .sdpa import side_stream
+from . import backend as backends
 from .config import CacheConfig
 from .errors import FastARError
 
@@ -85,7 +84,7 @@ class KVCache:
 
     def __init__(self, config, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, capacity_frames: int, spare_tokens: int = 0,
-                 key_pad: int = 0, device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, backend=None):
         if chunk_frames < 1:
             raise FastARError(f"chunk_frames must be >= 1, got {chunk_frames}")
         self.config = config
@@ -95,23 +94,18 @@ class KVCache:
         self.capacity_frames = capacity_frames
         tokens = capacity_frames * tokens_per_frame + spare_tokens
         shape = (num_layers, batch, tokens, num_heads, head_dim)
+        # the attention backend the cache's calls run on, and the keeper of its keys: chosen once here
+        self.backend = backend if backend is not None else backends.choose(self.device, dtype, head_dim)
         try:
-            # zeros, not empty: masked (-inf) rows must still hold finite values (0 * NaN = NaN).
-            # ``key_pad`` channels after each key hold its bias folded for FA4 (``folded_keys``)
-            self._keys = torch.zeros((*shape[:-1], head_dim + key_pad), device=self.device, dtype=dtype)
-            self.k = self._keys[..., :head_dim] if key_pad else self._keys
-            self.v = torch.zeros(shape, device=self.device, dtype=dtype)
+            self.k = self.backend.new_keys(shape, chunk_tokens=chunk_frames * tokens_per_frame, biased=self.has_bias,
+                                           dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, device=self.device, dtype=dtype)  # zeros: a masked row's value is finite
             self.log_count_bias = (torch.zeros(num_layers, batch, num_heads, tokens, device=self.device)
                                    if self.has_bias else None)
-            # with folded keys, the open chunk's queries folded too: a model computes them into the first
-            # D channels (``q_rows``), so no call folds q anew
-            self._queries = flash4.query_fold(batch, chunk_frames * tokens_per_frame, num_heads, head_dim, dtype,
-                                              self.device) if key_pad else None
         except torch.OutOfMemoryError:
-            gb = (2 * head_dim + key_pad) / head_dim * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() / 1e9
+            gb = 2 * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() / 1e9
             raise FastARError(f"a KV cache of {capacity_frames} frames needs {gb:.1f} GB and does not fit on "
                               f"{self.device}; use the window cache mode or fewer frames") from None
-        self.key_pad = key_pad
         self.frames_cached = 0    # frames committed so far
         self.frames_held = 0      # committed frames in frame slots (TempCache: sink frames only)
         self._skipped = 0         # frames passed without being cached (``skip_to``)
@@ -178,30 +172,6 @@ class KVCache:
         bias = self.log_count_bias[layer, ..., :stop] if self.has_bias else None
         return self.k[layer, :, :stop], self.v[layer, :, :stop], bias
 
-    def q_rows(self) -> torch.Tensor | None:
-        """Where a model may compute the open chunk's queries ([B, n, H, D], a view of their fold, which
-        ``folded_queries`` then hands to FA4 as it is); None where the cache keeps no fold. One buffer for
-        every layer: a layer's attention reads its q before the next layer's is made."""
-        if self._queries is None:
-            return None
-        if self.layout is None:
-            raise FastARError("the open chunk's query rows (KVCache.q_rows) need an open chunk: call begin_chunk first")
-        span = self.layout.chunk
-        return self._queries[:, :span.stop - span.start, :, :self.head_dim]
-
-    def folded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
-        """q's fold [B, n, H, D + key_pad] where q is ``q_rows``' view (the model computed it there), else None."""
-        qf = self._queries
-        if qf is None or q.data_ptr() != qf.data_ptr() or q.stride() != qf.stride() or q.shape[1] > qf.shape[1]:
-            return None
-        return qf[:, :q.shape[1]]
-
-    def folded_keys(self, layer: int) -> torch.Tensor | None:
-        """The keys ``attend`` returns with their bias folded into ``key_pad`` more channels ([B, attended,
-        H, D + key_pad], ``kernels.flash4.fold_bias_channels``), for FA4 without a copy; None where the
-        cache keeps no fold."""
-        return self._keys[layer, :, :self.layout.attended] if self.key_pad else None
-
     def begin_clean_pass(self) -> None:
         """The next forward runs on the clean chunk: its K/V become history."""
         if self.layout is None:
@@ -221,7 +191,7 @@ class KVCache:
         """Run ``write()`` (a layer's history writes) on the side stream, after the work queued so far (the
         layer's K/V of this pass); ``join_writes`` ends it. ``q``, the only per-call tensor the writes may
         read, is kept alive for that stream."""
-        side = side_stream(q.device, "writes")
+        side = backends.side_stream(q.device, "writes")
         side.wait_stream(torch.cuda.current_stream(q.device))
         q.record_stream(side)
         self.write_stream = side
@@ -241,7 +211,7 @@ class KVCache:
         self.join_writes()
         first, frames = self._open
         for i in range(frames):
-            dst = self._slot(self.frames_cached + i)
+            dst = self.frame_slot(self.frames_cached + i)
             if dst is not None and dst != first + i:
                 s, d = self._rows(first + i, 1), self._rows(dst, 1)
                 self.k[:, :, d] = self.k[:, :, s]
@@ -278,7 +248,7 @@ class KVCache:
             raise FastARError("this cache's rows keep their order (its layout has no resort span)")
         for buf in (self.k, self.v):
             part = buf[layer, :, rows]
-            part.copy_(gather_rows_auto(part, perm))
+            part.copy_(self.backend.gather_rows(part, perm))
         if self.has_bias:
             bias = self.log_count_bias[layer, :, :, rows]
             bias.copy_(bias.gather(-1, perm))
@@ -290,7 +260,8 @@ class KVCache:
             tokens_held=self.frames_held * self.tokens_per_frame,
             dense_tokens=self.frames_cached * self.tokens_per_frame,
             capacity_tokens=self.capacity_frames * self.tokens_per_frame,
-            bytes=sum(t.nbytes for t in (self._keys, self.v, self.log_count_bias, self._queries) if t is not None),
+            bytes=sum(t.untyped_storage().nbytes() for t in (self.k, self.v, self.log_count_bias) if t is not None)
+            + self.backend.storage_bytes,
             bytes_per_token=2 * self.num_layers * self.batch * self.num_heads * self.head_dim * self.k.element_size(),
         )
 
@@ -299,8 +270,9 @@ class KVCache:
         """Where the chunk's rows go; sets ``_open``."""
         raise NotImplementedError
 
-    def _slot(self, frame: int) -> int | None:
-        """The frame slot a committed frame ends in (None: it lives on elsewhere, merged)."""
+    def frame_slot(self, frame: int) -> int | None:
+        """The frame slot a committed frame ends in (None: it lives on elsewhere, merged); a ring's slot
+        is its latest frame's."""
         raise NotImplementedError
 
     def _held(self, frames_cached: int) -> int:
@@ -331,7 +303,7 @@ class FrameCache(KVCache):
         return Layout(chunk=chunk, attended=chunk.stop, sink=0, history=slice(0, chunk.start), fixed=chunk,
                       bias=None, resort=slice(0, chunk.stop) if self.sortable else None)
 
-    def _slot(self, frame: int) -> int:
+    def frame_slot(self, frame: int) -> int:
         cfg = self.config
         if not cfg.bounded or frame < cfg.sink_frames:
             return frame

@@ -1,7 +1,5 @@
-"""Dense attention primitives on PyTorch's SDPA and cuDNN, or FlashAttention-4 where installed on
-Hopper (``kernels/flash4.py``), shared by ``FastARAttention`` and AnnSA: plain attention, attention
-with its log-sum-exp (the block-sparse kernel's prior), attention with TempCache's key bias, and the
-side streams the clean pass's writes use.
+"""Dense attention on PyTorch's SDPA and cuDNN, the attention backends' shared floor (``fastar.backend``):
+attention with an optional key bias, and attention with its log-sum-exp (the block-sparse call's prior).
 """
 from __future__ import annotations
 
@@ -11,9 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import flash4, use_kernel
-from ..kernels.block_sparse_attention import block_sparse_attention, kernel_supports
-from ..kernels.plan import dense_ranges
 
 # On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
 # the others stay as fallbacks for shapes or masks it does not take.
@@ -21,22 +16,10 @@ SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-           key_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention on [B, L, H, D] tensors; returns [B, Lq, H, D].
-
-    ``key_bias`` [B, H, Lk] is an additive logit bias per key (TempCache's log m).
-    On Hopper with FlashAttention-4 installed, calls over many keys run there: faster than cuDNN on
-    the history's shapes (``kernels/flash4.py``).
-    """
-    if flash4.runs(q, k):
-        return flash4.attention(q, k, v, key_bias=key_bias)[0]
-    return attend_sdpa(q, k, v, key_bias=key_bias)
-
-
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 key_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``attend`` on PyTorch's SDPA (cuDNN first)."""
+    """Softmax attention on [B, L, H, D] tensors on PyTorch's SDPA (cuDNN first); returns [B, Lq, H, D].
+    ``key_bias`` [B, H, Lk]: an additive logit bias per key (TempCache's log m), as a mask."""
     attn_mask = None if key_bias is None else key_bias.to(q.dtype).unsqueeze(2)
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -89,56 +72,3 @@ def _cudnn_lse_agrees(device, dtype, head_dim: int) -> bool:
     lse = lse.reshape(want_lse.shape).float()
     return bool(((out.float() - want.float()).norm() <= 1e-2 * want.float().norm()) &
                 ((lse - want_lse).abs().max() <= 1e-2 * want_lse.abs().max().clamp_min(1.0)))
-
-
-_DENSE_PLANS: dict = {}
-
-
-def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
-                  bias_window: tuple[int, int], folded: torch.Tensor | None = None,
-                  folded_q: torch.Tensor | None = None) -> torch.Tensor:
-    """``attend`` with TempCache's key bias, which applies to keys ``[lo, hi)`` only (the history).
-
-    With FlashAttention-4 (Hopper): one call over all keys, the bias folded into the keys (``folded``,
-    the cache's own fold, ``KVCache.folded_keys``, with q's where the model made it there, ``folded_q``;
-    else ``flash4.fold_bias_into_keys``). Else on a GPU: the block-sparse kernel (``attend_biased_kernel``).
-    """
-    if flash4.runs(q, k):
-        return flash4.attention(q, k, v, key_bias=key_bias, bias_window=bias_window, folded=folded,
-                                folded_q=folded_q)[0]
-    if not use_kernel(q, kernel_supports(q, 64), interpreted=False):
-        return attend(q, k, v, key_bias=key_bias)
-    return attend_biased_kernel(q, k, v, key_bias, bias_window)
-
-
-def attend_biased_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor,
-                         bias_window: tuple[int, int]) -> torch.Tensor:
-    """``attend_biased`` on the block-sparse kernel's all-keys plan: cuDNN takes the bias as a full
-    mask tensor and runs ~1.5x slower than without it, while the kernel adds it per key tile and
-    skips it outside the history (bench/NOTES.md, "Key splits"). Where the unbiased keys are one span
-    before the history (TempCache's committed sink and the open chunk), cuDNN attends them and the
-    kernel only the history, starting from that softmax; else the kernel reads all, split in two.
-    """
-    B, Lq, H, _ = q.shape
-    lo, hi = bias_window
-    prior = attend_lse(q, k[:, :lo], v[:, :lo]) if 0 < lo and hi == k.shape[1] else None
-    first = lo if prior is not None else 0
-    shape = (B, H, Lq, first, k.shape[1], q.device)
-    if shape not in _DENSE_PLANS:  # one per shape: a rollout at its budget meets one or two
-        ranges, counts = dense_ranges(B, H, Lq, k.shape[1] - first, 64, device=q.device)
-        _DENSE_PLANS[shape] = (ranges + first, counts)
-    out = block_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *_DENSE_PLANS[shape],
-                                 key_bias=key_bias, bias_window=bias_window, prior=prior,
-                                 num_splits=None if prior is not None else 2)
-    return out.transpose(1, 2)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
-    """One side stream per device and role (the clean pass's history writes, AnnSA's prior), kept
-    for the process: cuBLAS gives every stream it runs on a workspace of its own for its life."""
-    if (device, role) not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device, role] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device, role]

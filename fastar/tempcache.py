@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import flash4
 from ..kernels.merge_rows import merge_rows_auto
 from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
@@ -66,11 +65,8 @@ class TempCache(KVCache):
     member ``_newest`` and that member's position in its write ``_token``; ``_canon[l, b, h, i]``
     is head h's slot of token i (every head holds the same tokens, each in its own slot order
     once AnnSA sorts them). That merge state is the cache's own: callers see log m (``attend``,
-    ``held_keys``) and ``stats``.
-
-    Where attention runs on FlashAttention-4, every key carries its log m in ``key_pad`` more channels
-    (``KVCache.folded_keys``), rewritten wherever the bias changes: the biased call then reads the cache
-    as it is, where folding per call copied every key 150 times a chunk."""
+    ``held_keys``), ``stats`` and ``observer``. Wherever log m changes the cache tells its attention
+    backend (``bias_written``), which may keep it beside the keys (FlashAttention-4's fold)."""
 
     has_bias = True
     writes_history = True
@@ -78,9 +74,7 @@ class TempCache(KVCache):
     def __init__(self, config: TempCacheConfig, **geometry):
         chunk_frames, tpf = geometry["chunk_frames"], geometry["tokens_per_frame"]
         check_settings(config, None, chunk_frames)
-        fold = flash4.folds(geometry.get("device") or "cpu", geometry.get("dtype", torch.float32), geometry["head_dim"])
-        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1,
-                         key_pad=flash4.KEY_PAD if fold else 0, **geometry)
+        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1, **geometry)
         self.history = self._rows(config.sink_frames + chunk_frames, config.history_frames)
         self.dump = self.k.shape[2] - 1
         shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
@@ -92,8 +86,9 @@ class TempCache(KVCache):
         # per-layer telemetry of the last write: merged, evicted (device scalars, read once per chunk)
         self._merged = torch.zeros(self.num_layers, dtype=torch.long, device=device)
         self._evicted = torch.zeros(self.num_layers, dtype=torch.long, device=device)
-        # history slot each token of the last write went to (-1: dropped), per layer and head
-        self._last_slots = torch.full((*shape[:3], chunk_frames * tpf), -1, dtype=torch.long, device=device)
+        # observer(layer, batch, slots [H, N]): the history slot each token of a merge went to (its group's or
+        # its own; -1: dropped), in slot order as written (a measurement's hook: it may read them on the host)
+        self.observer = None
         # frame of each token the open chunk's clean pass merges (a fixed buffer: a chunk's
         # forwards may be replayed from a CUDA graph, which reads it)
         self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
@@ -102,13 +97,9 @@ class TempCache(KVCache):
         self._fold_bias(slice(None), slice(0, self.history.stop))
 
     def _fold_bias(self, layers, rows: slice) -> None:
-        """Rewrite the folded bias channels of ``rows`` in ``layers`` from log m. Every row outside the
-        layout's bias window (the filled sink, the open chunk) has log m = 0, so the fold of log m is the
-        fold of the bias as a call applies it."""
-        if self.key_pad:
-            d = self.head_dim
-            flash4.fold_bias_channels(self._keys[layers, :, rows, :, d:d + 2], self.log_count_bias[layers, ..., rows],
-                                      d ** -0.5)
+        """Tell the backend that log m of ``rows`` in ``layers`` changed. Every row outside the layout's
+        bias window (the filled sink, the open chunk) has log m = 0, so log m is the bias as a call applies it."""
+        self.backend.bias_written(self.k[layers, :, rows], self.log_count_bias[layers, ..., rows])
 
     def _begin(self, frames: int) -> Layout:
         sink, tpf = self.config.sink_frames, self.tokens_per_frame
@@ -130,7 +121,7 @@ class TempCache(KVCache):
         return Layout(chunk=chunk, attended=self.history.stop, sink=sink * tpf, history=self.history, fixed=fixed,
                       bias=(fixed.stop if fixed is not None else 0, self.history.stop), resort=self.history)
 
-    def _slot(self, frame: int) -> int | None:
+    def frame_slot(self, frame: int) -> int | None:
         return frame if frame < self.config.sink_frames else None  # later frames merged at write_history
 
     def _held(self, frames_cached: int) -> int:
@@ -230,7 +221,8 @@ class TempCache(KVCache):
                 padded.index_copy_(0, slot_new, value.to(state.dtype))
                 state.copy_(padded[:-1].view(h, m_slots))
             bias[b, :, hist] = torch.where(count > 0, count.clamp_min(1).log(), float("-inf"))
-            self._last_slots[layer, b, :, -n:] = torch.where(merge, at, torch.where(place, dest, -1))
+            if self.observer is not None:
+                self.observer(layer, b, torch.where(merge, at, torch.where(place, dest, -1)))
             merged_total = merged_total + merge.sum()
             evicted_total = evicted_total + evicted.sum()
         self._merged[layer] = merged_total
@@ -246,8 +238,6 @@ class TempCache(KVCache):
             state.copy_(state.gather(-1, perm))
         new_slot = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device)
                                                    .expand_as(perm))  # old slot -> new slot
-        last = self._last_slots[layer]
-        last.copy_(torch.where(last >= 0, new_slot.gather(-1, last.clamp_min(0)), -1))
         self._canon[layer].copy_(new_slot.gather(-1, self._canon[layer]))
         self._fold_bias(layer, self.history)
 

@@ -18,11 +18,11 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["KEY_PAD", "MIN_KEYS", "attention", "available", "fold_bias_channels", "fold_bias_into_keys", "fold_queries",
-           "folds", "join", "query_fold", "runs"]
+           "join", "modules", "query_fold"]
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def modules():
     """FA4's interface module and its block-sparsity type, or None where they do not import."""
     try:
         from flash_attn.cute import interface
@@ -46,27 +46,13 @@ def available(t: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(t.device)[0] != 9:
         return False
-    return _module() is not None
-
-
-def runs(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a call of q [B, Lq, H, D] over k [B, Lk, H, D] goes to FA4: ``available`` at D 64 or 128
-    and at least ``MIN_KEYS`` keys."""
-    return q.shape[-1] in (64, 128) and k.shape[1] >= MIN_KEYS and available(q)
+    return modules() is not None
 
 
 #: Channels the key fold adds: the bias's head and tail (in the keys' dtype), padded to 16 (wgmma's K step).
 KEY_PAD = 16
 #: The logit an empty slot (bias -inf) gets in the key fold: exp of it is 0 in fp32.
 _EMPTY = -1e4
-
-
-def folds(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention over keys of this device, dtype and head dim goes to FA4 (``runs`` at enough
-    keys): where it does, TempCache keeps its keys folded (``fold_bias_channels``)."""
-    if not (torch.device(device).type == "cuda" and head_dim in (64, 128)):
-        return False
-    return available(torch.empty(0, device=device, dtype=dtype))
 
 
 def fold_bias_channels(out: torch.Tensor, key_bias: torch.Tensor, scale: float) -> None:
@@ -83,7 +69,7 @@ def fold_bias_channels(out: torch.Tensor, key_bias: torch.Tensor, scale: float) 
 
 def query_fold(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[B, L, H, D + 16] zeros but for the bias channels' 1 1: queries written into its first D channels
-    are folded (``fold_queries``), so a model may compute them there (``KVCache.q_rows``)."""
+    are folded (``fold_queries``), so a model may compute them there (the backend's ``q_rows``)."""
     qp = torch.zeros(batch, length, heads, head_dim + KEY_PAD, dtype=dtype, device=device)
     qp[..., head_dim:head_dim + 2] = 1.0
     return qp
@@ -126,13 +112,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: to
 
     ``key_bias`` [B, H, Lk] fp32: an additive logit per key on keys ``bias_window`` (TempCache's log m;
     -inf: an empty slot), folded into the keys (:func:`fold_bias_into_keys`); ``folded`` [B, Lk, H, D + 16]:
-    the keys with that bias folded already (the cache's own, ``KVCache.folded_keys``; ``k`` and ``key_bias``
-    are then not read); ``folded_q`` [B, Lq, H, D + 16]: with ``folded``, q's fold made already (q computed
-    into its first D channels, ``KVCache.folded_queries``), read in place of a fold per call. ``blocks`` =
+    the keys with that bias folded already (a cache's keys in ``fastar.backend.FlashAttention4``'s arena; ``k``
+    and ``key_bias`` are then not read); ``folded_q`` [B, Lq, H, D + 16]: with ``folded``, q's fold made already
+    (q computed into its first D channels, the backend's ``q_rows``), read in place of a fold per call. ``blocks`` =
     (counts [B, H, nqb], indices [B, H, nqb, N]) int32: query block i (``block_size[0]`` queries) reads only
     key blocks ``indices[..., i, :counts[..., i]]`` of ``block_size[1]`` keys each.
     """
-    interface, sparse_tensors = _module()
+    interface, sparse_tensors = modules()
     kwargs = {}
     if blocks is not None:
         counts, idx = blocks

@@ -6,7 +6,7 @@ import torch
 
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, attend, make_cache as new_cache, pad_context, rollout)
-from comfyui_fastar.fastar import annca as annca_mod, annsa as annsa_mod, attention as attention_mod
+from comfyui_fastar.fastar import annsa as annsa_mod, attention as attention_mod, backend as backend_mod
 from comfyui_fastar.fastar.annsa import KEY_BLOCK, AnnSA
 from comfyui_fastar.fastar.attention import build_ann
 from comfyui_fastar.fastar.lsh import LSH
@@ -270,8 +270,7 @@ def test_sparse_forward_has_no_host_sync(monkeypatch, keep_mass):
     attn = FastARAttention(make_cache(TempCacheConfig(max_cache_frames=6, sink_frames=2)), ann=cfg)
     q, k, v = fill(attn, 3, gen)
     ctx_k, ctx_v = torch.randn(B, 9, H, D), torch.randn(B, 9, H, D)
-    monkeypatch.setattr(annsa_mod, "block_sparse_attention_auto", masked_stand_in)
-    monkeypatch.setattr(annca_mod, "block_sparse_attention_auto", masked_stand_in)
+    monkeypatch.setattr(backend_mod, "block_sparse_attention_auto", masked_stand_in)  # AnnSA's calls and AnnCA's
     with monkeypatch.context() as m:
         NoSync(m)
         out = attn.self_attention(0, q, k, v)           # plan + sparse attention
@@ -288,7 +287,7 @@ def test_sparse_forward_has_no_host_sync(monkeypatch, keep_mass):
     keys, values, bias = attn.cache.attend(0, k, v)
     args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), *plan)
     kw = dict(key_bias=bias, block_q=cfg.block_q)
-    assert rel(masked_stand_in(*args, **kw), annsa_mod.block_sparse_attention_auto(*args, **kw)) <= 1e-5
+    assert rel(masked_stand_in(*args, **kw), backend_mod.block_sparse_attention_auto(*args, **kw)) <= 1e-5
 
 
 H_PX, W_PX = 64, 96  # 24 tokens per frame on the tiny model
@@ -313,13 +312,8 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
     assert all(r is not None for r in every.attention.annsa.reads)  # every layer's plans wrote their telemetry
     if isinstance(cache_cfg, CacheConfig):  # (TempCache's empty slots are skipped, not read)
         assert every.attention.annsa.density.min() == 1
-    calls, auto = [], annsa_mod.block_sparse_attention_auto
-
-    def spy(*args, **kw):  # AnnSA's calls (AnnCA's go through its own module)
-        calls.append(1)
-        return auto(*args, **kw)
-
-    monkeypatch.setattr(annsa_mod, "block_sparse_attention_auto", spy)
+    calls, attention = [], annsa_mod.AnnSA.attention
+    monkeypatch.setattr(annsa_mod.AnnSA, "attention", lambda self, *a, **k: calls.append(1) or attention(self, *a, **k))
     monkeypatch.setattr(annsa_mod, "DENSE_ABOVE", 1.0)  # every sparse call pays: the count below is the schedule's
     densities = []
     sparse = Rollout(model, ctx, ann=AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.5,
@@ -427,8 +421,8 @@ def test_fixed_rows_go_through_a_prior(cache_cfg, monkeypatch, device):
     ``attend_lse`` (cuDNN on a GPU) and only the plan's other ranges in the kernel: the same result
     as the twin on the whole plan. Before a TempCache sink is committed there is no such span."""
     calls = []
-    real = annsa_mod.attend_lse
-    monkeypatch.setattr(annsa_mod, "attend_lse", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    real = backend_mod.attend_lse
+    monkeypatch.setattr(backend_mod, "attend_lse", lambda *a: calls.append(a[1].shape[1]) or real(*a))
     from comfyui_fastar.kernels.block_sparse_attention import block_sparse_attention_torch
     gen = torch.Generator().manual_seed(9)
     attn = FastARAttention(make_cache(cache_cfg, device=device), ann=AnnConfig(bits=5, probes=2, keep_fraction=0.5,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, Rollout, TempCacheConfig
-from comfyui_fastar.fastar import annsa as annsa_mod, sdpa as sdpa_mod
+from comfyui_fastar.fastar import backend as backend_mod
 from comfyui_fastar.fastar.models import build_model
 
 pytestmark = pytest.mark.cuda
@@ -113,7 +113,7 @@ def test_fixed_rows_on_cudnn_equal_the_kernel_alone(cache_cfg, ann, monkeypatch)
     computes fp32 wrongly when called directly), and its rollout stays finite."""
     ctx = torch.randn(2, 5, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(frames=15, height=64, width=96, chunk_frames=3, cache=cache_cfg, ann=ann)
-    real, used = annsa_mod.attend_lse, []
+    real, used = backend_mod.attend_lse, []  # AnnSA's priors and the biased dense calls'
 
     def counted(*args):
         out = real(*args)
@@ -124,13 +124,12 @@ def test_fixed_rows_on_cudnn_equal_the_kernel_alone(cache_cfg, ann, monkeypatch)
         model = build_model("tiny", device="cuda", dtype=dtype, seed=0)
         used.clear()
         with monkeypatch.context() as m:
-            m.setattr(annsa_mod, "attend_lse", counted)
+            m.setattr(backend_mod, "attend_lse", counted)
             with_prior = Rollout(model, ctx.to(dtype), **settings).run()
         assert used and all(used) == (dtype == torch.bfloat16) and any(used) == (dtype == torch.bfloat16)
         assert torch.isfinite(with_prior).all()
         with monkeypatch.context() as m:
-            m.setattr(annsa_mod, "attend_lse", lambda *a: None)
-            m.setattr(sdpa_mod, "attend_lse", lambda *a: None)
+            m.setattr(backend_mod, "attend_lse", lambda *a: None)
             alone = Rollout(model, ctx.to(dtype), **settings).run()
         err = ((with_prior.float() - alone.float()).norm() / alone.float().norm()).item()
         assert err <= (3e-2 if dtype == torch.bfloat16 else 0.0), err

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARAttention, Rollout, TempCacheConfig
-from comfyui_fastar.fastar import kvcache as kvcache_mod
+from comfyui_fastar.fastar import backend as backends
 from comfyui_fastar.fastar.models import build_model
 
 pytestmark = pytest.mark.cuda
@@ -54,8 +54,8 @@ def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs, monke
     settings = dict(frames=27, height=64, width=96, chunk_frames=3, cuda_graphs=cuda_graphs,
                     cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig(keep_fraction=0.5))
     inline, side = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
-    with monkeypatch.context() as m:  # the "side" stream is the current one: the writes run in line
-        m.setattr(kvcache_mod, "side_stream", lambda device, role: torch.cuda.current_stream(device))
+    with monkeypatch.context() as m:  # the "side" streams are the current one: the writes run in line
+        m.setattr(backends, "side_stream", lambda device, role: torch.cuda.current_stream(device))
         want = inline.run()
     got = side.run()
     assert side.cache.write_stream is None  # joined: nothing of the last chunk left running

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
+from comfyui_fastar.fastar import backend as backends
 from comfyui_fastar.fastar import sdpa
 from comfyui_fastar.kernels import flash4
+from comfyui_fastar.testing.backends import fold_forced
 from comfyui_fastar.kernels.plan import range_blocks, runs_to_ranges
 
 
@@ -60,13 +62,13 @@ def test_join_of_two_key_sets_is_attention_over_both():
 
 def test_off_hopper_fa4_is_not_used():
     q, k, v, _ = inputs(lk=flash4.MIN_KEYS)
-    assert not flash4.runs(q, k) and not flash4.available(q)
+    assert not flash4.available(q) and not isinstance(backends.choose(q.device, q.dtype, 64), backends.FlashAttention4)
 
 
 def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, model="tiny"):
     """Two TempCache rollouts of one model, one computing each self-attention call's q into the cache's query
-    fold (``KVCache.q_rows``), the other with q made apart: (videos, whether each call of the first found its
-    q in the fold, the first's cache, its AnnSA's sparse calls)."""
+    fold (the backend's ``q_rows``), the other with q made apart: (videos, whether each call of the first found
+    its q in the fold, the first's cache, its AnnSA's sparse calls)."""
     from comfyui_fastar.fastar import Rollout, TempCacheConfig
     from comfyui_fastar.fastar.models import build_model
     model = build_model(model, device=device, dtype=dtype, seed=2)
@@ -75,8 +77,11 @@ def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, mo
                     cache=TempCacheConfig(max_cache_frames=9, sink_frames=3, merge_threshold=0.3))
     folded, apart = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
     apart.attention.q_rows = lambda layer: None
-    found, real = [], folded.cache.folded_queries
-    folded.cache.folded_queries = lambda q: found.append(real(q) is not None) or real(q)
+    found, backend = [], folded.cache.backend
+    for name in ("biased", "sparse"):  # each self-attention call over the cache: was q in the fold?
+        call = getattr(backend, name)
+        setattr(backend, name, lambda q, *a, call=call, **k: found.append(backend.folded_queries(q) is not None)
+                or call(q, *a, **k))
     sparse = []
     if ann is not None:
         annsa = folded.attention.annsa
@@ -91,10 +96,10 @@ def test_queries_computed_into_the_cache_fold_are_read_there(monkeypatch):
     1 1 | 0 ..., and the video is the one q made apart gives, AnnSA's sparse calls among them. (The fold forced
     on the CPU: the calls then read q through its strides on the torch paths.)"""
     from comfyui_fastar.fastar import AnnConfig
-    monkeypatch.setattr(flash4, "folds", lambda *a: True)
+    fold_forced(monkeypatch)
     (got, want), found, cache, sparse = _q_fold_rollouts("cpu", torch.float32, ann=AnnConfig(keep_fraction=0.5))
-    assert cache.key_pad == flash4.KEY_PAD and found and all(found) and sparse
-    qf, d = cache._queries, cache.head_dim
+    assert cache.backend.key_pad == flash4.KEY_PAD and found and all(found) and sparse
+    qf, d = cache.backend.folded_queries(cache.backend.q_rows(3 * cache.tokens_per_frame)), cache.head_dim
     assert (qf[..., d:d + 2] == 1).all() and (qf[..., d + 2:] == 0).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -125,7 +130,7 @@ def test_fa4_calls_at_wan_shapes_against_fp32(frames):
     out, lse = flash4.attention(q, k, v, key_bias=bias, bias_window=(fixed, lk))
     assert rel(out[:, rows], ref) <= 1.5 * cudnn
     assert (lse[:, :, rows].double() - ref_lse).abs().max() < 1e-2
-    assert torch.equal(sdpa.attend_biased(q, k, v, bias, (fixed, lk)), out)
+    assert torch.equal(backends.FlashAttention4().biased(q, k, v, bias, (fixed, lk)), out)
     # block sparsity over the history: every query block reads the first half of its key blocks
     nkb = -(-(lk - fixed) // 128)
     nqb = -(-lq // 128)
@@ -175,8 +180,8 @@ def test_folded_cache_keeps_the_fold_of_its_bias_on_the_gpu(dtype):
     ctx = torch.randn(1, 8, 64, device="cuda", dtype=dtype)
     run = Rollout(model, ctx, frames=15, height=480, width=832, chunk_frames=3, seed=1, ann=AnnConfig(),
                   cache=TempCacheConfig(max_cache_frames=9, sink_frames=3, merge_threshold=0.3))
-    cache = run.cache
-    assert cache.key_pad == flash4.KEY_PAD
+    cache, backend = run.cache, run.cache.backend
+    assert backend.key_pad == flash4.KEY_PAD
     assert run.run().isfinite().all()
     cache.begin_chunk(cache.frames_cached, 3)
     q = torch.randn(1, 3 * 1560, 2, 128, device="cuda", dtype=dtype)
@@ -184,9 +189,10 @@ def test_folded_cache_keeps_the_fold_of_its_bias_on_the_gpu(dtype):
         keys, values, bias = cache.k[layer, :, :cache.layout.attended], cache.v[layer, :, :cache.layout.attended], \
             cache.log_count_bias[layer, ..., :cache.layout.attended]
         want = flash4.fold_bias_into_keys(q, keys, bias, cache.layout.bias)[1]
-        assert torch.equal(cache.folded_keys(layer), want)
-        assert torch.equal(sdpa.attend_biased(q, keys, values, bias, cache.layout.bias, cache.folded_keys(layer)),
-                           sdpa.attend_biased(q, keys, values, bias, cache.layout.bias))
+        assert torch.equal(backend.folded_keys(keys), want)
+        # the call on the arena's keys equals the call on a copy of them, which it folds itself
+        assert torch.equal(backend.biased(q, keys, values, bias, cache.layout.bias),
+                           backend.biased(q, keys.clone(), values, bias, cache.layout.bias))
 
 
 @pytest.mark.cuda

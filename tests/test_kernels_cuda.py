@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from comfyui_fastar.fastar.models.wan import WanAttentionBlock, WanConfig
-from comfyui_fastar.fastar.sdpa import attend, attend_biased, attend_lse
+from comfyui_fastar.fastar.backend import Triton
+from comfyui_fastar.fastar.sdpa import attend_lse, attend_sdpa
 from comfyui_fastar.fastar.tempcache import _fp8_gemm, _top1_fp8
 
 pytestmark = pytest.mark.cuda
@@ -37,8 +38,8 @@ def test_attend_biased_equals_cudnn_with_the_mask(lo, hi, heads):
     bias = torch.zeros(1, heads, Lk, device="cuda")
     bias[..., lo:hi] = torch.log(torch.randint(1, 4, (1, heads, hi - lo), device="cuda", generator=g).float())
     bias[..., lo:lo + 100] = float("-inf")  # empty slots
-    got = attend_biased(q, k, v, bias, (lo, hi)).float()
-    want = attend(q, k, v, key_bias=bias).float()
+    got = Triton().biased(q, k, v, bias, (lo, hi)).float()
+    want = attend_sdpa(q, k, v, key_bias=bias).float()
     assert got.shape == want.shape == (1, Lq, heads, 128)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 

@@ -5,6 +5,7 @@ import torch
 from comfyui_fastar.fastar import (CacheConfig, FastARError, Rollout, TempCacheConfig, attend, make_cache,
                                    rollout)
 from comfyui_fastar.fastar.models import build_model
+from comfyui_fastar.testing.backends import fold_forced
 
 TPF, H, D = 6, 2, 16
 
@@ -61,11 +62,13 @@ def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly():
     vals = [torch.randn(1, TPF, H, D, generator=g) for _ in range(3)]
     kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=4, sink_frames=0),
                chunk_frames=2)
+    seen = {}
+    kv.observer = lambda layer, b, slots: seen.__setitem__((layer, b), slots.clone())
     write_chunk(kv, base, vals[0])
     write_chunk(kv, torch.cat([base, base], 1), torch.cat(vals[1:], 1))
     count = kv._count[0, 0]
     assert sorted(count[count > 0].flatten().tolist()) == [3.0] * (TPF * H)
-    slots = kv._last_slots[0, 0, :, :TPF]  # [H, TPF] slot of each token of the first repeat
+    slots = seen[0, 0][:, :TPF]  # [H, TPF] slot of each token of the first repeat
     first = kv.history.start  # history slot 0's row
     for head in range(H):
         rows = first + slots[head]
@@ -152,19 +155,24 @@ def test_config_errors_name_the_field(kwargs, field):
 
 
 def test_budget_must_hold_a_chunk():
-    with pytest.raises(FastARError, match="max_cache_frames=4 leaves 1 frame of history"):
+    with pytest.raises(FastARError, match="max_cache_frames 4 leaves 1 frame of history"):
         cache(TempCacheConfig(max_cache_frames=4, sink_frames=3), chunk_frames=3)
 
 
-def test_last_slots_telemetry_tracks_groups():
+def test_the_observer_sees_each_token_join_its_group():
+    """``TempCache.observer`` gets each merge's slots: distinct slots for a first frame, and the same slots
+    again for its repeat (every duplicate joined its original's group)."""
     g = torch.Generator().manual_seed(6)
     base = torch.randn(1, TPF, H, D, generator=g)
     kv = cache(TempCacheConfig(merge_threshold=0.999, max_cache_frames=3, sink_frames=0))
+    seen = []
+    kv.observer = lambda layer, b, slots: seen.append((layer, b, slots.clone()))
     write_chunk(kv, base, torch.randn(1, TPF, H, D, generator=g))
-    first = kv._last_slots[0, 0].clone()
+    (layer, b, first), = seen
+    assert (layer, b) == (0, 0) and first.shape == (H, TPF)
     assert (first >= 0).all() and all(len(set(row.tolist())) == TPF for row in first)
     write_chunk(kv, base.clone(), torch.randn(1, TPF, H, D, generator=g))
-    assert torch.equal(kv._last_slots[0, 0], first)  # every duplicate joined its original's slot
+    assert torch.equal(seen[-1][2], first)
 
 
 def test_write_path_never_syncs_with_the_host(monkeypatch):
@@ -250,25 +258,18 @@ def test_a_short_chunk_attends_no_stale_scratch_rows():
         kv.commit()
 
 
-def _fold_forced(monkeypatch):
-    """TempCache keeps its keys folded as it does where FlashAttention-4 runs (attention itself
-    stays on this machine's paths, which read the keys' first D channels)."""
-    from comfyui_fastar.kernels import flash4
-    monkeypatch.setattr(flash4, "folds", lambda device, dtype, head_dim: True)
-    return flash4
-
-
 @pytest.mark.parametrize("sink_frames,chunk_frames", [(1, 1), (2, 2), (0, 2)])
 def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames, chunk_frames):
     """At every forward of every chunk (merges, AnnSA-style row permutations and a short chunk
     included) the cache's folded keys are the per-call fold of ``attend``'s keys and bias over the
     layout's bias window, and the cache's K, V and bias equal an unfolded cache's fed alike."""
-    flash4 = _fold_forced(monkeypatch)
+    from comfyui_fastar.kernels import flash4
+    fold_forced(monkeypatch)
     cfg = TempCacheConfig(merge_threshold=0.5, max_cache_frames=sink_frames + 4, sink_frames=sink_frames)
     folded = cache(cfg, chunk_frames=chunk_frames)
     monkeypatch.undo()
     plain = cache(cfg, chunk_frames=chunk_frames)
-    assert folded.key_pad == flash4.KEY_PAD and plain.key_pad == 0
+    assert folded.backend.key_pad == flash4.KEY_PAD and plain.backend.key_pad == 0
     gen = torch.Generator().manual_seed(9)
     base = torch.randn(1, chunk_frames * TPF, H, D, generator=gen)
     for i in range(9):
@@ -278,13 +279,13 @@ def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames,
         for clean in (False, True):
             k = base[:, :frames * TPF] + 0.2 * torch.randn(1, frames * TPF, H, D, generator=gen)
             v = torch.randn_like(k)
-            for kv in (folded, plain):
+            for kv in (plain, folded):
                 if clean:
                     kv.begin_clean_pass()
-                keys, values, bias = kv.attend(0, k, v)
+                keys, values, bias = kv.attend(0, k, v)  # the folded cache's last
             want = flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1]
-            assert torch.equal(folded.folded_keys(0), want)
-            assert folded.k.data_ptr() == folded.folded_keys(0).data_ptr()
+            assert torch.equal(folded.backend.folded_keys(keys), want)
+            assert folded.k.data_ptr() == folded.backend.folded_keys(keys).data_ptr()
             if clean:
                 for kv in (folded, plain):
                     kv.write_history(0, k)
@@ -293,7 +294,8 @@ def test_folded_keys_carry_the_bias_every_call_applies(monkeypatch, sink_frames,
                 for kv in (folded, plain):
                     kv.sort_history(0, perm)
                 keys, _, bias = folded.attend(0, k, v)
-                assert torch.equal(folded.folded_keys(0), flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1])
+                assert torch.equal(folded.backend.folded_keys(keys),
+                                   flash4.fold_bias_into_keys(k, keys, bias, folded.layout.bias)[1])
         for kv in (folded, plain):
             kv.commit()
         assert torch.equal(folded.k, plain.k) and torch.equal(folded.v, plain.v)
@@ -310,8 +312,8 @@ def test_folded_rollout_equals_the_unfolded_one(monkeypatch):
     kw = dict(frames=9, height=64, width=96, chunk_frames=3, seed=4,
               cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=6, sink_frames=1), ann=AnnConfig())
     plain = Rollout(model, ctx, **kw)
-    _fold_forced(monkeypatch)
+    fold_forced(monkeypatch)
     folded = Rollout(model, ctx, **kw)
-    assert folded.cache.key_pad and not plain.cache.key_pad
+    assert folded.cache.backend.key_pad and not plain.cache.backend.key_pad
     assert torch.equal(folded.run(), plain.run())
     assert torch.equal(folded.cache.k, plain.cache.k) and int(folded.cache._count.max()) > 1
