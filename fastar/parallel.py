@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from ..kernels.rows import gather_rows_auto
 from .attention import FastARAttention
+from .config import TempCacheConfig
 from .errors import FastARError
+from .kvcache import FrameCache, KVCache
 from .tempcache import TempCache
 
 #: Seconds a collective waits for the other ranks before it fails (``init_group``'s default).
@@ -72,7 +74,8 @@ def init_group(backend: str | None = None, timeout_s: float = TIMEOUT_S, device:
 
 
 class HeadParallel:
-    """One rank's share of a head-parallel rollout: its heads, its tokens and the collectives."""
+    """One rank's share of a head-parallel rollout: its heads, its tokens and the collectives; the
+    rollout's seam, as ``fastar.rollout.OneProcess`` is where every head is in this process."""
 
     def __init__(self, group, *, num_heads: int, tokens_per_frame: int):
         self.group = group
@@ -85,7 +88,18 @@ class HeadParallel:
                               f"resolution whose tokens per frame it divides")
         self.tokens_per_frame = tokens_per_frame
         self.frame_shard = tokens_per_frame // self.world
-        self.heads = slice(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
+        self.held = slice(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)  # the rank's heads
+
+    # -- the seam -----------------------------------------------------------------------------
+    def cache(self, config, **geometry) -> KVCache:
+        """The cache of the rank's heads: TempCache deciding on whole tokens, a frame cache as it is."""
+        if isinstance(config, TempCacheConfig):
+            geometry.pop("max_frames", None)
+            return HeadParallelTempCache(config, parallel=self, **geometry)
+        return FrameCache(config, **geometry)
+
+    def attention(self, cache: KVCache, ann) -> FastARAttention:
+        return HeadParallelAttention(cache, parallel=self, ann=ann)
 
     # -- collectives, each failure one error ----------------------------------------------------
     def _collective(self, what: str, fn, *args):
@@ -154,7 +168,8 @@ class HeadParallelAttention(FastARAttention):
             raise FastARError("AnnCA does not run head-parallel (it selects prompt tokens per whole frame, which "
                               "no rank holds); set AnnConfig(annca=False), its default")
         self.parallel = parallel
-        self.lsh_heads = (parallel.heads, parallel.num_heads)
+        self.lsh_heads = (parallel.held, parallel.num_heads)
+        self.densities_mean = parallel.average  # AnnSA decides on every rank's mean
         super().__init__(cache, ann=ann)
 
     def kv_rows(self, layer: int):

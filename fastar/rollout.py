@@ -38,16 +38,39 @@ from .tempcache import TempCache
 
 def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
     """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
-    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype; under
-    head parallelism ``parallel``, the rank's ``fastar.parallel.HeadParallel``, num_heads its heads)."""
-    parallel = geometry.pop("parallel", None)
+    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype, backend (the
+    attention backend; None: ``fastar.backend.choose``'s))."""
     if isinstance(config, TempCacheConfig):
         geometry.pop("max_frames", None)
-        if parallel is not None:
-            from .parallel import HeadParallelTempCache
-            return HeadParallelTempCache(config, parallel=parallel, **geometry)
         return TempCache(config, **geometry)
     return FrameCache(config, **geometry)
+
+
+class OneProcess:
+    """Where a rollout's heads live: every one in this process. The rollout's one seam to head
+    parallelism, ``fastar.parallel.HeadParallel``, which has the same members."""
+
+    def __init__(self, num_heads: int):
+        self.local_heads = num_heads
+
+    def cache(self, config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
+        return make_cache(config, **geometry)
+
+    def attention(self, cache: KVCache, ann: AnnConfig | None) -> FastARAttention:
+        return FastARAttention(cache, ann=ann)
+
+
+def _heads(group, model: ChunkModel, tokens_per_frame: int):
+    """``OneProcess``, or the rank's ``HeadParallel`` where ``group`` has more than one rank."""
+    if group is None:
+        return OneProcess(model.num_heads)
+    from .parallel import HeadParallel, group_size  # torch.distributed only where a group is given
+    if group_size(group) == 1:
+        return OneProcess(model.num_heads)
+    if not getattr(model, "head_parallel", False):
+        raise FastARError(f"{type(model).__name__} does not run head-parallel over several processes; "
+                          f"the library's WanModel does (fastar.models)")
+    return HeadParallel(group, num_heads=model.num_heads, tokens_per_frame=tokens_per_frame)
 
 
 class Rollout:
@@ -76,14 +99,7 @@ class Rollout:
         self.start, self.first_frame = start, 0 if start is None else start.shape[2]
         # head parallelism over a torch.distributed process group of more than one rank (fastar.parallel):
         # every rank runs this rollout with the same arguments and holds 1/world of the heads
-        self.parallel = None
-        if group is not None:
-            from .parallel import HeadParallel, group_size
-            if group_size(group) > 1:
-                if not getattr(model, "head_parallel", False):
-                    raise FastARError(f"{type(model).__name__} does not run head-parallel over several processes; "
-                                      f"the library's WanModel does (fastar.models)")
-                self.parallel = HeadParallel(group, num_heads=model.num_heads, tokens_per_frame=tokens_per_frame)
+        self.heads = _heads(group, model, tokens_per_frame)
         self.switches = check_prompts(prompts, context, (frames - self.first_frame) // chunk_frames)
         self.negative_context = negative_context
         self.guided = cfg != 1.0
@@ -105,27 +121,19 @@ class Rollout:
         self.chunk_shape = (batch, model.latent_channels, chunk_frames, h, w)
         cache = TempCacheConfig() if cache is None else cache  # bounded, as the CLI's and the nodes' default
         self._cache_args = dict(config=cache, num_layers=model.num_layers, batch=context.shape[0],
-                                num_heads=model.num_heads if self.parallel is None else self.parallel.local_heads,
+                                num_heads=self.heads.local_heads,
                                 head_dim=model.head_dim, tokens_per_frame=tokens_per_frame,
                                 chunk_frames=chunk_frames, max_frames=frames, device=self.device, dtype=model.dtype)
-        if self.parallel is not None:
-            self._cache_args["parallel"] = self.parallel
         self.ann = ann
-        self.cache = make_cache(**self._cache_args)
-        self.attention = self._attention()
+        self.cache = self.heads.cache(**self._cache_args)
+        self.attention = self.heads.attention(self.cache, self.ann)
         self.prompt = 0
-        self.cuda_graphs = (cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
-                            and self.parallel is None)
+        # chunks replay from a CUDA graph where the model allows it, and the attention (``graph_safe``: not
+        # head-parallel, not a probe) at each chunk
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and getattr(model, "graph_safe", False)
         self.graph_replays = 0
         self._last_key = None  # the previous chunk's graph key
         self._graph = ReplayGraph()
-
-    def _attention(self) -> FastARAttention:
-        """The attention state over ``self.cache``: the rank's heads' under head parallelism."""
-        if self.parallel is None:
-            return FastARAttention(self.cache, ann=self.ann)
-        from .parallel import HeadParallelAttention
-        return HeadParallelAttention(self.cache, parallel=self.parallel, ann=self.ann)
 
     @property
     def num_chunks(self) -> int:
@@ -221,8 +229,8 @@ class Rollout:
         self.context = torch.cat([context, self.negative_context.to(context)]) if self.guided else context
         self._graph, self._last_key = ReplayGraph(), None  # a captured graph read the old text
         self.cache = self.attention = None  # free the old cache before the new one is allocated
-        self.cache = make_cache(**self._cache_args)
-        self.attention = self._attention()
+        self.cache = self.heads.cache(**self._cache_args)
+        self.attention = self.heads.attention(self.cache, self.ann)
         passes = CleanPasses(self)
         if self.first_frame:
             passes.run(frames(0, self.first_frame))

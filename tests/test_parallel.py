@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from comfyui_fastar.fastar import AnnConfig, CacheConfig, FastARError, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import WanConfig, build_model
 from comfyui_fastar.fastar.parallel import check_heads
+from comfyui_fastar.fastar.rollout import OneProcess
 
 # the tiny test model with 4 heads, so that 2 and 4 ranks divide them
 CFG = WanConfig(dim=64, ffn_dim=128, num_heads=4, num_layers=2, text_dim=32, freq_dim=32)
@@ -106,7 +107,7 @@ def sharded_rollout(rank, world):
         engine = Rollout(model, context(), group=dist.group.WORLD, **SETTINGS)
         chunks = []
         latents = engine.run(lambda r: chunks.append((r.cache.merged, r.cache.evicted)))
-    return dict(latents=latents, heads=(engine.parallel.heads.start, engine.parallel.heads.stop), chunks=chunks,
+    return dict(latents=latents, heads=(engine.heads.held.start, engine.heads.held.stop), chunks=chunks,
                 **cache_state(engine))
 
 
@@ -222,7 +223,7 @@ def test_cli_under_torchrun_env_runs_head_parallel_and_equals_one_process(tmp_pa
     from safetensors.torch import load_file
 
     args = ["--frames", "4", "--chunk-frames", "1", "--height", "64", "--width", "64", "--max-cache-frames", "3",
-            "--sink-frames", "1", "--ann", "quant", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S),
+            "--sink-frames", "1", "--annsa", "--keep-fraction", "0.5", "--dist-timeout", str(GROUP_TIMEOUT_S),
             "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
@@ -269,7 +270,7 @@ def test_one_rank_runs_the_one_process_path(tmp_path):
     try:
         with torch.inference_mode():
             engine = Rollout(model, context(), group=dist.group.WORLD, **settings)
-            assert engine.parallel is None and type(engine.cache) is TempCache
+            assert type(engine.heads) is OneProcess and type(engine.cache) is TempCache
             assert type(engine.attention) is FastARAttention
             got = engine.run()
     finally:

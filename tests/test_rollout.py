@@ -110,7 +110,7 @@ def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=Non
     # Cached K/V: every slot holds exactly the K/V of the last frame the policy put there.
     kv = rec.cache
     checked = 0
-    for slot, g in {kv._slot(g): g for g in range(kv.frames_cached)}.items():
+    for slot, g in {kv.frame_slot(g): g for g in range(kv.frames_cached)}.items():
         tok, ref = slice(slot * TPF, (slot + 1) * TPF), slice(g * TPF, (g + 1) * TPF)
         for layer in range(model.num_layers):
             assert rel(kv.k[layer, :, tok], tap.kv[layer][0][:, ref]) <= 1e-5
@@ -328,7 +328,7 @@ def test_bad_rollout_inputs_name_the_problem(model, kwargs, message):
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: CacheConfig("ring"), "unknown cache mode 'ring'"),
+    (lambda: CacheConfig("ring"), "CacheConfig.mode 'ring' is unknown; expected one of unbounded, window"),
     (lambda: CacheConfig("window", sink_frames=-1), "sink_frames"),
     (lambda: CacheConfig("window", window_frames=0), "window_frames"),
     (lambda: FlowMatchSchedule((500, 750)), "strictly decreasing"),
