@@ -57,14 +57,14 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
-    p.add_argument("--ann", choices=("none", "quant"), default="none",
-                   help="AnnSA sparse attention at the default AnnConfig (AnnCA off; needs --cache tempcache or "
-                        "unbounded); pays only with long budgets (--max-cache-frames 21 and more), on content whose "
-                        "attention spreads over the history (default none)")
-    p.add_argument("--keep-mass", type=float, help="--ann quant: each query block reads history blocks until they, the "
+    p.add_argument("--annsa", action="store_true",
+                   help="AnnSA sparse self-attention at the default AnnConfig (needs --cache tempcache or unbounded); "
+                        "pays only with long budgets (--max-cache-frames 21 and more), on content whose attention "
+                        "spreads over the history (default off)")
+    p.add_argument("--keep-mass", type=float, help="--annsa: each query block reads history blocks until they, the "
                    "sink and its own chunk hold this share of its estimated attention mass; 0: --keep-fraction "
                    f"alone (default {AnnConfig.keep_mass})")
-    p.add_argument("--keep-fraction", type=float, help="--ann quant: share of history blocks each query block reads "
+    p.add_argument("--keep-fraction", type=float, help="--annsa: share of history blocks each query block reads "
                    f"at least (default {AnnConfig.keep_fraction})")
     p.add_argument("--model", choices=sorted(WAN_CONFIGS), help="random-weight model size "
                                                                 "(default tiny on CPU, 1.3B on GPU)")
@@ -179,9 +179,9 @@ def _run(args, device, group) -> list[dict]:
         raise FastARError(f"--frames {frames} is not divisible by --chunk-frames {args.chunk_frames}")
 
     keep = {k: v for k, v in (("keep_mass", args.keep_mass), ("keep_fraction", args.keep_fraction)) if v is not None}
-    if keep and args.ann != "quant":
-        raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's quant plan: add --ann quant")
-    ann = None if args.ann == "none" else AnnConfig(**keep)
+    if keep and not args.annsa:
+        raise FastARError(f"--{next(iter(keep)).replace('_', '-')} sets AnnSA's plan: add --annsa")
+    ann = AnnConfig(**keep) if args.annsa else None
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
                      cuda_graphs=not args.eager, group=group)
@@ -192,7 +192,7 @@ def _run(args, device, group) -> list[dict]:
           + (f" (budget {args.max_cache_frames} frames, sink {cache.sink_frames}, threshold {args.merge_threshold})"
              if args.cache == "tempcache" else "")
           + (", AnnSA sparse attention" if ann is not None else "")
-          + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs else "")
+          + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs and engine.attention.graph_safe else "")
           + (f", head-parallel over {world} ranks ({model.num_heads // world} of {model.num_heads} heads per rank; "
              f"cache sizes per rank)" if world > 1 else ""))
     rows = []
@@ -224,7 +224,7 @@ def _run(args, device, group) -> list[dict]:
     bar.close()
     if rank != 0:
         return rows
-    plot_rollout({args.cache + (f" + AnnSA {args.ann}" if ann is not None else ""): rows}, args.plot,
+    plot_rollout({args.cache + (" + AnnSA" if ann is not None else ""): rows}, args.plot,
                  f"{label}, {width}x{height}, chunk {args.chunk_frames}, "
                  f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     steady = rows[len(rows) // 2:]  # the cache full, repeating chunks replayed
@@ -237,7 +237,7 @@ def _run(args, device, group) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "model": label, "frames": frames, "video_frames": video_frames(frames),
                        "height": height, "width": width,
-                       "chunk_frames": args.chunk_frames, "cache": args.cache, "ann": args.ann, "ranks": world,
+                       "chunk_frames": args.chunk_frames, "cache": args.cache, "annsa": args.annsa, "ranks": world,
                        "chunks": rows}, f,
                       indent=1)
     if args.save_latents:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import FastARError
+from .errors import SettingError, ShortHistory, UnsortableCache
 from .frames import frames_text
 
 CACHE_MODES = ("unbounded", "window")
@@ -31,11 +31,11 @@ class CacheConfig:
 
     def __post_init__(self):
         if self.mode not in CACHE_MODES:
-            raise FastARError(f"unknown cache mode {self.mode!r}; expected one of {', '.join(CACHE_MODES)}")
+            raise SettingError(f"{{CacheConfig.mode}} {self.mode!r} is unknown; expected one of {', '.join(CACHE_MODES)}")
         if not _is_int(self.sink_frames) or self.sink_frames < 0:
-            raise FastARError(f"sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+            raise SettingError(f"{{CacheConfig.sink_frames}} must be an integer >= 0, got {self.sink_frames!r}")
         if not _is_int(self.window_frames) or self.window_frames < 1:
-            raise FastARError(f"window_frames must be an integer >= 1, got {self.window_frames!r}")
+            raise SettingError(f"{{CacheConfig.window_frames}} must be an integer >= 1, got {self.window_frames!r}")
 
     @property
     def bounded(self) -> bool:
@@ -73,12 +73,12 @@ class TempCacheConfig:
 
     def __post_init__(self):
         if not _is_fraction(self.merge_threshold, lo_open=True):
-            raise FastARError(f"TempCacheConfig.merge_threshold must lie in (0, 1] (a cosine similarity), "
+            raise SettingError(f"{{TempCacheConfig.merge_threshold}} must lie in (0, 1] (a cosine similarity), "
                               f"got {self.merge_threshold!r}")
         if not _is_int(self.sink_frames) or self.sink_frames < 0:
-            raise FastARError(f"TempCacheConfig.sink_frames must be an integer >= 0, got {self.sink_frames!r}")
+            raise SettingError(f"{{TempCacheConfig.sink_frames}} must be an integer >= 0, got {self.sink_frames!r}")
         if not _is_int(self.max_cache_frames) or self.max_cache_frames <= self.sink_frames:
-            raise FastARError(f"TempCacheConfig.max_cache_frames must be an integer > sink_frames "
+            raise SettingError(f"{{TempCacheConfig.max_cache_frames}} must be an integer > {{TempCacheConfig.sink_frames}} "
                               f"({self.sink_frames}), got {self.max_cache_frames!r}")
 
     @property
@@ -123,32 +123,32 @@ class AnnConfig:
 
     def __post_init__(self):
         if not _is_int(self.bits) or not 1 <= self.bits <= MAX_BITS:
-            raise FastARError(f"AnnConfig.bits must be an integer in [1, {MAX_BITS}], got {self.bits!r}")
+            raise SettingError(f"{{AnnConfig.bits}} must be an integer in [1, {MAX_BITS}], got {self.bits!r}")
         if not _is_int(self.probes) or not 0 <= self.probes <= self.bits:
-            raise FastARError(f"AnnConfig.probes must be an integer in [0, bits={self.bits}], got {self.probes!r}")
+            raise SettingError(f"{{AnnConfig.probes}} must be an integer in [0, {{AnnConfig.bits}}={self.bits}], got {self.probes!r}")
         if self.block_q not in (64, 128) or isinstance(self.block_q, bool):
-            raise FastARError(f"AnnConfig.block_q must be 64 or 128, got {self.block_q!r}")
+            raise SettingError(f"{{AnnConfig.block_q}} must be 64 or 128, got {self.block_q!r}")
         if not _is_fraction(self.dense_steps_fraction, lo_open=False):
-            raise FastARError(f"AnnConfig.dense_steps_fraction must lie in [0, 1], got {self.dense_steps_fraction!r}")
+            raise SettingError(f"{{AnnConfig.dense_steps_fraction}} must lie in [0, 1], got {self.dense_steps_fraction!r}")
         try:
             layers = tuple(self.dense_layers)
         except TypeError:
-            raise FastARError(f"AnnConfig.dense_layers must be a sequence of layer indices, "
+            raise SettingError(f"{{AnnConfig.dense_layers}} must be a sequence of layer indices, "
                               f"got {self.dense_layers!r}") from None
         if not all(_is_int(i) and i >= 0 for i in layers):
-            raise FastARError(f"AnnConfig.dense_layers must hold integers >= 0, got {self.dense_layers!r}")
+            raise SettingError(f"{{AnnConfig.dense_layers}} must hold integers >= 0, got {self.dense_layers!r}")
         object.__setattr__(self, "dense_layers", layers)
         for name in ("annsa", "annca"):
             if not isinstance(getattr(self, name), bool):
-                raise FastARError(f"AnnConfig.{name} must be True or False, got {getattr(self, name)!r}")
+                raise SettingError(f"{{AnnConfig.{name}}} must be True or False, got {getattr(self, name)!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise FastARError(f"AnnConfig.min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise SettingError(f"{{AnnConfig.min_tokens}} must be an integer >= 0, got {self.min_tokens!r}")
         if not _is_int(self.seed):
-            raise FastARError(f"AnnConfig.seed must be an integer, got {self.seed!r}")
+            raise SettingError(f"{{AnnConfig.seed}} must be an integer, got {self.seed!r}")
         if not _is_fraction(self.keep_fraction, lo_open=True):
-            raise FastARError(f"AnnConfig.keep_fraction must lie in (0, 1], got {self.keep_fraction!r}")
+            raise SettingError(f"{{AnnConfig.keep_fraction}} must lie in (0, 1], got {self.keep_fraction!r}")
         if not _is_fraction(self.keep_mass, lo_open=False):
-            raise FastARError(f"AnnConfig.keep_mass must lie in [0, 1] (0: keep_fraction of the blocks only), "
+            raise SettingError(f"{{AnnConfig.keep_mass}} must lie in [0, 1] (0: keep_fraction of the blocks only), "
                               f"got {self.keep_mass!r}")
 
     @property
@@ -165,22 +165,18 @@ class AnnConfig:
         return self.dense_steps_fraction < 1 and step >= round(self.dense_steps_fraction * num_steps)
 
 
-class UnsortableCache(FastARError):
-    """AnnSA over a cache whose history it cannot bucket-sort."""
-
-
-class ShortHistory(FastARError):
-    """A TempCache whose history holds less than one chunk."""
-
-
 def check_settings(cache: CacheConfig | TempCacheConfig, ann: AnnConfig | None, chunk_frames: int) -> None:
     """The settings that are valid alone (each config checks itself) but cannot run together in chunks
-    of ``chunk_frames`` latent frames; each conflict raises its own error type, so that a caller can
-    name it in its own words."""
+    of ``chunk_frames`` latent frames; each conflict raises its own ``SettingError`` type."""
     if ann is not None and ann.annsa and not cache.sortable:
-        raise UnsortableCache("AnnConfig.annsa needs the unbounded cache or TempCache: a window cache's ring of "
-                              "frame slots cannot be bucket-sorted (set annsa=False, or change the cache mode)")
+        raise UnsortableCache("{AnnConfig.annsa} reads a bucket-sorted history, which a window cache does not keep "
+                              "(its frames are a ring of slots); use TempCache or the unbounded cache, or turn "
+                              "{AnnConfig.annsa} off")
     if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
-        raise ShortHistory(f"TempCacheConfig.max_cache_frames={cache.max_cache_frames} leaves "
+        lower = (f" or {{TempCacheConfig.sink_frames}} to at most {cache.max_cache_frames - chunk_frames}"
+                 if cache.max_cache_frames >= chunk_frames else "")
+        raise ShortHistory(f"{{TempCacheConfig.max_cache_frames}} {cache.max_cache_frames} leaves "
                            f"{frames_text(cache.history_frames)} of history beside {frames_text(cache.sink_frames)} "
-                           f"of sink; at least one chunk ({frames_text(chunk_frames)}) is needed")
+                           f"of sink, less than one chunk of {frames_text(chunk_frames)}; set "
+                           f"{{TempCacheConfig.max_cache_frames}} to at least {cache.sink_frames + chunk_frames}"
+                           + lower)

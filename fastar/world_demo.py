@@ -75,7 +75,10 @@ def route(args, spec, photo) -> tuple[np.ndarray, int, range | None]:
                                    np.random.default_rng(args.seed))
         actions, observed, revisit = r.actions, r.lead_in + chunk, r.revisit
     else:
-        actions, observed, revisit = worlds.parse_actions(args.actions, spec.actions, chunk), chunk, None
+        try:
+            actions, observed, revisit = worlds.parse_actions(args.actions, spec.actions, chunk), chunk, None
+        except FastARError as exc:
+            raise FastARError(f"--actions: {exc}") from None
         pad = -len(actions) % chunk
         if pad:  # whole chunks: the last one held idle
             actions = np.concatenate([actions, np.zeros((pad, actions.shape[1]), np.float32)])

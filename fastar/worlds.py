@@ -257,16 +257,16 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.nd
             runs = json.loads(stripped)
             items = [(str(k), int(c), "c") for k, c in runs]
         except (ValueError, TypeError) as exc:
-            raise FastARError(f"actions: unreadable JSON run list ({exc}); expected [[\"D\", 4], ...]") from None
+            raise FastARError(f"unreadable JSON run list ({exc}); expected [[\"D\", 4], ...]") from None
     else:
         for raw in filter(str.strip, stripped.split(",")):
             m = _TOKEN.match(raw)
             if m is None:
-                raise FastARError(f"actions: cannot read {raw.strip()!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 "
+                raise FastARError(f"cannot read {raw.strip()!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 "
                                   f"(chunks) or W*6f (video frames)")
             items.append((m.group(1), int(m.group(2) or 1), m.group(3) or "c"))
     if not items:
-        raise FastARError("actions: the text holds no action; e.g. D*4, W*2")
+        raise FastARError("the text holds no action; e.g. D*4, W*2")
     known = list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else [])
     lower = {k.lower(): k for k in known}
     out = []
@@ -275,13 +275,13 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.nd
         for name in (s.strip() for s in names.split("+")):
             key = lower.get(name.lower())
             if key is None:
-                raise FastARError(f"actions: unknown action {name!r}; this world knows {', '.join(known)}")
+                raise FastARError(f"unknown action {name!r}; this world knows {', '.join(known)}")
             if key in LOOKS:
                 mouse += LOOKS[key]
             elif key != "idle":
                 keys.append(key)
         if count < 1:
-            raise FastARError(f"actions: {names.strip()}*{count}{unit} holds no frame")
+            raise FastARError(f"{names.strip()}*{count}{unit} holds no frame")
         out.append(_frames(spec, count * (chunk_video_frames if unit == "c" else 1), keys, tuple(mouse)))
     return np.concatenate(out)
 

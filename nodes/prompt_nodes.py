@@ -4,7 +4,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..fastar import FastARError
-from .schema import MAX_LENGTH, PromptsType, check_widget, in_words, schema
+from .schema import MAX_LENGTH, PromptsType, check_widget, schema
+from .words import in_words
 
 SCHEDULE_SLOTS = 4
 _UNCONNECTED = object()  # an optional input left unconnected (validate_inputs' default)

@@ -13,10 +13,11 @@ from ..fastar.frames import is_video_length, latent_frames, nearest_video_length
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
-from .schema import (MAX_LENGTH, StartType, check_widget, graph_prompt, in_words, node_id, prompts_input, schema,
+from .schema import (MAX_LENGTH, StartType, check_widget, graph_prompt, node_id, prompts_input, schema,
                      stream_input)
 from .stream import ChunkStream
 from .wan import graph_model_file, recorded_sampling, unrecorded_reason
+from .words import in_words
 
 FRAMES_PER_CHUNK = ("3", "1")
 

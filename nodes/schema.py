@@ -1,8 +1,8 @@
 """What the pack's node classes share: their category, the pack's own socket types, widget bounds the
-nodes check themselves, and FastARErrors in a node's words."""
+nodes check themselves."""
 from __future__ import annotations
 
-import contextlib
+import inspect
 
 from comfy_api.latest import io
 
@@ -17,6 +17,11 @@ StartType = io.Custom("FASTAR_START_IMAGE")
 MAX_LENGTH = 100001  # video frames
 
 
+#: An input's ``advanced`` flag (ComfyUI folds such inputs away, 2026 on; older versions take no such argument
+#: and show them all): the tuning inputs whose defaults measurement chose.
+ADVANCED = {"advanced": True} if "advanced" in inspect.signature(io.Input.__init__).parameters else {}
+
+
 def schema(**fields) -> io.Schema:
     return io.Schema(category=CATEGORY, **fields)
 
@@ -25,18 +30,6 @@ def prompts_input(positive: str):
     return PromptsType.Input("prompts", optional=True,
                              tooltip=f"A FAST-AR Prompt Schedule: prompts that take over from {positive} at "
                                      f"the frames it sets (its prompt_1, where connected, replaces {positive}).")
-
-
-@contextlib.contextmanager
-def in_words(node: str, library: str | None = None):
-    """A FastARError in the node's words: after the node's name, or, given ``library``, with the
-    library's name for a setting (``TempCacheConfig.x``) made the node's (``TempCache Settings: x``)."""
-    try:
-        yield
-    except FastARError as exc:
-        message = str(exc)
-        message = f"{node}: {message}" if library is None else message.replace(library, f"{node}: ", 1)
-        raise FastARError(message) from None
 
 
 def stream_input():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..fastar import AnnConfig, CacheConfig, FastARError, ShortHistory, TempCacheConfig, check_settings
-from ..fastar.frames import frames_text
+from ..fastar import AnnConfig, CacheConfig, FastARError, TempCacheConfig, check_settings
 from .patching import patch_model
-from .schema import AnnType, CacheType, check_widget, in_words, schema
+from .schema import ADVANCED, AnnType, CacheType, check_widget, schema
+from .words import in_words, node_message
 from .settings import FastARSettings
 
 CHUNK_FRAMES = 3  # the largest chunk the samplers take (latent frames): chunkwise checkpoints
@@ -63,7 +63,7 @@ class TempCacheSettings(io.ComfyNode):
                         "its nearest cached key; close pairs merge into one key with a log-count bias, which is "
                         "exact for identical keys. The cache never exceeds max cache frames.",
             inputs=[
-                io.Boolean.Input("enabled", default=d.enabled,
+                io.Boolean.Input("enabled", default=d.enabled, **ADVANCED,
                                  tooltip="Merge corresponding keys. Off keeps the same budget with eviction only "
                                          "(the baseline TempCache is measured against)."),
                 io.Float.Input("merge_threshold", default=d.merge_threshold, min=0.01, max=1.0, step=0.01,
@@ -87,22 +87,15 @@ class TempCacheSettings(io.ComfyNode):
         try:
             check_widget(cls, "max_cache_frames", max_cache_frames)
             check_widget(cls, "sink_frames", sink_frames)
-            with in_words("TempCache Settings", "TempCacheConfig."):
-                config = TempCacheConfig(max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames))
+            config = TempCacheConfig(max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames))
             check_settings(config, None, CHUNK_FRAMES)
-        except ShortHistory:
-            return (f"TempCache Settings: max_cache_frames {max_cache_frames} leaves {frames_text(config.history_frames)} "
-                    f"beside its {frames_text(sink_frames)} of sink, less than a chunk of {CHUNK_FRAMES} latent "
-                    f"frames (the chunkwise checkpoints'); set max_cache_frames to at least "
-                    f"{sink_frames + CHUNK_FRAMES}" + (f" or sink_frames to at most {max_cache_frames - CHUNK_FRAMES}"
-                                                       if max_cache_frames >= CHUNK_FRAMES else ""))
         except FastARError as exc:
-            return str(exc)
+            return node_message("TempCache Settings", exc)
         return True
 
     @classmethod
     def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames) -> io.NodeOutput:
-        with in_words("TempCache Settings", "TempCacheConfig."):
+        with in_words("TempCache Settings"):
             return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
                                                  max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames)))
 
@@ -130,7 +123,9 @@ class WindowCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, sink_frames, window_frames, unbounded) -> io.NodeOutput:
-        return io.NodeOutput(CacheConfig("unbounded" if unbounded else "window", int(sink_frames), int(window_frames)))
+        with in_words("Sink + Window Cache"):
+            return io.NodeOutput(CacheConfig("unbounded" if unbounded else "window", int(sink_frames),
+                                             int(window_frames)))
 
 
 class AnnSparsity(io.ComfyNode):
@@ -152,18 +147,18 @@ class AnnSparsity(io.ComfyNode):
             inputs=[
                 io.Boolean.Input("annsa", default=d.annsa,
                                  tooltip="Sparse self-attention over the cached history: the speed-up on long videos."),
-                io.Boolean.Input("annca", default=d.annca,
+                io.Boolean.Input("annca", default=d.annca, **ADVANCED,
                                  tooltip="Sparse cross-attention over the prompt. Off by default: over Wan's 512 "
                                          "prompt tokens dense cross-attention is already ~0.1 ms a call, less than "
                                          "selecting tokens costs."),
-                io.Float.Input("keep_mass", default=d.keep_mass, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("keep_mass", default=d.keep_mass, min=0.5, max=1.0, step=0.01,
                                tooltip="Share of each query block's estimated attention the history blocks it "
-                                       "reads must hold: higher is closer to dense and slower; 0 reads only "
-                                       "keep_fraction of the blocks."),
-                io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01,
+                                       "reads must hold: higher is closer to dense and slower."),
+                io.Float.Input("keep_fraction", default=d.keep_fraction, min=0.01, max=1.0, step=0.01, **ADVANCED,
                                tooltip="Share of the history blocks each query block reads at least: the floor "
                                        "under keep_mass (higher: closer to dense, slower)."),
                 io.Float.Input("dense_steps_fraction", default=d.dense_steps_fraction, min=0.0, max=1.0, step=0.05,
+                               **ADVANCED,
                                tooltip="Denoising steps run dense first (the paper: the first ~30%): more keeps "
                                        "the layout of each chunk exact; 1.0 is dense throughout."),
             ],
@@ -172,7 +167,7 @@ class AnnSparsity(io.ComfyNode):
 
     @classmethod
     def execute(cls, annsa, annca, keep_mass, keep_fraction, dense_steps_fraction) -> io.NodeOutput:
-        with in_words("ANN Sparsity", "AnnConfig."):
+        with in_words("ANN Sparsity"):
             return io.NodeOutput(AnnConfig(annsa=bool(annsa), annca=bool(annca), keep_mass=float(keep_mass),
                                            keep_fraction=float(keep_fraction),
                                            dense_steps_fraction=float(dense_steps_fraction)))

@@ -12,7 +12,8 @@ import torch
 from comfy_api.latest import io
 
 from ..fastar import FastARError, worlds
-from .schema import CacheType, check_widget, in_words, schema
+from .schema import CacheType, check_widget, schema
+from .words import in_words
 
 WorldType = io.Custom("FASTAR_WORLD")
 ActionsType = io.Custom("FASTAR_ACTIONS")
@@ -77,7 +78,7 @@ class ActionSchedule(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, actions):
         try:
-            with in_words("FAST-AR Action Schedule", "actions: "):
+            with in_words("FAST-AR Action Schedule"):
                 worlds.parse_actions(actions, worlds.ActionSpec(), CHUNK)
         except FastARError as exc:
             return str(exc)

@@ -60,7 +60,7 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     (["--frames", "3", "--timesteps", "250,500"], "strictly decreasing"),
     (["--frames", "3", "--cache", "window", "--window-frames", "0"], "window_frames must be"),
     (["--frames", "3", "--merge-threshold", "1.5"], "TempCacheConfig.merge_threshold must lie in (0, 1]"),
-    (["--frames", "3", "--max-cache-frames", "4"], "max_cache_frames=4 leaves 1 frame of history beside 3 frames of sink"),
+    (["--frames", "3", "--max-cache-frames", "4"], "TempCacheConfig.max_cache_frames 4 leaves 1 frame of history beside 3 frames of sink"),
 ])
 def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
     assert main(["rollout", *argv, "--plot", str(tmp_path / "p.png")]) == 2
@@ -94,9 +94,9 @@ def test_cli_unknown_cache_mode_is_argparse_error(capsys):
 
 def test_cli_ann_runs_and_refuses_the_window_cache(tmp_path, capsys):
     args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
-    assert main(args + ["--ann", "quant", "--cache", "unbounded"]) == 0
+    assert main(args + ["--annsa", "--cache", "unbounded"]) == 0
     assert "AnnSA sparse attention" in capsys.readouterr().out
-    assert main(args + ["--ann", "quant", "--cache", "window"]) == 2
+    assert main(args + ["--annsa", "--cache", "window"]) == 2
     assert "window cache" in capsys.readouterr().err
 
 
@@ -116,7 +116,7 @@ def _engine_kwargs(monkeypatch, key):
 
 
 def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsys, monkeypatch):
-    """No --ann: TempCache at its default budget without AnnSA (the defaults); --ann quant adds AnnSA,
+    """No --annsa: TempCache at its default budget without AnnSA (the defaults); --annsa adds AnnSA,
     whose density and share of sparse layers the table and the lines report."""
     from comfyui_fastar.fastar import AnnConfig, TempCacheConfig
 
@@ -125,11 +125,11 @@ def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsy
     args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png")]
     table = tmp_path / "t.json"
     assert main(args + ["--json", str(table)]) == 0
-    assert seen[-1] is None and caches[-1] == TempCacheConfig() and json.loads(table.read_text())["ann"] == "none"
+    assert seen[-1] is None and caches[-1] == TempCacheConfig() and json.loads(table.read_text())["annsa"] is False
     out = capsys.readouterr().out
     assert "AnnSA reads" not in out and "of layers" not in out
-    assert main(args + ["--ann", "quant", "--json", str(table)]) == 0
-    assert seen[-1] == AnnConfig() and json.loads(table.read_text())["ann"] == "quant"
+    assert main(args + ["--annsa", "--json", str(table)]) == 0
+    assert seen[-1] == AnnConfig() and json.loads(table.read_text())["annsa"] is True
     rows = json.loads(table.read_text())["chunks"]
     assert all(0 < r["annsa_density"] <= 1 for r in rows) and rows[-1]["annsa_density"] < 1  # sparse at the end
     assert all(0 <= r["annsa_sparse"] <= 1 for r in rows)  # the share of AnnSA's layers that ran sparse
@@ -138,19 +138,19 @@ def test_cli_default_is_tempcache_alone_and_ann_quant_runs_annsa(tmp_path, capsy
     lines = [line for line in out.splitlines() if line.startswith("chunk ")]
     assert len(lines) == len(rows) and all(f"sparse in {r['annsa_sparse']:4.0%} of layers" in line
                                            for line, r in zip(lines, rows))
-    assert main(args + ["--ann", "quant", "--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9
+    assert main(args + ["--annsa", "--keep-mass", "0.9"]) == 0 and seen[-1].keep_mass == 0.9
 
 
 def test_cli_keep_flags_reach_the_plan_and_are_checked(tmp_path, capsys, monkeypatch):
     seen = _engine_kwargs(monkeypatch, "ann")
     args = ["rollout", "--frames", "6", "--height", "64", "--width", "64", "--plot", str(tmp_path / "a.png"),
             "--cache", "unbounded"]
-    assert main(args + ["--ann", "quant", "--keep-mass", "0", "--keep-fraction", "0.35"]) == 0
+    assert main(args + ["--annsa", "--keep-mass", "0", "--keep-fraction", "0.35"]) == 0
     assert (seen[-1].keep_mass, seen[-1].keep_fraction) == (0.0, 0.35)
-    assert main(args + ["--ann", "quant", "--keep-mass", "1.5"]) == 2
+    assert main(args + ["--annsa", "--keep-mass", "1.5"]) == 2
     assert "keep_mass must lie in [0, 1]" in capsys.readouterr().err
     assert main(args + ["--keep-fraction", "0.5"]) == 2  # no AnnSA to set
-    assert "--keep-fraction sets AnnSA's quant plan" in capsys.readouterr().err
+    assert "--keep-fraction sets AnnSA's plan: add --annsa" in capsys.readouterr().err
     assert len(seen) == 1
 
 
@@ -220,7 +220,7 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--frames", "6"], "--frames belongs to Wan 2.1 rollouts: fastar rollout --frames 6"),
-    (["--actions", "W*2, jump"], "actions: unknown action 'jump'; this world knows W, S, A, D"),
+    (["--actions", "W*2, jump"], "--actions: unknown action 'jump'; this world knows W, S, A, D"),
     (["--observe", "7"], "--observe 7: must be a positive multiple of 12 video frames"),
     (["--revisit", "24"], "--revisit 24: a loop of whole chunks (12 video frames each) and at least 36 frames"),
     (["--revisit", "40"], "--revisit 40: a loop of whole chunks"),

@@ -468,8 +468,8 @@ def test_settings_that_cannot_run_together_are_named_as_the_graph_shows_them(mod
     ann = AnnSparsity.execute(*widgets).result[0]
     assert ann == a
     window = WindowCache.execute(3, 12, False).result[0]
-    with pytest.raises(FastARError, match=r"^FAST-AR Patch Model: ANN Sparsity's annsa reads a bucket-sorted cache, "
-                                          r"which a Sink \+ Window Cache does not keep"):
+    with pytest.raises(FastARError, match=r"^FAST-AR Patch Model: ANN Sparsity's annsa reads a bucket-sorted history, "
+                                          r"which a window cache does not keep .*or turn ANN Sparsity's annsa off$"):
         PatchModel.execute(comfy_model, window, ann)
     PatchModel.execute(comfy_model, WindowCache.execute(3, 12, True).result[0], ann)  # unbounded: fine
     PatchModel.execute(comfy_model, None, ann)  # the default cache (TempCache) carries AnnSA

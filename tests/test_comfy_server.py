@@ -386,7 +386,7 @@ def test_settings_that_cannot_run_together_fail_in_the_nodes_words(server):
     assert error["node_type"] == "FastARPatchModel"
     assert error["exception_type"] == "comfyui_fastar.FastARError"  # not the pack folder's path
     assert error["exception_message"].startswith("FAST-AR Patch Model: ANN Sparsity's annsa reads a bucket-sorted "
-                                                 "cache, which a Sink + Window Cache does not keep")
+                                                 "history, which a window cache does not keep")
 
 
 def test_a_length_of_part_chunks_runs_whole_chunks_cut_to_it(server):
@@ -481,9 +481,8 @@ def test_a_tempcache_budget_with_no_room_for_a_chunk_is_refused_at_prompt(server
     graph = _graph(length=9, chunk="3", tempcache=True)
     graph["6"]["inputs"].update(max_cache_frames=4, sink_frames=3)
     _custom_errors(_refused(server, graph, "6"), ["max_cache_frames", "sink_frames"],
-                   "TempCache Settings: max_cache_frames 4 leaves 1 frame beside its 3 frames of sink, less than a "
-                   "chunk of 3 latent frames (the chunkwise checkpoints'); set max_cache_frames to at least 6 or "
-                   "sink_frames to at most 1")
+                   "TempCache Settings: max_cache_frames 4 leaves 1 frame of history beside 3 frames of sink, less "
+                   "than one chunk of 3 frames; set max_cache_frames to at least 6 or sink_frames to at most 1")
 
 
 def _start_image_graph(vae=True):

@@ -59,15 +59,17 @@ def test_whole_chunks_and_the_lengths_that_fit_them():
 def test_settings_that_cannot_run_together():
     window = CacheConfig("window", 3, 12)
     assert not window.sortable and CacheConfig().sortable and TempCacheConfig().sortable
-    with pytest.raises(UnsortableCache, match="annsa needs the unbounded cache or TempCache"):
+    with pytest.raises(UnsortableCache, match="^AnnConfig.annsa reads a bucket-sorted history"):
         check_settings(window, AnnConfig(), 3)
     check_settings(window, AnnConfig(annsa=False), 3)
     check_settings(window, None, 3)
     check_settings(CacheConfig(), AnnConfig(), 3)
     short = TempCacheConfig(max_cache_frames=5, sink_frames=3)
     check_settings(short, AnnConfig(), 2)
-    with pytest.raises(ShortHistory, match="max_cache_frames=5 leaves 2 frames of history beside 3 frames of sink; "
-                                           r"at least one chunk \(3 frames\)"):
+    with pytest.raises(ShortHistory, match=r"^TempCacheConfig.max_cache_frames 5 leaves 2 frames of history beside 3 "
+                                           r"frames of sink, less than one chunk of 3 frames; set "
+                                           r"TempCacheConfig.max_cache_frames to at least 6 or "
+                                           r"TempCacheConfig.sink_frames to at most 2$"):
         check_settings(short, AnnConfig(), 3)
     assert issubclass(UnsortableCache, FastARError) and issubclass(ShortHistory, FastARError)
 
@@ -76,19 +78,23 @@ def test_the_nodes_settings_name_conflicts_as_the_graph_shows_them():
     from comfyui_fastar.nodes.settings import SETTINGS_KEY, FastARSettings, settings_of
 
     assert FastARSettings() == FastARSettings(TempCacheConfig(), None, False)  # the library's TempCache defaults
-    with pytest.raises(FastARError, match=r"^Some Node: ANN Sparsity's annsa reads a bucket-sorted cache, which a "
-                                          r"Sink \+ Window Cache does not keep"):
+    with pytest.raises(FastARError, match=r"^Some Node: ANN Sparsity's annsa reads a bucket-sorted history, which "
+                                          r"a window cache does not keep"):
         FastARSettings(CacheConfig("window"), AnnConfig()).check(1, "Some Node")
-    with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5 leaves 2 frames beside "
-                                          r"its 3 frames of sink, less than one chunk of 3; set max_cache_frames to at "
-                                          r"least 6$"):
+    with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5 leaves 2 frames of "
+                                          r"history beside 3 frames of sink, less than one chunk of 3 frames; set "
+                                          r"TempCache Settings' max_cache_frames to at least 6 or TempCache Settings' "
+                                          r"sink_frames to at most 2$"):
         FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "Some Node")
-    with pytest.raises(FastARError, match=r"leaves 1 frame beside its 3 frames of sink, less than one chunk of 3"):
+    with pytest.raises(FastARError, match=r"leaves 1 frame of history beside 3 frames of sink, less than one chunk "
+                                          r"of 3 frames; set TempCache Settings' max_cache_frames to at least 6 or "
+                                          r"TempCache Settings' sink_frames to at most 1$"):
         FastARSettings(TempCacheConfig(max_cache_frames=4)).check(3, "Some Node")
-    with pytest.raises(FastARError, match=r"leaves 1 frame beside its 1 frame of sink"):
+    with pytest.raises(FastARError, match=r"leaves 1 frame of history beside 1 frame of sink, less than one chunk of "
+                                          r"3 frames; set TempCache Settings' max_cache_frames to at least 4$"):
         FastARSettings(TempCacheConfig(max_cache_frames=2, sink_frames=1)).check(3, "Some Node")
-    with pytest.raises(FastARError, match=r"^Some Node: TempCache Settings' max_cache_frames 5"):
-        FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "Some Node")
+    with pytest.raises(FastARError, match=r"^TempCache Settings: max_cache_frames 5 leaves 2 frames of history"):
+        FastARSettings(TempCacheConfig(max_cache_frames=5)).check(3, "TempCache Settings")  # its own: bare names
     FastARSettings(TempCacheConfig(max_cache_frames=5), AnnConfig()).check(1, "Some Node")
 
     class Model:

@@ -98,7 +98,7 @@ def test_parse_actions_counts_units_and_json():
 @pytest.mark.parametrize("text, says", [("W, jump*2", "'jump'"), ("W*x", "'W*x'"), ("", "no action"),
                                         ("[[1, 2", "JSON"), ("W*0", "holds no frame")])
 def test_parse_actions_names_the_bad_token(text, says):
-    with pytest.raises(FastARError, match="actions: .*" + says.replace("*", r"\*").replace("[", r"\[")):
+    with pytest.raises(FastARError, match=says.replace("*", r"\*").replace("[", r"\[")):
         worlds.parse_actions(text, SPEC, 12)
     with pytest.raises(FastARError, match="knows W, S, A, D, zoom_in, zoom_out, idle$"):
         worlds.parse_actions("look_up", worlds.ActionSpec(mouse=False), 12)
