@@ -1,7 +1,7 @@
 """Block-sparse attention kernel on the GPU: correctness against its twin, speed against cuDNN SDPA.
 
 Shapes of Wan 2.1 1.3B: 4680 queries (a 3-frame chunk), 12 heads x 128, bf16, keys of 24/84/243
-frames of 1560 tokens. One run sweeps the launch grid ``HOPPER_LAUNCH_GRID`` (block_q, block_n,
+frames of 1560 tokens. One run sweeps the launch grid ``testing.launch_grid.HOPPER_LAUNCH_GRID`` (block_q, block_n,
 num_warps, num_stages; <= 10 configurations) over
 
 - dense mode (every query block reads all keys), without and with a per-key bias, at 24/84/243
@@ -29,7 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cuda_ms, fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
-from comfyui_fastar.kernels import block_sparse_attention as bsa, launch, plan  # noqa: E402
+from comfyui_fastar.kernels import block_sparse_attention as bsa, plan  # noqa: E402
+from comfyui_fastar.testing.launch_grid import HOPPER_LAUNCH_GRID  # noqa: E402
 
 TPF, Q, H, D = 1560, 3 * 1560, 12, 128
 FRAMES = (24, 84, 243)
@@ -111,7 +112,7 @@ def check_grid(q, g):
     bias = torch.randn(1, H, lk, generator=g).cuda()
     bias[..., 7::11] = float("-inf")
     errs, refs = {}, {}
-    for cfg in launch.HOPPER_LAUNCH_GRID:
+    for cfg in HOPPER_LAUNCH_GRID:
         bq = cfg[0]
         if bq not in refs:
             ranges, counts, _ = segment_ranges(lk, TPF, plan.n_query_blocks(Q, bq), 0.3, 4, g)
@@ -133,7 +134,7 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     g = torch.Generator().manual_seed(0)
-    grid = [tuple(c) for c in launch.HOPPER_LAUNCH_GRID]
+    grid = [tuple(c) for c in HOPPER_LAUNCH_GRID]
     result = {**header("cuda"), "triton": __import__("triton").__version__,
               "grid": [list(c) for c in grid], "grid_fields": ["block_q", "block_n", "num_warps", "num_stages"]}
 

@@ -18,7 +18,7 @@ them and more until, with the sink and its own chunk, they hold ``keep_mass`` of
 mass (top-p) (``kernels/quant_block_shares.py``, ``kernels/quant_select.py``). Why top-p, not a fixed
 share: a query block whose own neighbourhood holds its attention needs few history blocks, a
 diffuse one many. Why a floor: a mean key underestimates a block that mixes unlike keys (Jensen),
-so the estimate alone can stop early on sharply clustered keys (bench/NOTES.md). The plan is two
+so the estimate alone can stop early on sharply clustered keys. The plan is two
 kernels, nothing syncs with the host: every shape comes from Python integers the schedule knows.
 Where a kernel runs (``fastar.backend``), cuDNN attends the keys every plan reads (``Layout.fixed``: the
 sink and the open chunk) on a side stream, beside the plan's kernels, and the kernel starts from that
@@ -40,19 +40,17 @@ from .lsh import LSH
 
 # History keys per scored block. 128 rather than the kernel's 64-key tile: a pick is then two
 # tiles, so a plan has half the ranges (the kernel's pipeline restarts at each), for a little
-# less recall (bench/results/archive/ann_bench_random_kb128.json, bench/NOTES.md).
+# less recall.
 KEY_BLOCK = 128
 #: Plan density (keys read / keys attended) past which a layer's sparse call costs more than the
 #: dense one it replaces, planning included: at TempCache's budgets the sparse call's rate is then the
-#: dense call's, and planning is the loss (bench/NOTES.md, "FlashAttention-4 on Hopper"). A layer past
-#: it runs dense for the rest of the rollout and stops planning and sorting: a layer kept on probation
-#: would pay for its plans and its sort every chunk, which is what made AnnSA slower than TempCache
-#: alone on content whose attention spreads over the history. A prompt switch, which makes a new
-#: AnnSA, gives every layer a fresh start.
+#: dense call's, and planning is the loss. A layer past it runs dense for the rest of the rollout and
+#: stops planning and sorting: a layer kept on probation would pay for its plans and its sort every
+#: chunk. A prompt switch, which makes a new AnnSA, gives every layer a fresh start.
 DENSE_ABOVE = 0.8
 #: History rows per row every call reads dense (the sink and the open chunk) below which no density
 #: pays: the prior's call over those rows, the join and the plan then cost more than the history's
-#: skipped blocks save (bench/NOTES.md, "AnnSA only where it can pay").
+#: skipped blocks save.
 MIN_HISTORY_RATIO = 2.0
 
 

@@ -189,8 +189,8 @@ class FastARAttention:
     def cross_kv(self, context: torch.Tensor, make):
         """Every layer's cross-attention K/V for the text ``context``: ``make(context)`` once, then
         kept while the same tensor comes back unwritten to the same ``make`` (a model's bound method:
-        one state may serve two models). A rollout's text conditions every forward, and remaking its
-        projections cost ~0.6 ms a forward at Wan 1.3B's shapes (bench/NOTES.md). Made every time:
+        one state may serve two models): a rollout's text conditions every forward, and its projections
+        are a forward's work for nothing. Made every time:
         an inference tensor's (it counts no writes), and inside a CUDA-graph capture a context not
         kept already (its tensors would live in the graph's memory pool)."""
         version = _version(context)

@@ -60,11 +60,10 @@ class TempCacheConfig:
     ``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
     TempCache is measured against.
 
-    Why 12 frames: the largest budget at the time of LongLive's sink 3 + window 12 cache (which holds
-    15), where it keeps more of the past; a longer budget keeps more at more time per chunk (bench/NOTES.md,
-    "the 12-frame point"). Why 0.8: on a trained model's keys (the pack's world model, whose places come
-    back), 0.95 merges so few tokens that TempCache holds no more than a window of its budget, while 0.8
-    keeps what the window forgets (bench/NOTES.md, "the trained world").
+    Why 12 frames: within the time of LongLive's sink 3 + window 12 cache (which holds 15), it keeps
+    more of the past; a longer budget keeps more at more time per chunk. Why 0.8: on a trained model's
+    keys (the pack's world model, whose places come back), a stricter threshold merges so few tokens
+    that TempCache holds no more than a window of its budget, while 0.8 keeps what the window forgets.
     """
     enabled: bool = True
     merge_threshold: float = 0.8
@@ -104,7 +103,7 @@ class AnnConfig:
     less than ``keep_mass`` of its estimated attention mass (``keep_mass=0``: the fixed share
     alone). ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
     AnnCA (off by default: over Wan's 512 prompt tokens dense cross-attention costs less than
-    selecting tokens does, bench/results/archive/ann_bench.json) keeps per frame the prompt tokens that
+    selecting tokens does) keeps per frame the prompt tokens that
     share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
     flipped, at least ``min_tokens``. Both run dense for the first ``dense_steps_fraction`` of
     the denoising steps (the clean pass counts as the step after the last) and in ``dense_layers``.

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 class ReplayGraph:
     """One CUDA graph, the latest key's: ``run`` captures ``fn`` on fixed input buffers the first
     time a key comes, then fills those buffers and replays. Why: a chunk is ~150 layer forwards
-    whose Python launches otherwise set the pace, not the GPU (bench/NOTES.md)."""
+    whose Python launches otherwise set the pace, not the GPU."""
 
     def __init__(self):
         self.key = self.graph = self.inputs = self.out = None

@@ -14,8 +14,8 @@ under the new prompt. Its cost is one clean pass per earlier chunk.
 On CUDA, once two chunks in a row would launch the same kernels on the same buffers (the
 attention state's ``graph_key``: from TempCache's budget on, or a full window), the chunk's
 forwards are captured as one CUDA graph and replayed for every later chunk with that key: a
-chunk is ~150 layer forwards whose Python launches otherwise set the pace, not the GPU
-(bench/NOTES.md). The noise and the chunk's first frame go in through fixed buffers.
+chunk is ~150 layer forwards whose Python launches otherwise set the pace, not the GPU.
+The noise and the chunk's first frame go in through fixed buffers.
 """
 from __future__ import annotations
 

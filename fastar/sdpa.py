@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-# On Hopper cuDNN's fused attention is the fastest SDPA backend (bench/results/core_bench.json);
-# the others stay as fallbacks for shapes or masks it does not take.
+# On Hopper cuDNN's fused attention is the fastest SDPA backend; the others stay as fallbacks for
+# shapes or masks it does not take.
 SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -35,8 +35,7 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     ``prior``: (out [B, H, Lq, D], lse [B, H, Lq] fp32, natural log), or None where it cannot be had.
 
     On CUDA, cuDNN's fused attention (it returns the log-sum-exp), faster than the kernel on the
-    dense keys every query reads (bench/NOTES.md, "The sink and the open chunk on cuDNN, as the
-    kernel's prior"), for fp16 / bf16; None where cuDNN does not give what fp32 math gives on a
+    dense keys every query reads, for fp16 / bf16; None where cuDNN does not give what fp32 math gives on a
     small case (checked once per device, dtype and head dim, outside any CUDA-graph capture:
     called directly, the op accepts inputs it computes wrongly, fp32 among them). Off CUDA fp32
     math, for the kernel under Triton's interpreter (small shapes).

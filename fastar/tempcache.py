@@ -1,8 +1,8 @@
 """TempCache: KV-cache compression by temporal correspondence (FAST-AR §5.2, Lemma 5.1).
 
 When the clean pass writes a chunk, each new token finds its top-1 nearest cached history token
-(the cosine of whole tokens, all heads concatenated: per-head matching kept the same share of
-the attention at three times the cost, bench/results/archive/tempcache_bench.json). A pair whose keys'
+(the cosine of whole tokens, all heads concatenated: one match per token, where per-head matching
+costs a match per head for no more of the attention kept). A pair whose keys'
 cosine similarity clears ``merge_threshold`` joins one group: the newest key becomes the group's
 representative, the value is the running mean of the group's values, and the group size m
 enters attention as the logit bias log m.
@@ -42,7 +42,7 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
 
     Why: the match's GEMM is as large as a layer's projections, and fp8 runs it at twice bf16's
     rate; both operands go to unit norm x 256 in fp8 in one kernel each (``kernels/unit_fp8.py``:
-    the history's side reads the keys once, through the head alignment; bench/NOTES.md). The
+    the history's side reads the keys once, through the head alignment). The
     caller recomputes the winner's cosine in fp32, so only near-ties (~1e-3) may pick another
     slot than bf16 scores would."""
     n, m = x.shape[0], held.shape[0]
@@ -192,7 +192,7 @@ class TempCache(KVCache):
             slot = (heads[:, None] * m_slots + at).flatten()             # flat slot (head-major)
             # group sizes, representatives (newest = largest token index: later frame) and values;
             # an unmerged token adds 0 and -1 at its match rather than at one shared dump slot,
-            # whose atomics serialize (~0.1 ms a layer on an H200 at Wan 1.3B's shapes)
+            # whose atomics serialize
             added = torch.zeros(h * m_slots, device=k.device).index_add_(0, slot, merge.flatten().float())
             rep = torch.full((h * m_slots,), -1, dtype=torch.long, device=k.device)
             rep.scatter_reduce_(0, slot, torch.where(merge, token, -1).flatten(), "amax")

@@ -88,9 +88,8 @@ def fold_bias_into_keys(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor
     k' = [k | hi lo | 0...] (``fold_bias_channels``).
 
     Why: attention without a bias over them is the biased attention, its output rounded once, as a
-    dense call's; the bias costs 16 more channels of q . k. (A per-score ``score_mod`` load ran at
-    ~0.7x FA4's dense rate; the bias folded into the values as weights, 8 more value channels, at
-    1.07-1.09x cuDNN's time with 1.6x its error: bench/NOTES.md.) ``key_bias`` [B, H, Lk] applies to keys
+    dense call's; the bias costs 16 more channels of q . k, where a per-score bias load slows every
+    tile. ``key_bias`` [B, H, Lk] applies to keys
     ``window`` (None: all). A cache that keeps its keys folded (TempCache) spares the copy of k.
     """
     b, lk, h, d = k.shape

@@ -6,14 +6,14 @@ Waves: a grid runs in waves of the programs the GPU holds at once, and a part-fu
 about as long as a full one; splitting its items into shares shortens it. By default only the last
 wave splits (splitting every item costs partials and a combine for all of them); ``num_splits``
 splits every item, for launches whose programs read long ranges (the first step's dense biased
-attention). The gain is small on AnnSA's plans (bench/NOTES.md, "The last wave").
+attention).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["HOPPER_LAUNCH_GRID", "MAX_TAIL_SPLIT", "SMEM_BUDGET", "TUNABLES", "block_m", "default_launch",
+__all__ = ["MAX_TAIL_SPLIT", "SMEM_BUDGET", "TUNABLES", "block_m", "default_launch",
            "device_wave", "launch_config", "smem_bytes", "split_items", "tail_split", "tile_offsets_fit"]
 
 #: The kernel's launch parameters, which change its speed, never its result.
@@ -21,20 +21,6 @@ TUNABLES = ("block_n", "num_warps", "num_stages", "num_splits", "wave")
 
 #: Hopper's shared memory per block (227 KiB), less room for the bias tiles (4 * block_n * stages B).
 SMEM_BUDGET = 232448 - 2048
-
-#: Launch configurations ``(block_q, block_n, num_warps, num_stages)`` worth timing on Hopper at
-#: D = 128 (``bench/block_sparse_bench.py`` sweeps them; each fits sm_90's shared memory, as a test
-#: checks). ``block_q`` is part of a plan's meaning, so a planner picks it; the rest are tunables.
-HOPPER_LAUNCH_GRID = (
-    (64, 64, 4, 3),
-    (64, 64, 4, 4),
-    (64, 32, 4, 3),
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (128, 32, 8, 4),
-    (128, 128, 8, 2),
-    (128, 128, 8, 3),
-)
 
 #: Most shares a last-wave item is cut into: each adds a partial to write and join, and past
 #: four the last wave is short already.

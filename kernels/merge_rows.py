@@ -1,7 +1,7 @@
 """TempCache's group merge of a chunk's rows into history rows, as one Triton kernel launched twice.
 
 Why: a merged slot's value becomes its group's running mean, its key the newest member's. Torch
-needs a dozen gathers, copies and an ``index_add_`` with an int64 index per element (bench/NOTES.md).
+needs a dozen gathers, copies and an ``index_add_`` with an int64 index per element.
 Here the first launch writes each group's representative row (its key; the old mean's weighted
 value plus its own share, in fp32), the second atomically adds the other members' shares; each
 program reads its tokens' slot state itself.

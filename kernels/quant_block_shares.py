@@ -162,7 +162,7 @@ def quant_block_shares(q: Tensor, key_means: Tensor, logit_scale: Tensor, block_
             q, key_means.contiguous(), logit_scale.contiguous(), block_bias.contiguous(), fixed_means.contiguous(),
             fixed_counts.contiguous(), shares, fixed_shares, h, lq, nkb, fixed_means.shape[2], block_q,
             1 / math.sqrt(d), *q.stride(), D=d, BLOCK_M=max(16, triton.next_power_of_2(block_q)),
-            # 128 key blocks a tile, one stage: the program is latency-bound, not by its dots (bench/NOTES.md)
+            # 128 key blocks a tile, one stage: the program is latency-bound, not by its dots
             BLOCK_K=128, num_stages=1,
             DOT_DTYPE=tl.float16 if q.is_cuda else tl.float32, num_warps=4, enable_fp_fusion=False)
     return shares, fixed_shares

@@ -1,7 +1,7 @@
 """AnnSA 'quant' planning: from key-block scores to each query block's key ranges, as one Triton kernel.
 
 Why: in PyTorch this is a top-k, a sort, a gather and a dozen small ops turning picks into runs and
-runs into slots, costing more than the scoring (bench/NOTES.md); one program per query block does
+runs into slots, costing more than the scoring; one program per query block does
 it in registers.
 
 Semantics (the twin defines them). For each row ``score[b, h, i, :]`` (one query block's score of
@@ -22,7 +22,7 @@ Scores are log masses: with ``fixed[b, h, i]`` the log mass of the keys every pl
 is the best score at which held blocks scoring ``>= t`` carry that much, all picked (ties
 included); ``mass = 1`` picks every held block (no rounding decides it), a row needing nothing
 only its ``top``. Why: a query block whose sink and own chunk hold most of its mass reads few
-history blocks, a diffuse one many, so all keep about the same recall (bench/NOTES.md).
+history blocks, a diffuse one many, so all keep about the same recall.
 
 Output: a plan (``kernels/plan.py``), ``ranges [B, H, nqb, 2 + slots(top, nkb, mass), 2]`` and
 ``counts [B, H, nqb]``, int32; with ``reads`` (int32 [B, H, nqb]) also each query block's keys read

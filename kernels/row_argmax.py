@@ -1,7 +1,7 @@
 """Each row's argmax of a score matrix, as one Triton kernel.
 
 Why: TempCache's fp8 match reduces a large score block per GEMM, and a program per row streaming
-it with a running maximum per lane reads it faster than ``torch.argmax`` (bench/NOTES.md).
+it with a running maximum per lane reads it faster than ``torch.argmax``.
 
 Semantics (the twin defines them): for ``scores [R, M]`` (any strides, M >= 1), the int64 index
 of each row's largest value, the smallest such index on ties. NaN is not handled (scores are

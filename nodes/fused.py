@@ -55,7 +55,7 @@ def fused_wan(dm, dtype: torch.dtype | None = None, *, fp8_linears: bool = False
     tensor (scale 1) instead of dequantized on every forward, those stored in a compute dtype through a
     per-channel scaled e4m3 copy per rollout (half their bytes). Opt-in either way: each layer's input
     is quantized too (a few % of its output in error), which pays in time at the 14B's shapes and not
-    at the 1.3B's (bench/NOTES.md). Built per rollout: ComfyUI swaps a parameter's tensor when it
+    at the 1.3B's. Built per rollout: ComfyUI swaps a parameter's tensor when it
     patches or moves weights."""
     from ..fastar.models import Fp8Linear, WanModel, infer_config
     from ..fastar.models import fp8_linears as with_fp8_linears

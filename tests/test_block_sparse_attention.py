@@ -20,6 +20,7 @@ from comfyui_fastar.kernels.block_sparse_attention import (
     block_sparse_attention_torch,
 )
 from comfyui_fastar.kernels.launch import default_launch
+from comfyui_fastar.testing.launch_grid import HOPPER_LAUNCH_GRID
 from comfyui_fastar.kernels.plan import dense_ranges, n_query_blocks, validate_plan
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
@@ -773,7 +774,7 @@ def test_default_launch_fits_shared_memory_and_int32_offsets_guard():
                 if itemsize * D * launch.block_m(block_q) + 2 * 2 * 16 * D * itemsize <= launch.SMEM_BUDGET:
                     assert size <= launch.SMEM_BUDGET, (D, block_q, itemsize, cfg)
     assert default_launch(128, 128, 4)["num_stages"] == 2  # fp32: 3 stages would not fit
-    for cfg in launch.HOPPER_LAUNCH_GRID:
+    for cfg in HOPPER_LAUNCH_GRID:
         assert launch.smem_bytes(128, launch.block_m(cfg[0]), cfg[1], cfg[3], 2) <= launch.SMEM_BUDGET
     small = torch.empty(1, 1, 8, 64, device="meta")
     huge = torch.empty_strided((1, 1, 8, 64), (0, 0, 2**26, 1), device="meta")
@@ -880,7 +881,7 @@ def test_native_benchmark_grid_compiles_for_hopper():
     the bias, whose pipelined tile is the only extra buffer)."""
     cases = [
         ["bf16", 128, bq, True, {"block_n": bn, "num_warps": w, "num_stages": st}]
-        for bq, bn, w, st in launch.HOPPER_LAUNCH_GRID
+        for bq, bn, w, st in HOPPER_LAUNCH_GRID
     ]
     for info in _aot_compile(cases):
         _check_native(info)
