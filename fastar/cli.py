@@ -27,6 +27,7 @@ from .frames import video_frames
 from .parallel import group_size, init_group
 from .models import (KNOWN_CHECKPOINTS, WAN_CONFIGS, Sampling, build_model, checkpoint_sampling,
                      convert_checkpoint, fp8_linears, load_wan)
+from .models.loading import MATRIX_GAME_PRESET
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
@@ -247,7 +248,8 @@ def _run(args, device, group) -> list[dict]:
 
 
 def parse_convert_args(argv, prog: str = "fastar convert"):
-    known = ", ".join(f"{c.name} ({c.repo})" for c in KNOWN_CHECKPOINTS.values())
+    known = ", ".join(f"{c.name} ({c.repo})" for c in KNOWN_CHECKPOINTS.values()) \
+        + f", {MATRIX_GAME_PRESET} (Skywork/Matrix-Game-2.0: its variant read off the file)"
     p = argparse.ArgumentParser(prog=prog,
                                 description="Write a causal Wan 2.1 checkpoint (a training .pt: Self-Forcing, CausVid, "
                                             "LongLive, Causal-Forcing, Rolling Forcing ...; or a .safetensors file) "
@@ -256,7 +258,7 @@ def parse_convert_args(argv, prog: str = "fastar convert"):
                                             "file is read with torch's weights-only unpickler: no code in it runs.")
     p.add_argument("src", help="the checkpoint (.pt or .safetensors)")
     p.add_argument("dst", help="the .safetensors file to write")
-    p.add_argument("--preset", choices=sorted(KNOWN_CHECKPOINTS), metavar="NAME",
+    p.add_argument("--preset", choices=sorted([*KNOWN_CHECKPOINTS, MATRIX_GAME_PRESET]), metavar="NAME",
                    help=f"which published checkpoint SRC is: its entry, LoRA settings and sampling. One of: {known}")
     p.add_argument("--key", help="the entry holding the model's weights (default: the preset's, else the first of "
                                  "generator_ema, generator, model, state_dict, module)")
@@ -283,7 +285,7 @@ def _convert_sampling(args) -> Sampling | None:
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
         return None
-    base = KNOWN_CHECKPOINTS[args.preset].sampling if args.preset else None
+    base = KNOWN_CHECKPOINTS[args.preset].sampling if args.preset in KNOWN_CHECKPOINTS else None
     if base is None and len(given) < 3:
         missing = [f"--{k.replace('_', '-')}" for k in ("frames_per_block", "timesteps", "shift") if k not in given]
         raise FastARError(f"the sampling to record needs {', '.join(missing)} too (or a --preset to start from)")
@@ -297,7 +299,8 @@ def convert(args, command: str = "fastar convert") -> None:
                               lora_key=args.lora_key, lora_alpha=args.lora_alpha, sampling=_convert_sampling(args),
                               dtype=getattr(torch, args.dtype), num_heads=args.num_heads, command=command)
     config = done.config
-    print(f"wrote {args.dst}: Wan 2.1 T2V, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
+    kind = "Matrix-Game 2.0 (CLIP-vision context, actions)" if config.image_context else "Wan 2.1 T2V"
+    print(f"wrote {args.dst}: {kind}, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
           f"{args.dtype}"
           + (f"; LoRA {os.path.basename(args.lora)} merged into {done.lora_layers} linear layers" if args.lora else "")
           + (f"; sampling: {done.sampling.describe()}" if done.sampling is not None else

@@ -111,3 +111,61 @@ def write_checkpoint(preset, directory, weights):
     src, bf16 = directory / "krea-realtime-video-14b.safetensors", weights(5, torch.bfloat16)
     save_file(prefixed(bf16, "model."), str(src))
     return src, {}, bf16
+
+
+#: Matrix-Game 2.0's published files: (keys per keyboard row, mouse, action blocks of the 30; the tests keep
+#: the same share of a smaller model's blocks)
+MATRIX_GAME_FILES = {"universal": (4, True, 15), "gta": (2, True, 15), "templerun": (7, False, 15),
+                     "foundation": (4, True, 30)}
+
+
+def matrix_game_weights(variant, *, dim=64, heads=2, layers=2, ffn=96, clip=48, hidden=128, key_hidden=16,
+                        freq=32, seed=0, dtype=torch.float32):
+    """A Matrix-Game 2.0 state dict as its release writes it (``model.`` before every key), at its key
+    layout and shapes (Wan 2.1 with ``img_emb`` in place of the text embedding, 36 input channels, plain
+    cross-attention, and each steered block's ``action_model``), small widths, random values: the action
+    blocks are the first half of the blocks (every block for the foundation model)."""
+    keys, mouse, action_blocks = MATRIX_GAME_FILES[variant]
+    steered = layers if action_blocks == 30 else layers // 2
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+
+    def put(name, *shape):
+        state["model." + name] = 0.05 * torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+
+    put("patch_embedding.weight", dim, 36, 1, 2, 2), put("patch_embedding.bias", dim)
+    put("time_embedding.0.weight", dim, freq), put("time_embedding.0.bias", dim)
+    put("time_embedding.2.weight", dim, dim), put("time_embedding.2.bias", dim)
+    put("time_projection.1.weight", 6 * dim, dim), put("time_projection.1.bias", 6 * dim)
+    for i, width in ((0, clip), (4, dim)):  # LayerNorms
+        put(f"img_emb.proj.{i}.weight", width), put(f"img_emb.proj.{i}.bias", width)
+    put("img_emb.proj.1.weight", clip, clip), put("img_emb.proj.1.bias", clip)
+    put("img_emb.proj.3.weight", dim, clip), put("img_emb.proj.3.bias", dim)
+    for b in range(layers):
+        p = f"blocks.{b}."
+        for attn in ("self_attn", "cross_attn"):
+            for lin in "qkvo":
+                put(f"{p}{attn}.{lin}.weight", dim, dim), put(f"{p}{attn}.{lin}.bias", dim)
+            put(f"{p}{attn}.norm_q.weight", dim), put(f"{p}{attn}.norm_k.weight", dim)
+        put(f"{p}norm3.weight", dim), put(f"{p}norm3.bias", dim)
+        put(f"{p}ffn.0.weight", ffn, dim), put(f"{p}ffn.0.bias", ffn)
+        put(f"{p}ffn.2.weight", dim, ffn), put(f"{p}ffn.2.bias", dim)
+        put(f"{p}modulation", 1, 6, dim)
+        if b < steered:
+            a = p + "action_model."
+            put(a + "keyboard_embed.0.weight", key_hidden, keys), put(a + "keyboard_embed.0.bias", key_hidden)
+            put(a + "keyboard_embed.2.weight", key_hidden, key_hidden), put(a + "keyboard_embed.2.bias", key_hidden)
+            if mouse:
+                put(a + "mouse_mlp.0.weight", hidden, dim + 24), put(a + "mouse_mlp.0.bias", hidden)
+                put(a + "mouse_mlp.2.weight", hidden, hidden), put(a + "mouse_mlp.2.bias", hidden)
+                put(a + "mouse_mlp.3.weight", hidden), put(a + "mouse_mlp.3.bias", hidden)
+                put(a + "t_qkv.weight", 3 * hidden, hidden)
+                put(a + "img_attn_q_norm.weight", 64), put(a + "img_attn_k_norm.weight", 64)
+                put(a + "proj_mouse.weight", dim, hidden)
+            put(a + "mouse_attn_q.weight", hidden, dim)
+            put(a + "keyboard_attn_kv.weight", 2 * hidden, 12 * key_hidden)
+            put(a + "key_attn_q_norm.weight", 64), put(a + "key_attn_k_norm.weight", 64)
+            put(a + "proj_keyboard.weight", dim, hidden)
+    put("head.head.weight", 16 * 4, dim), put("head.head.bias", 16 * 4)
+    put("head.modulation", 1, 2, dim)
+    return state

@@ -2,9 +2,10 @@ from .checkpoints import KNOWN_CHECKPOINTS, SAMPLING_METADATA_KEY, KnownCheckpoi
 from .loading import (Converted, build_model, checkpoint_sampling, convert_checkpoint, infer_config, load_wan,
                       merge_lora, save_wan)
 from .wan import FP8_LINEARS, WAN_CONFIGS, Fp8Linear, WanConfig, WanModel, fp8_linears
+from .matrix_game import MatrixGameModel, MatrixGameRun
 from .world import WorldModel, WorldSpec, save_world, world_config
 
 __all__ = ["FP8_LINEARS", "KNOWN_CHECKPOINTS", "SAMPLING_METADATA_KEY", "WAN_CONFIGS", "Converted", "Fp8Linear",
            "KnownCheckpoint", "Sampling", "WanConfig", "WanModel", "build_model", "checkpoint_sampling",
            "convert_checkpoint", "fp8_linears", "infer_config", "known_checkpoint", "load_wan", "merge_lora",
-           "save_wan", "WorldModel", "WorldSpec", "save_world", "world_config"]
+           "save_wan", "MatrixGameModel", "MatrixGameRun", "WorldModel", "WorldSpec", "save_world", "world_config"]

@@ -19,6 +19,7 @@ import torch
 from ..errors import FastARError
 from .checkpoints import SAMPLING_METADATA_KEY, KnownCheckpoint, Sampling, known_checkpoint
 from .wan import WAN_CONFIGS, WanConfig, WanModel
+from .matrix_game import MATRIX_GAME_METADATA_KEY, MatrixGameModel, detect
 from .world import WORLD_METADATA_KEY, WorldModel, WorldSpec
 
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
@@ -60,6 +61,9 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     missing = [k for k in SHAPE_KEYS if k not in state_dict]
     if missing:
         raise FastARError(f"incomplete Wan 2.1 checkpoint: missing {', '.join(missing)}")
+    if MATRIX_GAME_KEY in state_dict:
+        raise FastARError("this is a Matrix-Game 2.0 world model: read it with fastar.models.matrix_game.detect "
+                          "(load_wan and fastar convert --preset matrix-game-2 do)")
     if any(k.startswith("img_emb.") or ".k_img." in k for k in state_dict):
         raise FastARError("this is a Wan image-to-video checkpoint; autoregressive rollout needs a text-to-video "
                           "(causal) Wan 2.1 model")
@@ -83,11 +87,13 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     )
 
 
-def _matching_model(state_dict: dict, config: WanConfig, name: str, world=None) -> WanModel:
-    """A meta-device Wan model (a ``WorldModel`` where ``world``, its ``WorldSpec``, is given) whose
-    parameter names are exactly ``state_dict``'s, or one clear error."""
+def _matching_model(state_dict: dict, config: WanConfig, name: str, world=None, actions=None) -> WanModel:
+    """A meta-device Wan model (a ``WorldModel`` where ``world``, its ``WorldSpec``, is given; a
+    ``MatrixGameModel`` where ``actions``, its ``ActionConfig``, is) whose parameter names are exactly
+    ``state_dict``'s, or one clear error."""
     with torch.device("meta"):
-        model = WanModel(config) if world is None else WorldModel(config, world)
+        model = WorldModel(config, world) if world is not None else MatrixGameModel(config, actions) \
+            if actions is not None else WanModel(config)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
@@ -116,18 +122,29 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
         state_dict = strip_prefix(load_file(path, device=str(device or "cpu")))
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise FastARError(f"{os.path.basename(path)} is not a readable safetensors file: {exc}") from None
-    if CONFIG_METADATA_KEY in metadata:
+    world = actions = None
+    if MATRIX_GAME_KEY in state_dict:  # Matrix-Game 2.0, converted or as released: read off its keys
+        config, actions, _ = detect(state_dict, num_heads or _metadata_heads(metadata))
+    elif CONFIG_METADATA_KEY in metadata:
         config = WanConfig(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in json.loads(metadata[CONFIG_METADATA_KEY]).items()})
     else:
         config = infer_config(state_dict, num_heads)
-    world = None
     if WORLD_METADATA_KEY in metadata:
         world = WorldSpec.from_json(metadata[WORLD_METADATA_KEY])
-    model = _matching_model(state_dict, config, os.path.basename(path), world)
+    model = _matching_model(state_dict, config, os.path.basename(path), world, actions)
     dtype = dtype or state_dict["blocks.0.self_attn.q.weight"].dtype
     model.load_state_dict(state_dict, assign=True)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+MATRIX_GAME_KEY = "blocks.0.action_model.keyboard_embed.0.weight"  # a Matrix-Game 2.0 file has it
+MATRIX_GAME_PRESET = "matrix-game-2"  # fastar convert --preset: Skywork/Matrix-Game-2.0's files, variant detected
+
+
+def _metadata_heads(metadata: dict) -> int | None:
+    """The head count a converted file's config records (None: none recorded)."""
+    return json.loads(metadata[CONFIG_METADATA_KEY])["num_heads"] if CONFIG_METADATA_KEY in metadata else None
 
 
 def save_wan(model: WanModel, path: str | os.PathLike) -> None:
@@ -274,7 +291,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
     command a refusal ends with."""
     from safetensors.torch import save_file
 
-    known = known_checkpoint(preset) if preset is not None else None
+    known = known_checkpoint(preset) if preset not in (None, MATRIX_GAME_PRESET) else None
     src, dst = os.fspath(src), os.fspath(dst)
     name = os.path.basename(src)
     for path in (src, *([os.fspath(lora)] if lora is not None else [])):
@@ -299,10 +316,21 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
                                lora_key, os.path.basename(lora))
         alpha = lora_alpha if lora_alpha is not None else (known.lora_alpha if known else None)
         state, merged = merge_lora(state, adapters, alpha=alpha, name=os.path.basename(lora))
-    config = infer_config(state, num_heads)
-    _matching_model(state, config, name)
-    sampling = sampling or (known.sampling if known else None)
-    metadata = {CONFIG_METADATA_KEY: json.dumps(config.to_dict()), **COMFY_CAUSAL_METADATA}
+    if MATRIX_GAME_KEY in state:
+        config, actions, variant = detect(state, num_heads)
+        _matching_model(state, config, name, actions=actions)
+        sampling = sampling or variant.sampling
+        metadata = {CONFIG_METADATA_KEY: json.dumps(config.to_dict()),
+                    MATRIX_GAME_METADATA_KEY: json.dumps({"variant": variant.name, "keys": variant.keys,
+                                                          "mouse": variant.mouse, **actions.to_dict()})}
+    elif preset == MATRIX_GAME_PRESET:
+        raise FastARError(f"{name} is not a Matrix-Game 2.0 model (no blocks.N.action_model weights); "
+                          f"--preset {MATRIX_GAME_PRESET} converts Skywork/Matrix-Game-2.0's files")
+    else:
+        config = infer_config(state, num_heads)
+        _matching_model(state, config, name)
+        sampling = sampling or (known.sampling if known else None)
+        metadata = {CONFIG_METADATA_KEY: json.dumps(config.to_dict()), **COMFY_CAUSAL_METADATA}
     if sampling is not None:
         metadata[SAMPLING_METADATA_KEY] = sampling.to_json()
     save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, dst, metadata=metadata)

@@ -42,6 +42,7 @@ class WanConfig:
     cross_attn: bool = True  # False: no text branch (a world model conditioned on actions alone)
     action_layers: int = 0   # the first blocks that carry an action module (``fastar.models.world``)
     action_dim: int = 0      # the action module's per-frame condition width
+    image_context: bool = False  # the context is CLIP-vision tokens through ``img_emb`` (Matrix-Game 2.0), not text
 
     def __post_init__(self):
         if self.dim % self.num_heads:
@@ -219,18 +220,26 @@ class WanAttention(nn.Module):
         return self.o(attention.cross_attention(layer, q, *text_kv).flatten(2))
 
 
+class MLPProj(nn.Module):
+    """Wan's image-context projection (``img_emb``): CLIP-vision tokens into the model's width."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.proj = nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, in_dim), nn.GELU(), nn.Linear(in_dim, out_dim),
+                                  nn.LayerNorm(out_dim))
+
+    def forward(self, x):
+        return self.proj(x)
+
+
 class WanAttentionBlock(nn.Module):
-    def __init__(self, cfg: WanConfig, action: bool = False):
+    def __init__(self, cfg: WanConfig, action_model: nn.Module | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.self_attn = WanAttention(cfg)
         self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm and cfg.cross_attn else nn.Identity()
         self.cross_attn = WanAttention(cfg) if cfg.cross_attn else None
-        if action:  # Matrix-Game 2.0's place: after the cross-attention, before the FFN
-            from .world import ActionModule
-            self.action_model = ActionModule(cfg.dim, cfg.action_dim, cfg.eps)
-        else:
-            self.action_model = None
+        self.action_model = action_model  # Matrix-Game 2.0's place: after the cross-attention, before the FFN
         self.norm2 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(cfg.ffn_dim, cfg.dim))
@@ -311,17 +320,26 @@ class WanModel(nn.Module):
     # of every frame's tokens and gathers the output.
     head_parallel = True
 
-    def __init__(self, cfg: WanConfig):
+    def __init__(self, cfg: WanConfig, action_model: Callable[[int], nn.Module | None] | None = None):
+        """``action_model(i)``: block i's action module (None: none); by default the pack's world model's
+        in the first ``cfg.action_layers`` blocks."""
         super().__init__()
         self.config = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
-        if cfg.cross_attn:
+        if cfg.cross_attn and cfg.image_context:
+            self.img_emb = MLPProj(cfg.text_dim, cfg.dim)
+        elif cfg.cross_attn:
             self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
                                                 nn.Linear(cfg.dim, cfg.dim))
+        if action_model is None:
+            def action_model(i):
+                if i >= cfg.action_layers:
+                    return None
+                from .world import ActionModule
+                return ActionModule(cfg.dim, cfg.action_dim, cfg.eps)
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
-        self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action=i < cfg.action_layers)
-                                    for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action_model(i)) for i in range(cfg.num_layers))
         self.head = Head(cfg)
 
     # The chunk-model protocol the rollout engine drives (see fastar.chunk_model.ChunkModel).
@@ -355,7 +373,7 @@ class WanModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return (self.text_embedding if self.config.cross_attn else self.time_embedding)[0].weight.dtype
+        return self.time_embedding[0].weight.dtype
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> "WanModel":
@@ -387,17 +405,19 @@ class WanModel(nn.Module):
     def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every block's cross-attention K/V for the text ``context`` [B, L, text_dim]: a function of
         the text alone, so a rollout's attention state keeps them (``FastARAttention.cross_kv``)."""
-        text = self.text_embedding(context.to(self.dtype))
+        embed = self.img_emb if self.config.image_context else self.text_embedding
+        text = embed(context.to(self.dtype))
         return [block.cross_attn.text_kv(text) for block in self.blocks]
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *,
-                frame_offset: int = 0, attention=None, fill_cache: bool = False) -> torch.Tensor | None:
+                frame_offset: int = 0, attention=None, fill_cache: bool = False, action=None) -> torch.Tensor | None:
         """Flow prediction for a chunk x [B, C, F, H, W] whose first frame is ``frame_offset``.
 
         t is [B] or per frame [B, F]; context the text features [B, L, text_dim]. ``attention``
         is the state every attention call goes through; None means plain dense attention.
         ``fill_cache``: the clean pass, whose output nobody reads: the forward stops once the
-        last block's K/V are in the cache (``attention.fill_cache``) and returns None.
+        last block's K/V are in the cache (``attention.fill_cache``) and returns None. ``action``: what
+        the blocks' action modules read (``fastar.models.matrix_game``).
         """
         from ..attention import FastARAttention
 
@@ -409,7 +429,7 @@ class WanModel(nn.Module):
         parallel = getattr(attention, "parallel", None)
         if parallel is not None:  # head parallelism: this rank's part of every frame's tokens
             tokens, freqs = parallel.shard_tokens(tokens, freqs)
-        out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, text_kv=text_kv)
+        out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, text_kv=text_kv, action=action)
         if fill_cache:
             return out
         if parallel is not None:
