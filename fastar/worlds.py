@@ -41,6 +41,8 @@ class ActionSpec:
     pan: float = 4.0          # pixels a held W/S/A/D pans the view per video frame (at zoom 1)
     mouse_pan: float = 40.0   # pixels per unit of pitch/yaw per video frame
     zoom: float = 1.03        # view-size factor per video frame of zoom_out (zoom_in: its inverse)
+    idle: tuple[str, ...] = ()  # the keys a row without any holds (a one-hot keyboard's "no move")
+    aliases: tuple[tuple[str, str], ...] = ()  # (name, what it stands for: a key or a look), e.g. GTA's A: look_left
 
     @property
     def width(self) -> int:
@@ -52,7 +54,8 @@ class ActionSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ActionSpec":
-        return cls(**{**d, "keys": tuple(d["keys"])})
+        return cls(**{**d, "keys": tuple(d["keys"]), "idle": tuple(d.get("idle", ())),
+                      "aliases": tuple(tuple(a) for a in d.get("aliases", ()))})
 
     def motion(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per video frame (..., N, width): the screen pan (dx, dy) in pixels at zoom 1 and the change of
@@ -133,7 +136,7 @@ def place(poses: torch.Tensor, hw: tuple[int, int], view: int, rng: np.random.Ge
 
 def _frames(spec: ActionSpec, n: int, keys=(), mouse=(0.0, 0.0)) -> np.ndarray:
     a = np.zeros((n, spec.width), np.float32)
-    for k in keys:
+    for k in keys or spec.idle:
         a[:, spec.keys.index(k)] = 1
     if spec.mouse:
         a[:, len(spec.keys):] = mouse
@@ -267,8 +270,9 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.nd
             items.append((m.group(1), int(m.group(2) or 1), m.group(3) or "c"))
     if not items:
         raise FastARError("the text holds no action; e.g. D*4, W*2")
-    known = list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else [])
+    known = list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else []) + [a for a, _ in spec.aliases]
     lower = {k.lower(): k for k in known}
+    alias = dict(spec.aliases)
     out = []
     for names, count, unit in items:
         keys, mouse = [], np.zeros(2, np.float32)
@@ -276,6 +280,7 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.nd
             key = lower.get(name.lower())
             if key is None:
                 raise FastARError(f"unknown action {name!r}; this world knows {', '.join(known)}")
+            key = alias.get(key, key)
             if key in LOOKS:
                 mouse += LOOKS[key]
             elif key != "idle":

@@ -186,3 +186,49 @@ def test_a_rollout_is_steered_causally_by_its_actions(cache):
     assert still.isfinite().all() and still.shape == (1, 16, frames, 4, 8)
     assert torch.equal(still[:, :, :3], moved[:, :, :3])
     assert (still[:, :, 3:] - moved[:, :, 3:]).abs().max() > 1e-4
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_chunks_replayed_from_cuda_graphs_equal_the_eager_rollout():
+    """The action caches are read by frame index on the device: a rollout whose repeating chunks replay
+    from a CUDA graph gives the eager rollout's video."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _tiny().cuda()
+    frames = 18
+    g = torch.Generator(device="cuda").manual_seed(3)
+    condition = torch.randn(1, 20, 1, 4, 8, device="cuda", generator=g)
+    clip = torch.randn(1, 257, 48, device="cuda", generator=g)
+    rows = 1 + 4 * (frames - 1)
+    keyboard = (torch.rand(1, rows, 4, device="cuda", generator=g) < 0.3).float()
+    mouse = 0.1 * torch.randn(1, rows, 2, device="cuda", generator=g)
+
+    def run(graphs):
+        r = Rollout(model.bind(condition, keyboard, mouse, frames=frames), clip, frames=frames, height=32, width=64,
+                    chunk_frames=3, cache=CacheConfig("window", sink_frames=0, window_frames=3), seed=5,
+                    cuda_graphs=graphs)
+        return r.run(), r.graph_replays
+
+    (eager, _), (graphed, replays) = run(False), run(True)
+    assert replays > 0
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_action_text_reads_each_variants_keys():
+    """One action text for every variant: the universal model's W / S / A / D and looks, GTA's W / S as
+    forward / back and A / D as steering (yaw), Temple Run's one-hot keys with "nomove" for idle; a key
+    the variant lacks is refused by name."""
+    from comfyui_fastar.fastar.models.matrix_game import VARIANTS
+    from comfyui_fastar.fastar.worlds import parse_actions
+
+    universal = parse_actions("W+D*1f, look_left*1f", VARIANTS["universal"].actions, 12)
+    assert universal.tolist() == [[1, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, pytest.approx(-0.1)]]
+    gta = parse_actions("W*1f, S+D*1f, idle*1f", VARIANTS["gta"].actions, 12)
+    assert gta.tolist() == [[1, 0, 0, 0], [0, 1, 0, pytest.approx(0.1)], [0, 0, 0, 0]]
+    run = parse_actions("jump*1f, idle*2f", VARIANTS["templerun"].actions, 12)
+    assert run.tolist() == [[0, 1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0]]
+    assert parse_actions("idle", VARIANTS["templerun"].actions, 12).shape == (12, 7)  # a chunk by default
+    with pytest.raises(FastARError, match="unknown action 'look_up'; this world knows nomove, jump"):
+        parse_actions("look_up", VARIANTS["templerun"].actions, 12)
+    assert VARIANTS["gta"].cache().window_frames == 1 and VARIANTS["universal"].cache().window_frames == 3

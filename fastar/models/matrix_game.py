@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import CacheConfig
 from ..errors import FastARError
+from ..worlds import ActionSpec
 from .checkpoints import Sampling
 from .wan import WanConfig, WanModel
 
@@ -70,18 +72,36 @@ class Variant:
     keys: tuple[str, ...]        # the keyboard's rows, in order
     mouse: bool
     local_frames: int | None
-    sampling: Sampling
+    sampling: Sampling | None
+    idle: tuple[str, ...] = ()                   # the keys a row without any holds
+    aliases: tuple[tuple[str, str], ...] = ()    # action-text names standing for keys or looks
+
+    @property
+    def actions(self) -> ActionSpec:
+        """Its action text's vocabulary (``fastar.worlds.parse_actions``): the keys, and with a mouse the
+        looks (pitch / yaw 0.1 a video frame, as it was trained around)."""
+        return ActionSpec(keys=self.keys, mouse=self.mouse, idle=self.idle, aliases=self.aliases)
+
+    def cache(self, chunk_frames: int = 3) -> CacheConfig:
+        """Its own self-attention cache: a rolling window of ``local_frames`` latent frames, the open chunk
+        among them (no sink); every frame for the foundation model."""
+        if self.local_frames is None:
+            return CacheConfig("unbounded")
+        return CacheConfig("window", sink_frames=0, window_frames=self.local_frames - chunk_frames)
 
 
 _STEPS3, _STEPS4 = (1000.0, 666.0, 333.0), (1000.0, 750.0, 500.0, 250.0)
 VARIANTS = {v.name: v for v in (
     Variant("universal", "base_distilled_model/base_distill.safetensors", ("W", "S", "A", "D"), True, 6,
             Sampling(3, _STEPS3, 5.0, "matrix-game-2-universal")),
+    # driving: W / S are forward / back, A / D steer (yaw)
     Variant("gta", "gta_distilled_model/gta_keyboard2dim.safetensors", ("forward", "back"), True, 4,
-            Sampling(3, _STEPS3, 5.0, "matrix-game-2-gta")),
+            Sampling(3, _STEPS3, 5.0, "matrix-game-2-gta"),
+            aliases=(("W", "forward"), ("S", "back"), ("A", "look_left"), ("D", "look_right"))),
+    # one key at a time, "nomove" when none is pressed
     Variant("templerun", "templerun_distilled_model/templerun_7dim_onlykey.safetensors",
             ("nomove", "jump", "slide", "turnleft", "turnright", "leftside", "rightside"), False, 6,
-            Sampling(3, _STEPS4, 5.0, "matrix-game-2-templerun")),
+            Sampling(3, _STEPS4, 5.0, "matrix-game-2-templerun"), idle=("nomove",)),
     # the foundation model: every block steered, attention over every frame; its many-step sampling is
     # not published beside it, so none is recorded
     Variant("foundation", "base_model/diffusion_pytorch_model.safetensors", ("W", "S", "A", "D"), True, None,

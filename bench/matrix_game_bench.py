@@ -1,0 +1,120 @@
+"""Matrix-Game 2.0 at its real shapes under FAST-AR's caches: ms per chunk and memory over a long rollout.
+
+The universal model's shapes (Wan 2.1 1.3B with the action module in blocks 0-14, 36 input channels, 257
+CLIP-vision tokens; random weights, bf16) at 352x640 (880 tokens a latent frame), chunks of 3 latent
+frames at its 3 steps: Matrix-Game 2.0's own rolling window of 6 latent frames (sink 0, the open chunk
+and 3 frames before it, ``window6``) against TempCache budgets (sink 0) that hold more of the past.
+Settings take turns for ``--repeats`` rounds of ``--chunks`` chunks each (the median of each rollout's
+last half, then the median over rounds); one long rollout per setting (``--long`` latent frames) reports
+its ms per chunk and allocated memory in its first and last tenth, and their ratios (flat: about 1).
+Actions: W held with a slow turn, the same for every setting.
+
+    python bench/matrix_game_bench.py --out bench/results          # an H200 / H100
+    python bench/matrix_game_bench.py --smoke --out /tmp           # tiny shapes on the CPU: the script only
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
+from comfyui_fastar.fastar import CacheConfig, Rollout, TempCacheConfig  # noqa: E402
+from comfyui_fastar.fastar.models import MatrixGameModel, WanConfig  # noqa: E402
+from comfyui_fastar.fastar.models.matrix_game import ActionConfig  # noqa: E402
+from comfyui_fastar.fastar.schedule import FlowMatchSchedule  # noqa: E402
+
+SETTINGS = {
+    "window6": CacheConfig("window", sink_frames=0, window_frames=3),
+    "tempcache6": TempCacheConfig(max_cache_frames=6, sink_frames=0),
+    "tempcache9": TempCacheConfig(max_cache_frames=9, sink_frames=0),
+    "tempcache12": TempCacheConfig(max_cache_frames=12, sink_frames=0),
+}
+
+
+def build(smoke: bool, device):
+    if smoke:
+        cfg = WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, in_dim=36, text_dim=48, freq_dim=32,
+                        text_len=257, image_context=True)
+        actions, hw = ActionConfig(4, 2, 1, hidden=128, keyboard_hidden=16), (32, 64)
+    else:
+        cfg = WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_dim=36, text_dim=1280,
+                        text_len=257, image_context=True)
+        actions, hw = ActionConfig(4, 2, 15), (352, 640)
+    with torch.device("meta"):
+        model = MatrixGameModel(cfg, actions)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    return model.to_empty(device=device).to(dtype).init_random(0).eval().requires_grad_(False), hw
+
+
+def rollout(model, hw, frames, cache, device):
+    """A rollout's per-chunk ms and allocated bytes."""
+    g = torch.Generator(device=device).manual_seed(0)
+    h, w = hw[0] // 8, hw[1] // 8
+    condition = torch.randn(1, 20, 1, h, w, device=device, generator=g)
+    clip = torch.randn(1, 257, model.text_dim, device=device, generator=g).to(model.dtype)
+    rows = 1 + 4 * (frames - 1)
+    keyboard = torch.zeros(1, rows, 4, device=device)
+    keyboard[..., 0] = 1.0
+    mouse = torch.zeros(1, rows, 2, device=device)
+    mouse[..., 1] = 0.02
+    run = Rollout(model.bind(condition, keyboard, mouse, frames=frames), clip, frames=frames, height=hw[0],
+                  width=hw[1], chunk_frames=3, cache=cache, schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
+    ms, mem = [], []
+    run.run(lambda r: (ms.append(r.latency_s * 1e3),
+                       mem.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)), keep=False)
+    return ms, mem
+
+
+def main():
+    ap = parser(__doc__, smoke=True)
+    ap.add_argument("--chunks", type=int, default=14)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long", type=int, default=2001, help="latent frames of the long rollout (default 2001)")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        args.chunks, args.repeats, args.long = 4, 1, 12
+    model, hw = build(args.smoke, device)
+    frames = 3 * args.chunks
+    result = {**header(device), "shape": {"height": hw[0], "width": hw[1], "layers": model.num_layers,
+                                          "action_blocks": model.actions.blocks}, "settings": {}}
+    times = {name: [] for name in SETTINGS}
+    with torch.inference_mode():
+        for name, cache in SETTINGS.items():
+            rollout(model, hw, 6, cache, device)  # compiles, plans
+        for _ in range(args.repeats):
+            for name, cache in SETTINGS.items():
+                ms, _ = rollout(model, hw, frames, cache, device)
+                times[name].append(statistics.median(ms[len(ms) // 2:]))
+        base = statistics.median(times["window6"])
+        print(f"{result['device']}, Matrix-Game 2.0 universal shapes at {hw[1]}x{hw[0]}, {args.repeats} rounds of "
+              f"{args.chunks} chunks")
+        for name in SETTINGS:
+            m = statistics.median(times[name])
+            result["settings"][name] = {"ms_per_chunk": m, "vs_window6": m / base, "rounds": times[name]}
+            print(f"  {name:12s} {m:8.1f} ms a chunk  {m / base:.3f}x window6")
+        for name in ("window6", "tempcache12"):
+            tic = time.perf_counter()
+            ms, mem = rollout(model, hw, args.long - args.long % 3, SETTINGS[name], device)
+            tenth = max(len(ms) // 10, 1)
+            first, last = ms[1:1 + tenth], ms[-tenth:]
+            row = {"frames": 3 * len(ms), "first_ms": statistics.median(first), "last_ms": statistics.median(last),
+                   "first_bytes": max(mem[1:1 + tenth]), "last_bytes": max(mem[-tenth:]),
+                   "minutes": (time.perf_counter() - tic) / 60}
+            row["latency_ratio"] = row["last_ms"] / row["first_ms"]
+            row["memory_ratio"] = row["last_bytes"] / max(row["first_bytes"], 1)
+            result["settings"][name]["long"] = row
+            print(f"  {name:12s} {row['frames']} frames: {row['first_ms']:.1f} -> {row['last_ms']:.1f} ms a chunk "
+                  f"({row['latency_ratio']:.3f}x), {row['first_bytes'] / 1e9:.2f} -> {row['last_bytes'] / 1e9:.2f} GB "
+                  f"({row['memory_ratio']:.3f}x)")
+    print("wrote", write_json(args.out, "matrix_game_bench_smoke.json" if args.smoke else "matrix_game_bench.json",
+                              result))
+
+
+if __name__ == "__main__":
+    main()
