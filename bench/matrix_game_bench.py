@@ -30,9 +30,11 @@ from comfyui_fastar.fastar.schedule import FlowMatchSchedule  # noqa: E402
 
 SETTINGS = {
     "window6": CacheConfig("window", sink_frames=0, window_frames=3),
+    "tempcache3": TempCacheConfig(max_cache_frames=3, sink_frames=0),  # the window's keys, merged history
     "tempcache6": TempCacheConfig(max_cache_frames=6, sink_frames=0),
     "tempcache9": TempCacheConfig(max_cache_frames=9, sink_frames=0),
     "tempcache12": TempCacheConfig(max_cache_frames=12, sink_frames=0),
+    "tempcache18": TempCacheConfig(max_cache_frames=18, sink_frames=0),
 }
 
 
@@ -74,8 +76,11 @@ def main():
     ap = parser(__doc__, smoke=True)
     ap.add_argument("--chunks", type=int, default=14)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--long", type=int, default=2001, help="latent frames of the long rollout (default 2001)")
+    ap.add_argument("--long", type=int, default=2001, help="latent frames of the long rollouts (default 2001; 0: none)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"which of {', '.join(SETTINGS)} (default all)")
+    ap.add_argument("--name", default="matrix_game_bench", help="the result file's name, without .json")
     args = ap.parse_args()
+    settings = {name: SETTINGS[name] for name in args.settings.split(",")}
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         args.chunks, args.repeats, args.long = 4, 1, 12
@@ -83,22 +88,22 @@ def main():
     frames = 3 * args.chunks
     result = {**header(device), "shape": {"height": hw[0], "width": hw[1], "layers": model.num_layers,
                                           "action_blocks": model.actions.blocks}, "settings": {}}
-    times = {name: [] for name in SETTINGS}
+    times = {name: [] for name in settings}
     with torch.inference_mode():
-        for name, cache in SETTINGS.items():
+        for name, cache in settings.items():
             rollout(model, hw, 6, cache, device)  # compiles, plans
         for _ in range(args.repeats):
-            for name, cache in SETTINGS.items():
+            for name, cache in settings.items():
                 ms, _ = rollout(model, hw, frames, cache, device)
                 times[name].append(statistics.median(ms[len(ms) // 2:]))
         base = statistics.median(times["window6"])
         print(f"{result['device']}, Matrix-Game 2.0 universal shapes at {hw[1]}x{hw[0]}, {args.repeats} rounds of "
               f"{args.chunks} chunks")
-        for name in SETTINGS:
+        for name in settings:
             m = statistics.median(times[name])
             result["settings"][name] = {"ms_per_chunk": m, "vs_window6": m / base, "rounds": times[name]}
             print(f"  {name:12s} {m:8.1f} ms a chunk  {m / base:.3f}x window6")
-        for name in ("window6", "tempcache12"):
+        for name in [n for n in ("window6", "tempcache12") if n in settings and args.long]:
             tic = time.perf_counter()
             ms, mem = rollout(model, hw, args.long - args.long % 3, SETTINGS[name], device)
             tenth = max(len(ms) // 10, 1)
@@ -112,8 +117,7 @@ def main():
             print(f"  {name:12s} {row['frames']} frames: {row['first_ms']:.1f} -> {row['last_ms']:.1f} ms a chunk "
                   f"({row['latency_ratio']:.3f}x), {row['first_bytes'] / 1e9:.2f} -> {row['last_bytes'] / 1e9:.2f} GB "
                   f"({row['memory_ratio']:.3f}x)")
-    print("wrote", write_json(args.out, "matrix_game_bench_smoke.json" if args.smoke else "matrix_game_bench.json",
-                              result))
+    print("wrote", write_json(args.out, args.name + ("_smoke" if args.smoke else "") + ".json", result))
 
 
 if __name__ == "__main__":
