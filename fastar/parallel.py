@@ -26,6 +26,7 @@ rank that saw it. With ``world == 1`` nothing here runs: ``Rollout`` keeps its o
 """
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 
@@ -34,9 +35,9 @@ import torch.distributed as dist
 
 from ..kernels.rows import gather_rows_auto
 from .attention import FastARAttention
-from .config import TempCacheConfig
 from .errors import FastARError
-from .kvcache import FrameCache, KVCache
+from .kvcache import KVCache
+from .rollout import make_cache
 from .tempcache import TempCache
 
 #: Seconds a collective waits for the other ranks before it fails (``init_group``'s default).
@@ -93,10 +94,7 @@ class HeadParallel:
     # -- the seam -----------------------------------------------------------------------------
     def cache(self, config, **geometry) -> KVCache:
         """The cache of the rank's heads: TempCache deciding on whole tokens, a frame cache as it is."""
-        if isinstance(config, TempCacheConfig):
-            geometry.pop("max_frames", None)
-            return HeadParallelTempCache(config, parallel=self, **geometry)
-        return FrameCache(config, **geometry)
+        return make_cache(config, tempcache=functools.partial(HeadParallelTempCache, parallel=self), **geometry)
 
     def attention(self, cache: KVCache, ann) -> FastARAttention:
         return HeadParallelAttention(cache, parallel=self, ann=ann)

@@ -36,13 +36,14 @@ from .schedule import FlowMatchSchedule
 from .tempcache import TempCache
 
 
-def make_cache(config: CacheConfig | TempCacheConfig, **geometry) -> KVCache:
+def make_cache(config: CacheConfig | TempCacheConfig, *, tempcache=TempCache, **geometry) -> KVCache:
     """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
     tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype, backend (the
-    attention backend; None: ``fastar.backend.choose``'s))."""
+    attention backend; None: ``fastar.backend.choose``'s)); ``tempcache``: the class a TempCache config
+    makes (head parallelism's, which decides on whole tokens across ranks)."""
     if isinstance(config, TempCacheConfig):
         geometry.pop("max_frames", None)
-        return TempCache(config, **geometry)
+        return tempcache(config, **geometry)
     return FrameCache(config, **geometry)
 
 

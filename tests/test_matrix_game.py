@@ -153,8 +153,9 @@ def test_windows_pad_with_the_first_action():
 
 
 def _tiny(variant="universal", seed=1):
-    model = MatrixGameModel(*detect({k[6:]: v for k, v in matrix_game_weights(variant, seed=seed).items()}, 2)[:2])
-    model.load_state_dict({k[6:]: v for k, v in matrix_game_weights(variant, seed=seed).items()})
+    state = {k[6:]: v for k, v in matrix_game_weights(variant, seed=seed).items()}
+    model = MatrixGameModel(*detect(state, 2)[:2])
+    model.load_state_dict(state)
     return model.eval()
 
 

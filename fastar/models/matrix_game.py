@@ -352,8 +352,8 @@ class MatrixGameRun(nn.Module):
         """Flow prediction for a chunk x [B, 16, F, h, w] from latent frame ``frame_offset`` (an int, or a
         0-d tensor in a replayed CUDA graph), under CLIP-vision tokens ``context`` [B, 257, 1280]."""
         f = x.shape[2]
-        offset = frame_offset if isinstance(frame_offset, torch.Tensor) else torch.tensor(frame_offset)
-        frames = torch.arange(f, device=x.device) + offset.to(x.device).long()
+        frames = torch.arange(f, device=x.device)
+        frames = frames + (frame_offset.long() if isinstance(frame_offset, torch.Tensor) else frame_offset)
         cond = self.condition.index_select(2, frames.clamp_max(self.condition.shape[2] - 1))
         slots, valid = self.caches.begin(frames, self.window)
         cos, sin = rope_tables(frames)
