@@ -244,51 +244,124 @@ def revisit_actions(spec: ActionSpec, n: int, hw: tuple[int, int], view: int, rn
 
 # -- action text -----------------------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"^\s*([A-Za-z_+\s]+?)\s*(?:\*\s*(\d+)\s*([fc]?))?\s*$")
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)"
+_TOKEN = re.compile(rf"^\s*((?:[A-Za-z_\s]|\+|look\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\))+?)\s*"
+                    rf"(?:\*\s*({_NUMBER})\s*([fcs]?))?\s*$")
+_LOOK = re.compile(rf"^look\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)$", re.I)
+FPS = 16.0  # video frames a second, for counts in seconds (Wan 2.1's rate)
 
 
-def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int) -> np.ndarray:
-    """Action text, e.g. ``D*4, W+D*2, look_left*6f, zoom_in*1, idle*2``, as actions per video frame
-    [N, width]. Each item is keys joined by ``+`` (``spec.keys``, ``idle``, and with a mouse ``look_up``
-    / ``look_down`` / ``look_left`` / ``look_right``), held for a count of chunks (``chunk_video_frames``
-    video frames each), or of video frames with ``f``; no count: one chunk. The JSON run-length form
-    ``[["D", 4], ["W+D", 2]]`` (counts in chunks) is read too."""
+class UnknownAction(FastARError):
+    """An action text's name its world does not know (``name``)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def action_names(spec: ActionSpec) -> list[str]:
+    """The names a world's action text knows: its keys, ``idle``, its aliases and, with a mouse, the looks
+    (``look(PITCH,YAW)`` besides: a mouse move per video frame)."""
+    return list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else []) + [a for a, _ in spec.aliases]
+
+
+def frame_count(names: str, count: str, unit: str, chunk_video_frames: int, fps: float) -> int:
+    """Video frames one item holds: ``count`` chunks (unit ``c``), frames (``f``) or seconds (``s``)."""
+    if unit == "s":
+        frames = round(float(count) * fps)
+    elif not re.fullmatch(r"\d+", count):
+        raise FastARError(f"*{count}{unit}: a count of chunks or frames is a whole number (seconds take s: *{count}s)")
+    else:
+        frames = int(count) * (chunk_video_frames if unit == "c" else 1)
+    if frames < 1:
+        raise FastARError(f"{names.strip()}*{count}{unit} holds no frame")
+    return frames
+
+
+def action_items(text: str) -> list[tuple[str, str, str]]:
+    """Action text read as (keys joined by ``+``, count, unit ``c``/``f``/``s``) per item, before any
+    world's keys are checked; unreadable text is refused here."""
     items = []
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             runs = json.loads(stripped)
-            items = [(str(k), int(c), "c") for k, c in runs]
+            items = [(str(k), str(int(c)), "c") for k, c in runs]
         except (ValueError, TypeError) as exc:
             raise FastARError(f"unreadable JSON run list ({exc}); expected [[\"D\", 4], ...]") from None
     else:
-        for raw in filter(str.strip, stripped.split(",")):
+        for raw in filter(str.strip, re.split(r",(?![^(]*\))", stripped)):
             m = _TOKEN.match(raw)
             if m is None:
                 raise FastARError(f"cannot read {raw.strip()!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 "
-                                  f"(chunks) or W*6f (video frames)")
-            items.append((m.group(1), int(m.group(2) or 1), m.group(3) or "c"))
+                                  f"(chunks), W*6f (video frames) or W*1.5s (seconds)")
+            items.append((m.group(1), m.group(2) or "1", m.group(3) or "c"))
     if not items:
         raise FastARError("the text holds no action; e.g. D*4, W*2")
-    known = list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else []) + [a for a, _ in spec.aliases]
+    return items
+
+
+def knows(spec: ActionSpec, name: str) -> bool:
+    """Whether a world with these keys reads one action name."""
+    return (_LOOK.match(name) is not None and spec.mouse) or name.lower() in {k.lower() for k in action_names(spec)}
+
+
+def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: float = FPS) -> np.ndarray:
+    """Action text, e.g. ``D*4, W+D*2, look_left*6f, zoom_in*1.5s, idle*2``, as actions per video frame
+    [N, width]. Each item is keys joined by ``+`` (``spec.keys``, ``idle``, and with a mouse ``look_up``
+    / ``look_down`` / ``look_left`` / ``look_right`` or ``look(PITCH,YAW)``), held for a count of chunks
+    (``chunk_video_frames`` video frames each), of video frames with ``f``, or of seconds with ``s`` (at
+    ``fps``); no count: one chunk. The JSON run-length form ``[["D", 4], ["W+D", 2]]`` (counts in
+    chunks) is read too."""
+    items = action_items(text)
+    known = action_names(spec)
     lower = {k.lower(): k for k in known}
     alias = dict(spec.aliases)
     out = []
     for names, count, unit in items:
         keys, mouse = [], np.zeros(2, np.float32)
         for name in (s.strip() for s in names.split("+")):
+            look = _LOOK.match(name)
+            if look is not None and spec.mouse:
+                mouse += (float(look.group(1)), float(look.group(2)))
+                continue
             key = lower.get(name.lower())
             if key is None:
-                raise FastARError(f"unknown action {name!r}; this world knows {', '.join(known)}")
+                raise UnknownAction(name, f"unknown action {name!r}; this world knows {', '.join(known)}"
+                                  + (", look(PITCH,YAW)" if spec.mouse else ""))
             key = alias.get(key, key)
             if key in LOOKS:
                 mouse += LOOKS[key]
             elif key != "idle":
                 keys.append(key)
-        if count < 1:
-            raise FastARError(f"{names.strip()}*{count}{unit} holds no frame")
-        out.append(_frames(spec, count * (chunk_video_frames if unit == "c" else 1), keys, tuple(mouse)))
+        frames = frame_count(names, count, unit, chunk_video_frames, fps)
+        out.append(_frames(spec, frames, keys, tuple(mouse)))
     return np.concatenate(out)
+
+
+def runs(actions: np.ndarray, spec: ActionSpec) -> list[tuple[int, int, str]]:
+    """Actions per video frame [N, width] as runs of equal rows: (first frame, end, what is held), the
+    mouse as a named look where it is one, else ``look(PITCH,YAW)`` (exact: the text reads back to it)."""
+    out, n, i = [], len(actions), 0
+    while i < n:
+        j = i + 1
+        while j < n and np.array_equal(actions[j], actions[i]):
+            j += 1
+        row = actions[i]
+        names = [k for k, on in zip(spec.keys, row[:len(spec.keys)]) if on and k not in spec.idle]
+        mouse = row[len(spec.keys):]
+        if spec.mouse and mouse.any():
+            named = [n for n, look in LOOKS.items() if np.array_equal(mouse, np.float32(look))]
+            names.append(named[0] if named else f"look({float(mouse[0])!r},{float(mouse[1])!r})")
+        out.append((i, j, "+".join(names) or "idle"))
+        i = j
+    return out
+
+
+def actions_text(actions: np.ndarray, spec: ActionSpec) -> str:
+    """Actions per video frame [N, width] as action text that ``parse_actions`` reads back to the same
+    rows: their runs, counted in video frames."""
+    return ", ".join(f"{held}*{end - start}f" for start, end, held in runs(actions, spec))
 
 
 # -- a flight: a trajectory over a photograph, its ground truth and the model's rollout -----------------

@@ -95,6 +95,25 @@ def test_parse_actions_counts_units_and_json():
     assert np.array_equal(worlds.parse_actions("d * 2 , IDLE", SPEC, 12), a[:36])  # case and spaces
 
 
+def test_parse_actions_reads_seconds_and_exact_looks():
+    a = worlds.parse_actions("W*1.5s, look(0.25, -0.5)+A*2f", SPEC, 12, fps=8.0)
+    assert len(a) == 12 + 2 and (a[:12, SPEC.keys.index("W")] == 1).all()
+    assert (a[12:, SPEC.keys.index("A")] == 1).all() and np.allclose(a[12:, -2:], [0.25, -0.5])
+    assert len(worlds.parse_actions("W*1.5s", SPEC, 12)) == 24  # 16 fps by default
+    with pytest.raises(FastARError, match=r"whole number \(seconds take s: \*1\.5s\)"):
+        worlds.parse_actions("W*1.5f", SPEC, 12)
+
+
+def test_actions_text_reads_back_to_the_same_rows():
+    """The action log a live session returns: its text replays the exact rows, odd mouse moves included."""
+    rng = np.random.default_rng(3)
+    rows = worlds.parse_actions("W*5f, W+D*7f, look_left*3f, idle*2f", SPEC, 12)
+    rows[10:13, -2:] = rng.normal(size=(3, 2)).astype(np.float32)  # a mouse no named look matches
+    text = worlds.actions_text(rows, SPEC)
+    assert "look(" in text and text.startswith("W*5f, W+D*5f")
+    assert np.array_equal(worlds.parse_actions(text, SPEC, 12), rows)
+
+
 @pytest.mark.parametrize("text, says", [("W, jump*2", "'jump'"), ("W*x", "'W*x'"), ("", "no action"),
                                         ("[[1, 2", "JSON"), ("W*0", "holds no frame")])
 def test_parse_actions_names_the_bad_token(text, says):
