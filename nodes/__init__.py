@@ -3,7 +3,7 @@
 The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
 it takes), ``sampler_nodes`` (the two samplers and the Long Sampler's start image), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
 (the streaming save and the video stream), ``world_nodes`` (the pack's world model, its action schedule and
-sampler), over what they share (``schema``). Beneath them, by job:
+sampler), ``matrix_game_nodes`` (Matrix-Game 2.0's loader and sampler), over what they share (``schema``). Beneath them, by job:
 ``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
 ``patching`` (the attention patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward
 runs a rollout), ``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts),
@@ -15,6 +15,7 @@ works without ComfyUI.
 
 def node_list() -> list:
     """The pack's node classes (imports ComfyUI's API)."""
+    from .matrix_game_nodes import MatrixGameLoader, MatrixGameSampler
     from .prompt_nodes import PromptSchedule
     from .sampler_nodes import ARVideo, AutoregressiveLongSampler, StartImageNode
     from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
@@ -22,4 +23,5 @@ def node_list() -> list:
     from .world_nodes import ActionSchedule, WorldModelLoader, WorldSampler
 
     return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, StartImageNode,
-            ARVideo, PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler]
+            ARVideo, PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler,
+            MatrixGameLoader, MatrixGameSampler]

@@ -77,6 +77,28 @@ class ChunkDecoder:
                     yield out[:, :, t].movedim(1, -1)
 
 
+def start_image_latent(vae, image: torch.Tensor, max_frames: int, node: str, tol: float = 1e-3) -> torch.Tensor:
+    """The Wan VAE latent [1, 16, n, h, w] (the VAE's space) of ``image`` [1, H, W, 3] followed by black
+    frames, as encoding the whole video gives it: the causal encoder fed the image, then black frames 4 at
+    a time with its cache carried, until a latent frame equals the one before it (to ``tol`` of the
+    largest value) or ``max_frames`` latent frames are made. Every later latent frame is then that one: the
+    image's trace in the encoder's cache dies out a few frames into the black, so a long video's condition
+    costs the encoding of those few."""
+    model, count_conv3d = _wan_vae(vae, node)
+    comfy.model_management.load_models_gpu([vae.patcher], memory_required=vae.memory_used_encode(
+        (1, 3, 4, *image.shape[1:3]), vae.vae_dtype))
+    cache = [None] * count_conv3d(model.decoder)
+    with torch.inference_mode():
+        x = vae.process_input(image[:1, :, :, :3].movedim(-1, 1)).to(vae.vae_dtype).to(vae.device)[:, :, None]
+        black = torch.full_like(x, -1.0).expand(-1, -1, 4, -1, -1)  # pixel 0, in the encoder's [-1, 1]
+        out = [model.conv1(model.encoder(x, feat_cache=cache, feat_idx=[0])).chunk(2, dim=1)[0]]
+        while len(out) < max_frames:
+            out.append(model.conv1(model.encoder(black, feat_cache=cache, feat_idx=[0])).chunk(2, dim=1)[0])
+            if len(out) > 2 and (out[-1] - out[-2]).abs().max() <= tol * out[-1].abs().max():
+                break
+    return torch.cat(out, 2).float().to(comfy.model_management.intermediate_device())
+
+
 def decoded_frames(vae, samples: torch.Tensor, on_latent_frame: Callable[[int], None] | None = None):
     """Yield the decoded video frames [H, W, 3] (float in [0, 1], on the CPU) of ``samples``
     [B, 16, T, h, w], video by video, as ComfyUI's VAE Decode computes them."""

@@ -4,15 +4,16 @@ over ``fastar.worlds`` and ``fastar.models.world``."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import comfy.model_management
 import comfy.utils
 import numpy as np
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, worlds
-from .schema import CacheType, check_widget, schema
+from .schema import ADVANCED, CacheType, check_widget, schema
 from .words import in_words
 
 WorldType = io.Custom("FASTAR_WORLD")
@@ -60,18 +61,70 @@ class WorldModelLoader(io.ComfyNode):
         return io.NodeOutput(_load(world))
 
 
+@dataclass(frozen=True)
+class Actions:
+    """FAST-AR Action Schedule's output: its text, read by the sampler against its world's keys, and the
+    frame rate its seconds count at."""
+    text: str
+    fps: float = worlds.FPS
+
+
+def _vocabularies() -> dict[str, worlds.ActionSpec]:
+    """Every world the schedule can drive, by name: the pack's and Matrix-Game 2.0's variants."""
+    from ..fastar.models.matrix_game import VARIANTS
+
+    return {"the pack's world": worlds.ActionSpec(),
+            **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
+
+
+def vocabulary_check(text: str) -> None:
+    """Refuses text that no world can read: unreadable items, or a name no world knows (which keys
+    the loaded world has is its sampler's check)."""
+    specs = _vocabularies().values()
+    for names, _, _ in worlds.action_items(text):
+        for name in (s.strip() for s in names.split("+")):
+            if not any(worlds.knows(spec, name) for spec in specs):
+                raise FastARError(f"unknown action {name!r}: no world knows it (the node's description lists "
+                                  f"each world's keys)")
+
+
+def timeline(text: str, fps: float, shown: int = 12) -> str:
+    """What the schedule holds, for a person: its items in seconds, its length, and which worlds know
+    all its keys."""
+    vocabulary_check(text)
+    lines, n = [], 0
+    for names, count, unit in worlds.action_items(text):
+        frames = worlds.frame_count(names, count, unit, CHUNK, fps)
+        if len(lines) < shown:
+            lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {'+'.join(s.strip() for s in names.split('+'))}")
+        elif len(lines) == shown:
+            lines.append("...")
+        n += frames
+    lines.append(f"{n} video frames = {-(-n // CHUNK)} chunks of {CHUNK} = {n / fps:.1f} s at {fps:g} fps")
+    whole = [name for name, spec in _vocabularies().items()
+             if all(worlds.knows(spec, k.strip()) for names, _, _ in worlds.action_items(text) for k in names.split("+"))]
+    lines.append("runs on: " + (", ".join(whole) or "no one world: its keys come from different worlds"))
+    return "\n".join(lines)
+
+
 class ActionSchedule(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return schema(
             node_id="FastARActionSchedule",
             display_name="FAST-AR Action Schedule",
-            description="Where the camera goes: comma-separated actions, each keys joined by + held for a count "
-                        "of chunks (12 video frames each) or of video frames with f. Keys: W S A D pan, zoom_in, "
-                        "zoom_out, look_up / look_down / look_left / look_right (the mouse), idle. E.g. "
-                        "'D*4, W+D*2, look_left*6f, idle'. The JSON form [[\"D\", 4], [\"W+D\", 2]] works too.",
+            description="What the player does: comma-separated actions, each keys joined by + held for a count "
+                        "of chunks (12 video frames each), of video frames with f or of seconds with s. The pack's "
+                        "world: W S A D pan, zoom_in, zoom_out, look_up / look_down / look_left / look_right (the "
+                        "mouse), idle. Matrix-Game 2.0: its variant's keys (universal W S A D + looks; GTA W S "
+                        "drive, A D steer; Temple Run jump, slide, turnleft, turnright, leftside, rightside). "
+                        "E.g. 'D*4, W+D*2, look_left*6f, idle*1.5s'; the JSON form [[\"D\", 4], [\"W+D\", 2]] "
+                        "works too.",
             inputs=[io.String.Input("actions", multiline=True, default=DEFAULT_ACTIONS,
-                                    tooltip="The route, e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle.")],
+                                    tooltip="e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle*1.5s; look(PITCH,YAW) "
+                                            "moves the mouse by that much a video frame."),
+                    io.Float.Input("fps", default=worlds.FPS, min=1.0, max=120.0, step=1.0, optional=True,
+                                   **ADVANCED, tooltip="Video frames a second, for counts in seconds (s).")],
             outputs=[ActionsType.Output()],
         )
 
@@ -79,14 +132,16 @@ class ActionSchedule(io.ComfyNode):
     def validate_inputs(cls, actions):
         try:
             with in_words("FAST-AR Action Schedule"):
-                worlds.parse_actions(actions, worlds.ActionSpec(), CHUNK)
+                vocabulary_check(actions)
         except FastARError as exc:
             return str(exc)
         return True
 
     @classmethod
-    def execute(cls, actions) -> io.NodeOutput:
-        return io.NodeOutput(actions)
+    def execute(cls, actions, fps=worlds.FPS) -> io.NodeOutput:
+        with in_words("FAST-AR Action Schedule"):
+            text = timeline(actions, fps)
+        return io.NodeOutput(Actions(actions, float(fps)), ui=ui.PreviewText(text))
 
 
 def _photo(image) -> torch.Tensor:
@@ -139,8 +194,11 @@ class WorldSampler(io.ComfyNode):
     def execute(cls, world, actions, observe, seed, cache=None, image=None) -> io.NodeOutput:
         node = "FAST-AR World Sampler"
         with in_words(node):
+            if not hasattr(world, "spec"):
+                raise FastARError(f"the world input is {type(world).__name__}, not the pack's world model: a "
+                                  f"Matrix-Game 2.0 model runs in FAST-AR Matrix-Game Sampler")
             spec = world.spec
-            route = worlds.parse_actions(actions, spec.actions, CHUNK)
+            route = worlds.parse_actions(actions.text, spec.actions, CHUNK, actions.fps)
             route = np.concatenate([route, np.zeros((-len(route) % CHUNK, route.shape[1]), np.float32)])
             if observe >= len(route):
                 raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "

@@ -6,7 +6,9 @@ told otherwise, with empty stand-ins for the optional packages ComfyUI imports a
 models and nodes that are never run here (``stand_in_missing``). ``tiny_wan`` and ``write_wan`` make
 the smallest Wan 2.1 T2V model ComfyUI's detection builds and write it as ComfyUI's loaders read it,
 plain and with core ComfyUI's causal metadata; ``wan_vae_file`` writes a Wan 2.1 VAE with random
-weights. The rest are the checks the tests share: a prompt's features, the relative error, the
+weights, ``clip_vision_h_file`` a ViT-H/14 CLIP vision file with random weights that ComfyUI's CLIP
+vision loader takes; ``comfy_server`` runs a ComfyUI server over a base directory, with ``run_prompt``,
+``post_json``, ``get_json`` and ``fetch`` to talk to it. The rest are the checks the tests share: a prompt's features, the relative error, the
 engine a rollout picks, the frames of a video file.
 
 Importing this module imports nothing but the standard library: a ComfyUI server's ``sitecustomize``
@@ -14,6 +16,7 @@ Importing this module imports nothing but the standard library: a ComfyUI server
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -175,6 +178,214 @@ def wan_vae_file(path, seed: int = 0, dim: int = 96) -> Path:
             state[name] = torch.randn(p.shape, generator=g) / fan_in ** 0.5
     save_file(state, str(path))
     return Path(path)
+
+
+# -- a ComfyUI server ------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url):
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def fetch(url):
+    """The body at ``url``, or None where the server has none (404)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def post_json(url, data):
+    """(status, JSON body) of a POST of ``data`` as JSON."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def comfy_server(base: Path, pack: Path):
+    """A ComfyUI server of ``COMFYUI_PATH``'s tree on the CPU over the base directory ``base`` (its models/,
+    custom_nodes/ as the caller fills them) with the pack at ``pack`` among its custom nodes; yields
+    {"url", "port"} once the pack's nodes are listed, and stops it after."""
+    import subprocess
+    import time
+
+    tree = comfyui_path()
+    (base / "custom_nodes").mkdir(exist_ok=True)
+    (base / "custom_nodes" / "ComfyUI-FastAR").symlink_to(pack, target_is_directory=True)
+    # ComfyUI imports optional packages at module scope; where one cannot load, the server gets a stand-in
+    stub = base / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text(sitecustomize())
+    port = free_port()
+    paths = [str(stub), os.environ.get("PYTHONPATH", "")]
+    common = ["--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+              "--database-url", f"sqlite:///{base / 'comfyui.db'}"]  # not the tree's own user/ folder
+    if Path(tree, "server.py").is_file():  # a classic checkout: main.py with a base directory
+        cmd = [sys.executable, "main.py", *common, "--base-directory", str(base)]
+    else:  # the pip-installable layout: the package's entry point, working directory = base
+        paths.insert(1, tree)
+        cmd = [sys.executable, "-c", "from comfy.cmd.main import entrypoint; entrypoint()", *common, "--cwd", str(base)]
+    # a user's CPU server: the kernels' torch twins, not Triton's interpreter (the kernels have their own tests)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tree if cmd[1] == "main.py" else str(base), env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if "FastARPatchModel" in get_json(url + "/object_info/FastARPatchModel"):
+                    break
+                raise RuntimeError("pack not loaded yet")
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("ComfyUI did not start:\n" + (base / "server.log").read_text()[-4000:])
+                time.sleep(0.5)
+        yield {"url": url, "port": port}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def run_prompt(url, port, graph, timeout=300, on_message=None):
+    """Queue ``graph`` and collect the server's messages until it ends; ``on_message`` sees each as it comes,
+    while the run goes on. Returns (prompt id, messages)."""
+    import aiohttp
+    import time
+    import uuid
+
+    client_id = uuid.uuid4().hex
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?clientId={client_id}") as ws:
+            async with session.post(url + "/prompt", json={"prompt": graph, "client_id": client_id}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+            prompt_id = body["prompt_id"]
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                msg = await ws.receive(timeout=timeout)
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                m = json.loads(msg.data)
+                events.append(m)
+                if on_message is not None:
+                    on_message(m)
+                data = m.get("data", {})
+                if m["type"] in ("execution_error", "execution_interrupted") and data.get("prompt_id") == prompt_id:
+                    break
+                if m["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                    break
+    return prompt_id, events
+
+
+def clip_vision_h_file(path, seed: int = 0) -> Path:
+    """A CLIP vision file ComfyUI's loader reads as ViT-H/14 (clip_vision_h: 632 M parameters, what Wan's
+    image-to-video and Matrix-Game 2.0 take) at ``path``: its architecture's every weight, random, stored
+    in float8 (632 MB) since only its shapes and ComfyUI's code path matter here."""
+    import comfy.clip_model
+    import comfy.clip_vision
+    import comfy.ops
+    import torch
+    from safetensors.torch import save_file
+
+    with open(Path(comfy.clip_vision.__file__).with_name("clip_vision_config_h.json")) as f:
+        config = json.load(f)
+    model = comfy.clip_model.CLIPVisionModelProjection(config, torch.float32, "meta", comfy.ops.manual_cast)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if "layer_norm" in name or "layrnorm" in name or "layernorm" in name:
+            value = torch.ones(p.shape) if name.endswith("weight") else torch.zeros(p.shape)
+        else:
+            value = torch.randn(p.shape, generator=g) * (0.02 if p.ndim < 2 else p[0].numel() ** -0.5)
+        state[name] = value.to(torch.float8_e4m3fn)
+    save_file(state, str(path))
+    return Path(path)
+
+
+# -- templates -----------------------------------------------------------------------------------
+FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "model_name"}  # model files a user downloads; absent here
+FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
+
+
+def is_widget(spec) -> bool:
+    return isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+
+
+def api_prompt(workflow: dict, info: dict) -> dict:
+    """A UI workflow as an API prompt, checked against /object_info on the way: widget values in
+    schema order (seed widgets carry a control value after them), links of matching types, and
+    bypassed nodes (mode 4) passing their input of the same type through."""
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    links = {l[0]: l for l in workflow["links"]}
+
+    def source(link_id, type_):
+        _, origin, slot, _, _, t = links[link_id]
+        assert t == type_ or type_ == "*", (t, type_)
+        node = nodes[origin]
+        if node["mode"] == 4:  # bypassed: the input of the same type flows through
+            through = next(i for i in node["inputs"] if i["type"] == type_ and i["link"] is not None)
+            return source(through["link"], type_)
+        return [str(origin), slot]
+
+    prompt = {}
+    for node in workflow["nodes"]:
+        if node["mode"] != 0 or node["type"] in FRONTEND_ONLY:
+            continue
+        assert node["type"] in info, f"{node['type']} is not a node of this ComfyUI"
+        schema = info[node["type"]]
+        values = list(node["widgets_values"])
+        inputs = {}
+        for section in ("required", "optional"):
+            for name in schema["input_order"].get(section, []):
+                spec = schema["input"][section][name]
+                slot = next((i for i in node["inputs"] if i["name"] == name), None)
+                if is_widget(spec) and slot is None:
+                    assert values, f"{node['type']}: no widget value for {name}"
+                    value = values.pop(0)
+                    options = spec[0] if isinstance(spec[0], list) else spec[1].get("options")
+                    if options is not None and name not in FILE_INPUTS:
+                        assert value in options, f"{node['type']}.{name}={value!r} not in {options}"
+                    inputs[name] = value
+                    if spec[1].get("control_after_generate") if len(spec) > 1 else False:
+                        assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+                elif slot is not None and slot["link"] is not None:
+                    assert slot["type"] == spec[0], (node["type"], name, slot["type"], spec[0])
+                    inputs[name] = source(slot["link"], spec[0])
+                else:
+                    assert section == "optional", f"{node['type']}: required input {name} is not connected"
+        assert not values, f"{node['type']}: {len(values)} widget values left over"
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
 
 
 # -- checks ----------------------------------------------------------------------------------------

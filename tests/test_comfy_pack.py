@@ -17,6 +17,7 @@ DENSE = "FAST-AR - dense baseline (every frame kept)"
 CORE_AR = "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent)"
 STOCK_AR = "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video)"
 WORLD = "FAST-AR - world model, no download (TempCache against the window)"
+MATRIX_GAME = "FAST-AR - Matrix-Game 2.0 "  # a template per published file
 NODE_TYPES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
 
 
@@ -46,6 +47,9 @@ def test_example_workflows_are_wired():
         types = {n["type"] for n in nodes.values()}
         if path.stem == WORLD:
             assert {"FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"} <= types
+        elif path.stem.startswith(MATRIX_GAME):
+            assert {"FastARMatrixGameLoader", "CLIPVisionEncode", "FastARStartImage", "FastARActionSchedule",
+                    "FastARMatrixGameSampler"} <= types
         else:
             sampler = "FastARARVideo" if "SamplerCustom" in types else "FastARAutoregressiveSampler"
             assert {"FastARPatchModel", sampler} <= types
@@ -66,7 +70,7 @@ def test_fastar_workflows_run_fastar_at_the_defaults():
     """The FAST-AR templates feed TempCache Settings at the library's defaults into the patch, and no ANN
     Sparsity (off by default: it does not pay at the default budget)."""
     for path in sorted((REPO / "example_workflows").glob("*.json")):
-        if path.stem not in (DENSE, WORLD):
+        if path.stem not in (DENSE, WORLD) and not path.stem.startswith(MATRIX_GAME):
             _check_fastar_at_the_defaults(json.loads(path.read_text()))
 
 

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -85,42 +84,10 @@ except ImportError:
     pass
 '''
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _fetch(url):
-    """The body at ``url``, or None where the server has none (404)."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return None
-        raise
-
-
-def _post(url, data):
-    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.fixture(scope="module")
 def server(comfy, tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy_base")
     (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / "ComfyUI-FastAR").symlink_to(REPO, target_is_directory=True)
     (base / "custom_nodes" / "fastar_test_conditioning.py").write_text(TEST_NODE)
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
@@ -128,46 +95,12 @@ def server(comfy, tmp_path_factory):
     comfy_harness.write_wan(comfy_harness.tiny_wan(), models, "fastar_tiny")
     (base / "models" / "vae").mkdir()
     comfy_harness.wan_vae_file(base / "models" / "vae" / "fastar_tiny_vae.safetensors")
-    # ComfyUI imports optional packages at module scope; where one cannot load, the server gets a stand-in
-    stub = base / "stub"
-    stub.mkdir()
-    (stub / "sitecustomize.py").write_text(comfy_harness.sitecustomize())
+    with comfy_harness.comfy_server(base, REPO) as url_port:
+        yield {**url_port, "base": base}
 
-    port = _free_port()
-    paths = [str(stub), os.environ.get("PYTHONPATH", "")]
-    common = ["--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
-              "--database-url", f"sqlite:///{base / 'comfyui.db'}"]  # not the tree's own user/ folder
-    if Path(COMFYUI_PATH, "server.py").is_file():  # a classic checkout: main.py with a base directory
-        cmd = [sys.executable, "main.py", *common, "--base-directory", str(base)]
-    else:  # the pip-installable layout: the package's entry point, working directory = base
-        paths.insert(1, COMFYUI_PATH)
-        cmd = [sys.executable, "-c", "from comfy.cmd.main import entrypoint; entrypoint()", *common, "--cwd", str(base)]
-    # a user's CPU server: the kernels' torch twins, not Triton's interpreter (the kernels have their own tests)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    log = open(base / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=COMFYUI_PATH if cmd[1] == "main.py" else str(base), env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if "FastARPatchModel" in _get(url + "/object_info/FastARPatchModel"):
-                    break
-                raise RuntimeError("pack not loaded yet")
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("ComfyUI did not start:\n" + (base / "server.log").read_text()[-4000:])
-                time.sleep(0.5)
-        yield {"url": url, "port": port, "base": base}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+
+_free_port, _get, _fetch, _post, _run = (comfy_harness.free_port, comfy_harness.get_json, comfy_harness.fetch,
+                                         comfy_harness.post_json, comfy_harness.run_prompt)
 
 
 def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=False, seed=3):
@@ -193,36 +126,6 @@ def _graph(length=9, chunk="1", cache_mode="unbounded", tempcache=False, ann=Fal
             "annsa": True, "annca": False, "keep_mass": 0.95, "keep_fraction": 0.2, "dense_steps_fraction": 0.3}}
         graph["3"]["inputs"]["ann"] = ["7", 0]
     return graph
-
-
-async def _run(url, port, graph, timeout=300, on_message=None):
-    """Queue ``graph`` and collect the server's messages until it ends; ``on_message`` sees each as it comes,
-    while the run goes on."""
-    import aiohttp
-
-    client_id = uuid.uuid4().hex
-    events = []
-    async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?clientId={client_id}") as ws:
-            async with session.post(url + "/prompt", json={"prompt": graph, "client_id": client_id}) as r:
-                body = await r.json()
-                assert r.status == 200, body
-            prompt_id = body["prompt_id"]
-            deadline = time.time() + timeout
-            while time.time() < deadline:
-                msg = await ws.receive(timeout=timeout)
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    continue
-                m = json.loads(msg.data)
-                events.append(m)
-                if on_message is not None:
-                    on_message(m)
-                data = m.get("data", {})
-                if m["type"] in ("execution_error", "execution_interrupted") and data.get("prompt_id") == prompt_id:
-                    break
-                if m["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
-                    break
-    return prompt_id, events
 
 
 def test_object_info_lists_the_nodes(server):
@@ -680,64 +583,19 @@ CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video grap
 STOCK_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video).json"
 # the pack's world model: no model file to download
 WORLD_WORKFLOW = REPO / "example_workflows" / "FAST-AR - world model, no download (TempCache against the window).json"
+# Matrix-Game 2.0's templates: their own tests (test_comfy_matrix_game.py)
+MATRIX_GAME_WORKFLOWS = sorted((REPO / "example_workflows").glob("FAST-AR - Matrix-Game 2.0 *.json"))
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json"))
-             if (CORE_AR or p != CORE_AR_WORKFLOW) and p != WORLD_WORKFLOW]
+             if (CORE_AR or p != CORE_AR_WORKFLOW) and p != WORLD_WORKFLOW and p not in MATRIX_GAME_WORKFLOWS]
 # every template, the core AR one marked core_ar: it runs only where core's autoregressive nodes exist
 TEMPLATES = [pytest.param(p, id=p.stem, marks=[pytest.mark.core_ar] if p == CORE_AR_WORKFLOW else [])
-             for p in sorted((REPO / "example_workflows").glob("*.json")) if p != WORLD_WORKFLOW]
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}  # model files a user downloads; absent here
-FRONTEND_ONLY = {"Note", "MarkdownNote"}  # nodes the frontend keeps out of the prompt
-
-
-def _is_widget(spec) -> bool:
-    return isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+             for p in sorted((REPO / "example_workflows").glob("*.json"))
+             if p != WORLD_WORKFLOW and p not in MATRIX_GAME_WORKFLOWS]
+FILE_INPUTS = comfy_harness.FILE_INPUTS
 
 
 def _to_api_prompt(workflow: dict, info: dict) -> dict:
-    """A UI workflow as an API prompt, checked against /object_info on the way: widget values in
-    schema order (seed widgets carry a control value after them), links of matching types, and
-    bypassed nodes (mode 4) passing their input of the same type through."""
-    nodes = {n["id"]: n for n in workflow["nodes"]}
-    links = {l[0]: l for l in workflow["links"]}
-
-    def source(link_id, type_):
-        _, origin, slot, _, _, t = links[link_id]
-        assert t == type_ or type_ == "*", (t, type_)
-        node = nodes[origin]
-        if node["mode"] == 4:  # bypassed: the input of the same type flows through
-            through = next(i for i in node["inputs"] if i["type"] == type_ and i["link"] is not None)
-            return source(through["link"], type_)
-        return [str(origin), slot]
-
-    prompt = {}
-    for node in workflow["nodes"]:
-        if node["mode"] != 0 or node["type"] in FRONTEND_ONLY:
-            continue
-        assert node["type"] in info, f"{node['type']} is not a node of this ComfyUI"
-        schema = info[node["type"]]
-        values = list(node["widgets_values"])
-        inputs = {}
-        for section in ("required", "optional"):
-            for name in schema["input_order"].get(section, []):
-                spec = schema["input"][section][name]
-                slot = next((i for i in node["inputs"] if i["name"] == name), None)
-                if _is_widget(spec) and slot is None:
-                    assert values, f"{node['type']}: no widget value for {name}"
-                    value = values.pop(0)
-                    options = spec[0] if isinstance(spec[0], list) else spec[1].get("options")
-                    if options is not None and name not in FILE_INPUTS:
-                        assert value in options, f"{node['type']}.{name}={value!r} not in {options}"
-                    inputs[name] = value
-                    if spec[1].get("control_after_generate") if len(spec) > 1 else False:
-                        assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
-                elif slot is not None and slot["link"] is not None:
-                    assert slot["type"] == spec[0], (node["type"], name, slot["type"], spec[0])
-                    inputs[name] = source(slot["link"], spec[0])
-                else:
-                    assert section == "optional", f"{node['type']}: required input {name} is not connected"
-        assert not values, f"{node['type']}: {len(values)} widget values left over"
-        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
-    return prompt
+    return comfy_harness.api_prompt(workflow, info)
 
 
 @pytest.mark.parametrize("path", TEMPLATES)

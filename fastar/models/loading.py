@@ -87,12 +87,13 @@ def infer_config(state_dict: dict, num_heads: int | None = None) -> WanConfig:
     )
 
 
-def _matching_model(state_dict: dict, config: WanConfig, name: str, world=None, actions=None) -> WanModel:
+def _matching_model(state_dict: dict, config: WanConfig, name: str, world=None, actions=None,
+                    variant=None) -> WanModel:
     """A meta-device Wan model (a ``WorldModel`` where ``world``, its ``WorldSpec``, is given; a
     ``MatrixGameModel`` where ``actions``, its ``ActionConfig``, is) whose parameter names are exactly
     ``state_dict``'s, or one clear error."""
     with torch.device("meta"):
-        model = WorldModel(config, world) if world is not None else MatrixGameModel(config, actions) \
+        model = WorldModel(config, world) if world is not None else MatrixGameModel(config, actions, variant) \
             if actions is not None else WanModel(config)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
@@ -122,9 +123,9 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
         state_dict = strip_prefix(load_file(path, device=str(device or "cpu")))
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise FastARError(f"{os.path.basename(path)} is not a readable safetensors file: {exc}") from None
-    world = actions = None
+    world = actions = variant = None
     if MATRIX_GAME_KEY in state_dict:  # Matrix-Game 2.0, converted or as released: read off its keys
-        config, actions, _ = detect(state_dict, num_heads or _metadata_heads(metadata))
+        config, actions, variant = detect(state_dict, num_heads or _metadata_heads(metadata))
     elif CONFIG_METADATA_KEY in metadata:
         config = WanConfig(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in json.loads(metadata[CONFIG_METADATA_KEY]).items()})
@@ -132,7 +133,7 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
         config = infer_config(state_dict, num_heads)
     if WORLD_METADATA_KEY in metadata:
         world = WorldSpec.from_json(metadata[WORLD_METADATA_KEY])
-    model = _matching_model(state_dict, config, os.path.basename(path), world, actions)
+    model = _matching_model(state_dict, config, os.path.basename(path), world, actions, variant)
     dtype = dtype or state_dict["blocks.0.self_attn.q.weight"].dtype
     model.load_state_dict(state_dict, assign=True)
     return model.to(dtype).eval().requires_grad_(False)

@@ -276,18 +276,27 @@ class MatrixGameModel(WanModel):
 
     head_parallel = False
 
-    def __init__(self, cfg: WanConfig, actions: ActionConfig):
+    def __init__(self, cfg: WanConfig, actions: ActionConfig, variant: Variant | None = None):
         if not cfg.image_context or cfg.in_dim != 16 + CONDITION_CHANNELS or actions.blocks > cfg.num_layers:
             raise FastARError("MatrixGameModel: the config must take CLIP-vision context (image_context), 36 input "
                               f"channels and at most {cfg.num_layers} action blocks")
         blocks = iter(range(actions.blocks))
         super().__init__(cfg, lambda i: ActionModule(cfg.dim, actions, next(blocks)) if i < actions.blocks else None)
-        self.actions = actions
+        self.actions, self.variant = actions, variant
 
     def bind(self, condition: torch.Tensor, keyboard: torch.Tensor, mouse: torch.Tensor | None = None, *,
              frames: int) -> "MatrixGameRun":
         """The chunk model of one rollout of ``frames`` latent frames (``MatrixGameRun``)."""
         return MatrixGameRun(self, condition, keyboard, mouse, frames=frames)
+
+
+def start_condition(latent: torch.Tensor) -> torch.Tensor:
+    """The start-image condition [B, 20, T, h, w] ``MatrixGameRun`` takes, from the VAE latent [B, 16, T, h, w]
+    (in the model's normalised space) of the start image followed by black frames: the mask's 4 channels
+    (1 on latent frame 0) before it."""
+    mask = torch.zeros_like(latent[:, :4])
+    mask[:, :, 0] = 1
+    return torch.cat([mask, latent], 1)
 
 
 def _windows(rows: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
