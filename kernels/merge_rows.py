@@ -61,8 +61,9 @@ def merge_rows_torch(k: Tensor, v: Tensor, new_k: Tensor, new_v: Tensor, slot: T
     total = (count + added).clamp_min(1)
     share = merge / total.gather(1, slot)                                             # [H, N], 0 unmerged
     acc = torch.zeros(h, m, d, dtype=torch.float32, device=k.device)
-    heads = torch.arange(h, device=k.device)[:, None].expand_as(slot)
-    acc.index_put_((heads, slot), new_v.transpose(0, 1).float() * share[..., None], accumulate=True)
+    # scatter_add_, not index_put_(accumulate=True): on the CPU its sums come in a fixed order, so a
+    # rollout repeats bit for bit (a replayed session's frames are its own)
+    acc.scatter_add_(1, slot[..., None].expand(-1, -1, d), new_v.transpose(0, 1).float() * share[..., None])
     keep = torch.where(added > 0, count / total, 1.0)                                # [H, M]
     v.copy_((v.float() * keep.t()[..., None] + acc.transpose(0, 1)).to(v.dtype))
     newest = new_k.transpose(0, 1).gather(1, rep.clamp_min(0)[..., None].expand(-1, -1, d))  # [H, M, D]
