@@ -3,7 +3,8 @@
 The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cache and sparsity settings
 it takes), ``sampler_nodes`` (the two samplers and the Long Sampler's start image), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
 (the streaming save and the video stream), ``world_nodes`` (the pack's world model, its action schedule and
-sampler), ``matrix_game_nodes`` (Matrix-Game 2.0's loader and sampler), over what they share (``schema``). Beneath them, by job:
+sampler), ``matrix_game_nodes`` (Matrix-Game 2.0's loader and sampler), ``play_nodes`` (a world played live: the
+session's node, its routes and page), over what they share (``schema``). Beneath them, by job:
 ``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
 ``patching`` (the attention patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward
 runs a rollout), ``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts),
@@ -16,6 +17,7 @@ works without ComfyUI.
 def node_list() -> list:
     """The pack's node classes (imports ComfyUI's API)."""
     from .matrix_game_nodes import MatrixGameLoader, MatrixGameSampler
+    from .play_nodes import WorldPlay
     from .prompt_nodes import PromptSchedule
     from .sampler_nodes import ARVideo, AutoregressiveLongSampler, StartImageNode
     from .settings_nodes import AnnSparsity, PatchModel, TempCacheSettings, WindowCache
@@ -24,4 +26,4 @@ def node_list() -> list:
 
     return [PatchModel, TempCacheSettings, WindowCache, AnnSparsity, AutoregressiveLongSampler, StartImageNode,
             ARVideo, PromptSchedule, SaveVideo, VideoStream, WorldModelLoader, ActionSchedule, WorldSampler,
-            MatrixGameLoader, MatrixGameSampler]
+            MatrixGameLoader, MatrixGameSampler, WorldPlay]

@@ -83,6 +83,23 @@ def _context(clip_vision_output, model) -> torch.Tensor:
     return tokens[:1]
 
 
+def split_rows(rows: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Action rows [N, width] as the model's keyboard [1, N, keys] and mouse [1, N, 2] (None without one),
+    on its device."""
+    device, keys = next(model.parameters()).device, len(model.variant.keys)
+    return rows[None, :, :keys].to(device), rows[None, :, keys:].to(device) if model.variant.mouse else None
+
+
+def start_latent(start, frames: int, width: int, height: int, node: str) -> torch.Tensor:
+    """The start image's condition [1, 20, frames, h, w] (mask and latent): FAST-AR Start Image's image at
+    ``width`` x ``height`` through its VAE, in the model's latent space."""
+    from ..fastar.models.matrix_game import start_condition
+
+    image = comfy.utils.common_upscale(start.image[:1].movedim(-1, 1), width, height, "bilinear", "center")
+    latent = start_image_latent(start.vae, image.movedim(1, -1), frames, node)
+    return start_condition(comfy.latent_formats.Wan21().process_in(latent))
+
+
 class MatrixGameSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -138,7 +155,7 @@ class MatrixGameSampler(io.ComfyNode):
     def execute(cls, world, clip_vision_output, start, actions, seed, cache=None, timesteps="", shift=5.0,
                 width=WIDTH, height=HEIGHT, stream=None) -> io.NodeOutput:
         from ..fastar import Rollout
-        from ..fastar.models.matrix_game import FRAMES_PER_LATENT, start_condition
+        from ..fastar.models.matrix_game import FRAMES_PER_LATENT
 
         with in_words(SAMPLER):
             if not _is_matrix_game(world):
@@ -164,13 +181,9 @@ class MatrixGameSampler(io.ComfyNode):
             frames = 3 * chunks
             context = _context(clip_vision_output, model)
         device, dtype = next(model.parameters()).device, model.dtype
-        keys = len(variant.keys)
-        keyboard = rows[None, :, :keys].to(device)
-        mouse = rows[None, :, keys:].to(device) if variant.mouse else None
+        keyboard, mouse = split_rows(rows, model)
         fmt = comfy.latent_formats.Wan21()
-        image = comfy.utils.common_upscale(start.image[:1].movedim(-1, 1), width, height, "bilinear", "center")
-        latent = start_image_latent(start.vae, image.movedim(1, -1), frames, SAMPLER)
-        condition = start_condition(fmt.process_in(latent)).to(device)
+        condition = start_latent(start, frames, width, height, SAMPLER).to(device)
         events = CacheEvents(node_id(cls))
         events.sampling(3, schedule.timesteps, schedule.shift, source)
         length = 1 + FRAMES_PER_LATENT * (frames - 1)

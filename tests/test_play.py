@@ -1,0 +1,45 @@
+"""A live session's two ends (``fastar.play.Session``): the latest action held until the next, taken once per
+chunk; one action at a time, in the world's keys."""
+import threading
+
+import numpy as np
+import pytest
+
+from comfyui_fastar.fastar import FastARError, worlds
+from comfyui_fastar.fastar.play import Session
+
+SPEC = worlds.ActionSpec()
+
+
+def test_the_latest_action_is_held_until_the_next():
+    s = Session(SPEC)
+    first = s.take()
+    assert first.seq == 0 and first.received is None and not first.row.any()  # idle before any post
+    assert s.post("W+D")[0] == 1
+    assert s.post("look_left")[0] == 2
+    taken = s.take()
+    assert taken.seq == 2 and np.array_equal(taken.row, worlds.parse_actions("look_left", SPEC, 1)[0])
+    again = s.take()  # sticky: nothing new posted
+    assert again.seq == 2 and np.array_equal(again.row, taken.row) and again.taken >= taken.taken >= taken.received
+    taken.row[:] = 7  # a taken row is the chunk's own
+    assert not (s.take().row == 7).any()
+
+
+@pytest.mark.parametrize("action, says", [("jump", "unknown action 'jump'"), ("W*2", "one item with no count"),
+                                          ("W, D", "one item with no count"), ("", "no action")])
+def test_a_bad_action_is_refused_and_the_held_one_kept(action, says):
+    s = Session(SPEC)
+    s.post("A")
+    with pytest.raises(FastARError, match=says):
+        s.post(action)
+    assert s.take().seq == 1
+
+
+def test_posts_from_threads_are_numbered_once_each():
+    s = Session(SPEC)
+    threads = [threading.Thread(target=lambda: [s.post("W") for _ in range(50)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.take().seq == 200
