@@ -27,9 +27,9 @@ from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, worlds
 from ..fastar.play import Session
-from .matrix_game_nodes import _context, _is_matrix_game, split_rows, start_latent
+from .matrix_game_nodes import HEIGHT, WIDTH, _context, _is_matrix_game, split_rows, start_latent
 from .progress import CacheEvents, prompt_server, send_event
-from .schema import CacheType, StartType, check_widget, node_id, schema
+from .schema import ADVANCED, CacheType, StartType, check_widget, node_id, schema
 from .video import ChunkDecoder
 from .world_nodes import CHUNK, ActionsType, Actions, WorldType, _photo
 from .words import in_words
@@ -197,23 +197,22 @@ class _PackWorld:
 class _MatrixGame:
     """Matrix-Game 2.0 from a start image: chunks of 12 video frames' actions (the first makes 9 frames)."""
 
-    def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None):
+    def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None,
+                 size: tuple[int, int]):
         if clip_vision_output is None or start is None:
             raise FastARError("a Matrix-Game 2.0 world starts from an image: connect clip_vision_output (CLIP Vision "
                               "Encode, crop none) and start (FAST-AR Start Image)")
-        from .matrix_game_nodes import HEIGHT, WIDTH
-
         variant = model.variant
         if variant.sampling is None:
             raise FastARError(f"the {variant.name} model records no sampling: play a distilled variant")
-        self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", (HEIGHT, WIDTH)
+        self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", size
         self.model, self.sampling, self.first = model, variant.sampling, 0
         self.table = _table(self.spec, chunks * CHUNK, rows)
         self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
         frames = 3 * chunks
         device = next(model.parameters()).device
         self.context = _context(clip_vision_output, model).to(device, model.dtype)
-        self.condition = start_latent(start, frames, WIDTH, HEIGHT, NODE).to(device)
+        self.condition = start_latent(start, frames, size[1], size[0], NODE).to(device)
         self.vae, self.format = start.vae, comfy.latent_formats.Wan21()
         self.decoder = ChunkDecoder(self.vae, NODE)
         self.frames = frames
@@ -276,7 +275,8 @@ class WorldPlay(io.ComfyNode):
                         "or Matrix-Game 2.0 (a GPU; connect clip_vision_output and start).",
             inputs=[
                 WorldType.Input("world", tooltip="FAST-AR World Model, or FAST-AR Matrix-Game 2.0 Loader."),
-                io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1, tooltip="The noise of every chunk."),
+                io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1, control_after_generate=True,
+                             tooltip="The noise of every chunk: a session replays with the seed it ran with."),
                 io.Float.Input("max_seconds", default=60.0, min=1.0, max=3600.0, step=1.0,
                                tooltip="The longest session, at 16 video frames a second: it ends there."),
                 CacheType.Input("cache", optional=True,
@@ -290,6 +290,10 @@ class WorldPlay(io.ComfyNode):
                 io.ClipVisionOutput.Input("clip_vision_output", optional=True,
                                           tooltip="Matrix-Game 2.0: CLIP Vision Encode (crop none) of the start image."),
                 StartType.Input("start", optional=True, tooltip="Matrix-Game 2.0: FAST-AR Start Image."),
+                io.Int.Input("width", default=WIDTH, min=16, max=4096, step=16, optional=True, **ADVANCED,
+                             tooltip="Matrix-Game 2.0: pixels; it is trained at 640 x 352."),
+                io.Int.Input("height", default=HEIGHT, min=16, max=4096, step=16, optional=True, **ADVANCED,
+                             tooltip="Matrix-Game 2.0: pixels; it is trained at 640 x 352."),
             ],
             outputs=[io.Image.Output("frames"), io.String.Output("action_log"), ActionsType.Output("schedule")],
             hidden=[io.Hidden.unique_id],
@@ -298,9 +302,13 @@ class WorldPlay(io.ComfyNode):
 
     @classmethod
     def execute(cls, world, seed, max_seconds, cache=None, actions=None, image=None, observe=12,
-                clip_vision_output=None, start=None) -> io.NodeOutput:
+                clip_vision_output=None, start=None, width=WIDTH, height=HEIGHT) -> io.NodeOutput:
         with in_words(NODE):
             check_widget(cls, "max_seconds", max_seconds)
+            for name, value in (("width", width), ("height", height)):
+                check_widget(cls, name, value)
+                if value % 16:
+                    raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
             rows = None
             if _is_matrix_game(world):
                 spec = world.variant.actions
@@ -320,7 +328,8 @@ class WorldPlay(io.ComfyNode):
                 played = -(-max(len(rows) - first, 1) // CHUNK)
                 chunks = max(chunks, played)
             with torch.inference_mode():
-                player = (_MatrixGame(world, clip_vision_output, start, chunks, rows) if _is_matrix_game(world)
+                player = (_MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width))
+                          if _is_matrix_game(world)
                           else _PackWorld(world, image, observe, chunks, rows))
             session = Session(spec)
             return _play(cls, player, session, cache, int(seed), played, live=actions is None)

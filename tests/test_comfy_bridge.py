@@ -222,7 +222,7 @@ def test_nodes(comfy, models, pack):
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
                 "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
                 "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler",
-                "FastARStartImage"}
+                "FastARStartImage", "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()

@@ -96,6 +96,27 @@ def test_a_chunks_actions_steer_that_chunk_and_not_the_ones_before(parts):
     assert (a[:, :, 3:] - b[:, :, 3:]).abs().amax(dim=(0, 1, 3, 4)).min() > 1e-4
 
 
+def test_world_play_offline_is_the_samplers_video(parts):
+    """FAST-AR World Play with a schedule connected (a replay) plays Matrix-Game 2.0 as its sampler does: the
+    sampler's LATENT, decoded, frame for frame; its log is the schedule in frames, idle to the chunk's end
+    (rows the last chunk's frames do not read: the first chunk makes 9 frames from 12 rows)."""
+    from comfyui_fastar.nodes.play_nodes import WorldPlay
+    from comfyui_fastar.nodes.sampler_nodes import StartImage
+    from comfyui_fastar.nodes.video import ChunkDecoder
+    from comfyui_fastar.nodes.world_nodes import Actions
+
+    text = "W*1, A+look_left*6f, S*3f"  # 21 frames: two chunks, the second held to its end
+    latent = _sample(parts, text)
+    decoded = torch.cat(list(ChunkDecoder(parts.vae)(latent)))
+    clip = types.SimpleNamespace(penultimate_hidden_states=torch.randn(1, 257, 1280,
+                                                                       generator=torch.Generator().manual_seed(1)))
+    out = WorldPlay.execute(parts.model, 0, 24 / 16, actions=Actions(text), clip_vision_output=clip,
+                            start=StartImage(parts.image, parts.vae), width=W, height=H)
+    frames, log, schedule = out.result
+    assert frames.shape == (9 + 12, H, W, 3) and torch.equal(frames, decoded)
+    assert log == "W*12f, A+look_left*6f, S*3f, idle*3f" and schedule.text == log
+
+
 def test_the_sampler_refuses_what_its_model_cannot_read_in_its_words(parts):
     from comfyui_fastar.fastar import FastARError
 
@@ -225,6 +246,51 @@ def test_a_key_the_loaded_variant_lacks_fails_naming_it_and_an_unknown_one_at_pr
     (err,) = body["node_errors"][by_type["FastARActionSchedule"]]["errors"]
     assert err["details"] == ("actions - FAST-AR Action Schedule: unknown action 'jmup': no world knows it (the "
                               "node's description lists each world's keys)")
+
+
+def _play_prompt(server, variant: str, actions: str | None = None) -> dict:
+    """The variant's template with FAST-AR World Play in the sampler's place (live, or playing ``actions``),
+    its frames saved as images (node "99")."""
+    prompt, by_type = _template_prompt(server, variant)
+    sampler = prompt.pop(by_type["FastARMatrixGameSampler"])["inputs"]
+    for t in ("FastARVideoStream", "FastARActionSchedule"):
+        del prompt[by_type[t]]
+    prompt["98"] = {"class_type": "FastARWorldPlay", "inputs": {
+        **{k: sampler[k] for k in ("world", "clip_vision_output", "start", "cache")},
+        "seed": 0, "max_seconds": 6.0, "width": W, "height": H}}
+    if actions is not None:
+        prompt["97"] = {"class_type": "FastARActionSchedule", "inputs": {"actions": actions}}
+        prompt["98"]["inputs"]["actions"] = ["97", 0]
+    prompt["99"] = {"class_type": "SaveImage", "inputs": {"images": ["98", 0],
+                                                         "filename_prefix": f"mg_play_{uuid.uuid4().hex[:8]}"}}
+    return prompt
+
+
+def test_a_live_session_plays_matrix_game_and_replays_from_its_log(server):
+    """A session over the tiny universal file: keys and a look posted as it plays, the first chunk's 9 frames
+    then 12 a chunk, stopped from the page; its log, played by the same node, makes the same frames."""
+    from test_comfy_play import saved, session
+
+    def plan(m):
+        return {-1: [{"action": "W"}], 0: [{"action": "A+look_left"}], 2: [{"stop": True}]}.get(m["chunk"], [])
+
+    got, events = asyncio.run(session(server, plan, _play_prompt(server, "universal")))
+    assert got["hello"]["world"] == "Matrix-Game 2.0 universal" and got["hello"]["size"] == [H, W]
+    assert ["W", "W"] in got["hello"]["keys"] and ["mouse", "look"] in got["hello"]["keys"]
+    assert got["end"]["reason"] == "stopped" and not got["errors"]
+    chunks = got["chunks"]
+    assert [c["frames"] for c in chunks] == [[0, 9]] + [[9 + 12 * i, 12] for i in range(len(chunks) - 1)]
+    assert got["frames"] == list(range(9 + 12 * (len(chunks) - 1)))
+    for c in chunks:
+        assert c["seq"] == max([a["seq"] for a in got["acks"] if a["received"] < c["taken"]], default=0)
+    live = saved(server, events, "99")
+    assert live.shape == (len(got["frames"]), H, W, 3)
+    log = got["end"]["log"]
+    assert "A+look_left*" in log and len(log.split(", ")) >= 2
+    _, replay = asyncio.run(comfy_harness.run_prompt(server["url"], server["port"],
+                                                     _play_prompt(server, "universal", log), timeout=600))
+    assert not [e for e in replay if e["type"] == "execution_error"]
+    assert np.array_equal(saved(server, replay, "99"), live)
 
 
 def test_the_loader_refuses_a_wan_text_to_video_file_in_its_words(server):

@@ -18,6 +18,7 @@ CORE_AR = "FAST-AR - ComfyUI AR video graph (needs Empty AR Video Latent)"
 STOCK_AR = "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video)"
 WORLD = "FAST-AR - world model, no download (TempCache against the window)"
 MATRIX_GAME = "FAST-AR - Matrix-Game 2.0 "  # a template per published file
+PLAY = "FAST-AR - play the world live (no download)"
 NODE_TYPES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARAutoregressiveSampler"}
 
 
@@ -35,7 +36,8 @@ def test_web_extension_formats_numbers_itself():
     js = (REPO / "web" / "fastar_cache.js").read_text()
     assert 'api.addEventListener(EVENT' in js and 'const EVENT = "fastar.cache"' in js
     # text goes in through textContent only: no HTML built from what the server sends
-    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write", js)
+    for page in (js, (REPO / "web" / "fastar_play.js").read_text(), (REPO / "web" / "fastar_play.html").read_text()):
+        assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write", page)
 
 
 def test_example_workflows_are_wired():
@@ -47,6 +49,8 @@ def test_example_workflows_are_wired():
         types = {n["type"] for n in nodes.values()}
         if path.stem == WORLD:
             assert {"FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"} <= types
+        elif path.stem == PLAY:
+            assert {"FastARWorldModel", "FastARWorldPlay"} <= types
         elif path.stem.startswith(MATRIX_GAME):
             assert {"FastARMatrixGameLoader", "CLIPVisionEncode", "FastARStartImage", "FastARActionSchedule",
                     "FastARMatrixGameSampler"} <= types
@@ -70,7 +74,7 @@ def test_fastar_workflows_run_fastar_at_the_defaults():
     """The FAST-AR templates feed TempCache Settings at the library's defaults into the patch, and no ANN
     Sparsity (off by default: it does not pay at the default budget)."""
     for path in sorted((REPO / "example_workflows").glob("*.json")):
-        if path.stem not in (DENSE, WORLD) and not path.stem.startswith(MATRIX_GAME):
+        if path.stem not in (DENSE, WORLD, PLAY) and not path.stem.startswith(MATRIX_GAME):
             _check_fastar_at_the_defaults(json.loads(path.read_text()))
 
 

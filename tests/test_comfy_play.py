@@ -40,25 +40,27 @@ def _graph(prefix: str, actions: str | None = None, max_seconds: float = 60.0) -
     return graph
 
 
-def _saved(server, events) -> np.ndarray:
+def saved(server, events, node: str = "3") -> np.ndarray:
+    """The frames the prompt's SaveImage ``node`` wrote, in order."""
     from PIL import Image
 
-    (shown,) = [e["data"]["output"] for e in events if e["type"] == "executed" and e["data"]["node"] == "3"]
+    (shown,) = [e["data"]["output"] for e in events if e["type"] == "executed" and e["data"]["node"] == node]
     files = sorted(shown["images"], key=lambda f: f["filename"])
     return np.stack([np.asarray(Image.open(server["base"] / "output" / f["subfolder"] / f["filename"]))
                      for f in files])
 
 
-async def _session(server, plan):
-    """Queues a live graph, plays it with ``plan(chunk message) -> messages to send``, and returns what the
-    page got (hello, chunk messages, acks, errors, frame numbers, end) and ComfyUI's events."""
+async def session(server, plan, graph=None):
+    """Queues a live graph (default: the pack's world's), plays it with ``plan(chunk message) -> messages to
+    send``, and returns what the page got (hello, chunk messages, acks, errors, frame numbers, end) and
+    ComfyUI's events."""
     import aiohttp
 
     client_id, events, got = uuid.uuid4().hex, [], {"chunks": [], "acks": [], "errors": [], "frames": []}
+    graph = graph or _graph(f"play_{client_id[:8]}")
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(f"ws://127.0.0.1:{server['port']}/ws?clientId={client_id}") as comfy:
-            async with http.post(server["url"] + "/prompt", json={"prompt": _graph(f"play_{client_id[:8]}"),
-                                                                  "client_id": client_id}) as r:
+            async with http.post(server["url"] + "/prompt", json={"prompt": graph, "client_id": client_id}) as r:
                 assert r.status == 200, await r.text()
             while True:  # the node says where its session plays, to the page that queued it
                 m = json.loads((await comfy.receive(timeout=120)).data)
@@ -107,7 +109,7 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
                 2: [{"action": "jump", "id": 3}], 3: [{"action": "idle", "id": 4}],
                 5: [{"stop": True}]}.get(m["chunk"], [])
 
-    got, events = asyncio.run(_session(server, plan))
+    got, events = asyncio.run(session(server, plan))
     assert got["refused"] == [403] * 5
     assert got["page"][0] == 200 and "FAST-AR World Play" in got["page"][1]
     assert got["hello"]["world"] == "the pack's world" and ["W", "W"] in got["hello"]["keys"]
@@ -127,7 +129,7 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
     assert got["frames"] == list(range(12, 12 + 12 * len(chunks)))
     assert all(c["frames"] == [12 + 12 * i, 12] for i, c in enumerate(chunks))
     assert chunks[-1]["cache"]["tokens"] > 0 and chunks[-1]["cache"]["dense_tokens"] > 0
-    live = _saved(server, events)
+    live = saved(server, events)
     assert live.shape == (12 + 12 * len(chunks), 64, 64, 3)
     log = got["end"]["log"]
     (play,) = [e["data"]["output"] for e in events if e["type"] == "executed" and e["data"]["node"] == "2"]
@@ -137,7 +139,7 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
     _, replay_events = asyncio.run(comfy_harness.run_prompt(server["url"], server["port"],
                                                             _graph(f"replay_{uuid.uuid4().hex[:8]}", log), timeout=300))
     assert not [e for e in replay_events if e["type"] == "execution_error"]
-    assert np.array_equal(_saved(server, replay_events), live)
+    assert np.array_equal(saved(server, replay_events), live)
 
 
 def test_restart_plays_the_world_from_its_start(server):
@@ -151,13 +153,145 @@ def test_restart_plays_the_world_from_its_start(server):
             return [{"restart": True}]
         return [{"stop": True}] if seen.count(0) == 2 and m["chunk"] == 1 else []
 
-    got, events = asyncio.run(_session(server, plan))
+    got, events = asyncio.run(session(server, plan))
     chunks = [c["chunk"] for c in got["chunks"]]
     restart = chunks.index(0, 1)
     assert len(got["restarts"]) == 1
     assert restart in (2, 3) and chunks == list(range(restart)) + list(range(len(chunks) - restart)), chunks
     assert got["end"]["reason"] == "stopped"
     played = len(chunks) - restart
-    assert _saved(server, events).shape == (12 + played * 12, 64, 64, 3)  # the restarted run's frames
+    assert saved(server, events).shape == (12 + played * 12, 64, 64, 3)  # the restarted run's frames
     # its log: A, held across the restart, from the restarted run's first chunk
     assert got["end"]["log"] == f"idle*12f, A*{12 * played}f"
+
+
+PLAY_WORKFLOW = REPO / "example_workflows" / "FAST-AR - play the world live (no download).json"
+
+
+def test_the_play_template_is_the_live_graph_at_its_defaults(server):
+    """The template as ComfyUI reads it: the pack's world, TempCache at its defaults, a live session (nothing
+    on actions) of at most a minute, its frames saved."""
+    from comfyui_fastar.fastar import TempCacheConfig
+
+    info = comfy_harness.get_json(server["url"] + "/object_info")
+    prompt = comfy_harness.api_prompt(json.loads(PLAY_WORKFLOW.read_text()), info)
+    by_type = {n["class_type"]: n["inputs"] for n in prompt.values()}
+    play = by_type["FastARWorldPlay"]
+    assert {k: v for k, v in play.items() if not isinstance(v, list)} == {
+        "seed": 0, "max_seconds": 60.0, "observe": 12, "width": 640, "height": 352}
+    assert set(k for k, v in play.items() if isinstance(v, list)) == {"world", "cache"}
+    t = TempCacheConfig()
+    assert by_type["FastARTempCacheSettings"] == {"enabled": t.enabled, "merge_threshold": t.merge_threshold,
+                                                  "max_cache_frames": t.max_cache_frames, "sink_frames": t.sink_frames}
+    assert "SaveAnimatedWEBP" in by_type
+
+
+def _webp_frames(path, fps: float = 16.0) -> list[np.ndarray]:
+    """An animated WEBP's frames at ``fps`` (its encoder keeps one frame, held longer, for a run of equal ones)."""
+    from PIL import Image, ImageSequence
+
+    frames = []
+    with Image.open(path) as im:
+        for f in ImageSequence.Iterator(im):
+            frames += [np.asarray(f.convert("RGB"), float)] * round(f.info["duration"] * fps / 1000)
+    return frames
+
+
+def _shift(a: np.ndarray, b: np.ndarray, r: int = 20) -> int:
+    """How far right the camera moved from frame a to frame b, in pixels: b(x) ~ a(x + dx)."""
+    w = a.shape[1]
+    errs = {dx: np.abs(b[:, :w - dx] - a[:, dx:]).mean() if dx >= 0 else np.abs(b[:, -dx:] - a[:, :w + dx]).mean()
+            for dx in range(-r, r + 1)}
+    return min(errs, key=errs.get)
+
+
+def _chromium():
+    return next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).is_file()), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_the_play_template_plays_in_the_frontend(server):
+    """The live template as a user plays it: queued from the frontend, the node's button opens the play page,
+    a key held moves the world (the trained world pans over its photograph), the legend and the numbers are
+    shown, and stop ends the session with the frames saved on the graph."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from test_comfy_server import CLOSE_DIALOGS, _frontend, _screenshot
+
+    snap = ("() => [window.__fastar.shown, Array.from(document.getElementById('screen').getContext('2d')"
+            ".getImageData(0, 0, 64, 64).data)]")  # the frame's number and its pixels
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(PLAY_WORKFLOW.read_text()))
+            page.wait_for_timeout(800)
+            page.evaluate(CLOSE_DIALOGS)
+            label = page.evaluate("() => window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
+                                  ".fastarPlayButton.label")
+            page.evaluate("() => window.app.queuePrompt(0)")
+            page.wait_for_function("() => !!window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
+                                   ".fastarPlayUrl", timeout=120000)
+            with page.expect_popup() as popup:
+                page.evaluate("() => window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
+                              ".fastarPlayButton.callback()")
+            play = popup.value
+            play.wait_for_function("() => window.__fastar && window.__fastar.drawn >= 36", timeout=120000)
+            idle = play.evaluate(snap)
+            play.keyboard.down("d")
+            play.wait_for_function("""() => { const s = window.__fastar, c = s.chunks.find((c) => c.seq >= 1);
+                                              return c && s.drawn >= c.frames[0] + c.frames[1] - 12 + 12; }""",
+                                   timeout=60000)
+            moved = play.evaluate(snap)
+            play.keyboard.up("d")
+            play.wait_for_function("() => window.__fastar.latencies.length > 0", timeout=60000)
+            shown = play.evaluate("""() => Object.fromEntries([...document.querySelectorAll('[data-field]')]
+                                     .map((e) => [e.dataset.field, e.textContent]))""")
+            legend = play.text_content("#legend")
+            play.set_viewport_size({"width": 860, "height": 430})
+            _screenshot(play, "world_play.png")
+            play.click("#stop")
+            play.wait_for_function("() => window.__fastar.end !== null", timeout=60000)
+            end = play.evaluate("() => window.__fastar.end")
+            page.wait_for_function("""() => { const n = window.app.graph._nodes.find((n) => n.type === 'SaveAnimatedWEBP');
+                                              return n && n.imgs && n.imgs.length > 0; }""", timeout=120000)
+        finally:
+            browser.close()
+    assert label == "open the play page (queue first)"
+    assert end["reason"] == "stopped" and "D*" in end["log"]
+    # what the page showed moved; the frames played (saved by the graph) pan right while D was held, and
+    # stand still while nothing was: a latent frame's worth (4 video frames) at a time
+    (before, before_pixels), (after, after_pixels) = idle, moved
+    assert after > before and before_pixels != after_pixels
+    from comfyui_fastar.fastar import worlds
+
+    rows = worlds.parse_actions(end["log"], worlds.ActionSpec(), 12)
+    frames = _webp_frames(max((server["base"] / "output" / "fastar").glob("world_play*.webp"), key=os.path.getmtime))
+    assert len(frames) == len(rows)
+    pans = {}
+    for held in ("D", "idle"):
+        row = worlds.parse_actions(held, worlds.ActionSpec(), 1)[0]
+        pans[held] = [_shift(frames[i], frames[i + 4]) for i in range(12, len(rows) - 4, 4)
+                      if (rows[i:i + 5] == row).all()]
+    assert pans["D"] and np.mean(pans["D"]) >= 6 and pans["idle"] and abs(np.mean(pans["idle"])) <= 2, pans
+    for key in ("W", "A", "S", "D", "zoom_in", "zoom_out", "mouse"):
+        assert key in legend, legend
+    assert float(shown["fps"]) > 0 and shown["latency"].endswith(" ms") and "tokens" in shown["cache"], shown
+    assert shown["dense"].endswith("tokens") and shown["action"] == "idle", shown
+
+
+@pytest.mark.slow
+def test_the_play_benchmark_times_a_live_session_and_its_replay(comfy, tmp_path):
+    """bench/play_bench.py --smoke: a live session (the pack's routes, a player on its socket) and its log
+    played offline, each timed; the file names the device and the shapes."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import play_bench
+
+    result = play_bench.main(["--comfyui", COMFYUI_PATH, "--smoke", "--chunks", "5", "--hold", "1", "--repeats", "1",
+                              "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "play_bench_smoke.json").read_text())["summary"] == result["summary"]
+    live, offline = result["summary"]["live"], result["summary"]["offline"]
+    assert live["frames"] == 9 + 12 * 4 and live["posts_timed"] >= 2
+    assert 0 < live["key_to_frame_ms"] <= live["key_to_frame_max_ms"]
+    assert live["fps"] > 0 and offline["fps"] > 0 and live["rollout_ms"] > 0 and offline["rollout_ms"] > 0
+    assert result["shape"] == {"height": 48, "width": 64, "model": "tiny"}

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.comfyui,
 REPO = Path(__file__).resolve().parents[1]
 NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
          "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
-         "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler"}
+         "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler",
+         "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay"}
 
 TEST_NODE = '''
 import torch
@@ -583,14 +584,15 @@ CORE_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - ComfyUI AR video grap
 STOCK_AR_WORKFLOW = REPO / "example_workflows" / "FAST-AR - AR video graph on stock nodes (Empty Hunyuan Latent Video).json"
 # the pack's world model: no model file to download
 WORLD_WORKFLOW = REPO / "example_workflows" / "FAST-AR - world model, no download (TempCache against the window).json"
-# Matrix-Game 2.0's templates: their own tests (test_comfy_matrix_game.py)
-MATRIX_GAME_WORKFLOWS = sorted((REPO / "example_workflows").glob("FAST-AR - Matrix-Game 2.0 *.json"))
+# Matrix-Game 2.0's templates and the live one: their own tests (test_comfy_matrix_game.py, test_comfy_play.py)
+OWN_TESTS = sorted((REPO / "example_workflows").glob("FAST-AR - Matrix-Game 2.0 *.json")) + [
+    REPO / "example_workflows" / "FAST-AR - play the world live (no download).json"]
 WORKFLOWS = [p for p in sorted((REPO / "example_workflows").glob("*.json"))
-             if (CORE_AR or p != CORE_AR_WORKFLOW) and p != WORLD_WORKFLOW and p not in MATRIX_GAME_WORKFLOWS]
+             if (CORE_AR or p != CORE_AR_WORKFLOW) and p != WORLD_WORKFLOW and p not in OWN_TESTS]
 # every template, the core AR one marked core_ar: it runs only where core's autoregressive nodes exist
 TEMPLATES = [pytest.param(p, id=p.stem, marks=[pytest.mark.core_ar] if p == CORE_AR_WORKFLOW else [])
              for p in sorted((REPO / "example_workflows").glob("*.json"))
-             if p != WORLD_WORKFLOW and p not in MATRIX_GAME_WORKFLOWS]
+             if p != WORLD_WORKFLOW and p not in OWN_TESTS]
 FILE_INPUTS = comfy_harness.FILE_INPUTS
 
 
@@ -709,13 +711,20 @@ def test_the_world_template_runs_with_no_download_on_a_cpu(server):
 def test_the_world_nodes_refuse_bad_input_at_prompt_in_their_words(server):
     prompt = _to_api_prompt(json.loads(WORLD_WORKFLOW.read_text()), _get(server["url"] + "/object_info"))
     schedule = next(k for k, n in prompt.items() if n["class_type"] == "FastARActionSchedule")
-    prompt[schedule]["inputs"]["actions"] = "W*2, jump"
+    prompt[schedule]["inputs"]["actions"] = "W*2, jmp"
     status, body = _post(server["url"] + "/prompt", {"prompt": prompt})
     assert status == 400
     (errors,) = [e["errors"] for k, e in body["node_errors"].items() if k == schedule]
     assert [e["details"] for e in errors] == [  # one message, on the one input it reads
-        "actions - FAST-AR Action Schedule: unknown action 'jump'; this world knows W, S, A, D, zoom_in, zoom_out, "
-        "idle, look_up, look_down, look_left, look_right"]
+        "actions - FAST-AR Action Schedule: unknown action 'jmp': no world knows it (the node's description lists "
+        "each world's keys)"]
+    # a key of another world (Temple Run's) passes the queue; the sampler names the keys its world has
+    prompt[schedule]["inputs"]["actions"] = "W*2, jump"
+    _, events = asyncio.run(_run(server["url"], server["port"], prompt))
+    (error,) = [e["data"] for e in events if e["type"] == "execution_error"]
+    assert error["node_type"] == "FastARWorldSampler" and error["exception_message"].startswith(
+        "FAST-AR World Sampler: unknown action 'jump'; this world knows W, S, A, D, zoom_in, zoom_out, idle, "
+        "look_up, look_down, look_left, look_right"), error
     prompt[schedule]["inputs"]["actions"] = "W*2"
     samplers = [k for k, n in prompt.items() if n["class_type"] == "FastARWorldSampler"]
     for observe, said in ((30, "observe 30 must be a multiple of 12 video frames"),
