@@ -1,0 +1,258 @@
+"""A live FAST-AR World Play session against the same rollout offline: frames a second and key-to-frame latency.
+
+Matrix-Game 2.0's universal model at its shapes (Wan 2.1 1.3B with the action module in blocks 0-14, random
+weights written at the released key layout, bf16, 640x352), loaded by FAST-AR Matrix-Game 2.0 Loader; its start
+image encoded by ComfyUI's CLIP vision model (ViT-H/14, random weights, as CLIP Vision Encode with crop none
+does) and a Wan 2.1 VAE at its real widths (random weights). The node runs in a worker thread inside
+``torch.inference_mode``, as ComfyUI's executor runs it; its session is served by the pack's own routes on a
+local aiohttp server (the routes ComfyUI's PromptServer mounts), and a player on the session's socket holds each
+of a round of actions for ``--hold`` chunks, then stops after ``--chunks``. The session's log is then played
+offline by the same node (no page). Rounds alternate live and offline (``--repeats``), after one untimed
+offline warm-up.
+
+Per run, over the chunks after the first two: the chunk period (a chunk's frames every so many ms: frames a
+second), the rollout's own ms a chunk, and (live) the time from posting an action to the arrival of the first
+frame of the first chunk that took it. The medians over rounds are written to ``play_bench.json``.
+
+    python bench/play_bench.py --comfyui PATH --out bench/results   # a GPU; PATH: a ComfyUI tree
+    python bench/play_bench.py --comfyui PATH --smoke --out /tmp     # tiny shapes on the CPU: the script only
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
+from common.comfyui import harness  # noqa: E402
+
+ACTIONS = ("W", "W+look(0,0.05)", "A", "S+look(0.03,0)", "D", "idle")
+SKIP = 2  # chunks left out of the statistics: the first captures CUDA graphs
+
+
+def parse_args(argv=None):
+    p = parser(__doc__, smoke=True)
+    p.add_argument("--comfyui", required=True, help="a ComfyUI tree (its comfy package is imported)")
+    p.add_argument("--chunks", type=int, default=40, help="chunks a session plays (12 video frames each)")
+    p.add_argument("--hold", type=int, default=2, help="chunks each action is held")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of live and offline")
+    return p.parse_args(argv)
+
+
+def build(args, folder: str):
+    """The loaded world, the start image and CLIP vision tokens, as the graph's nodes make them."""
+    import comfy.clip_vision
+    import comfy.sd
+    import comfy.utils
+
+    from comfyui_fastar.nodes.matrix_game_nodes import MatrixGameLoader, folder_paths
+    from comfyui_fastar.nodes.sampler_nodes import StartImage
+    from comfyui_fastar.testing.checkpoints import matrix_game_weights
+    from safetensors.torch import save_file
+
+    size = dict(dim=256, heads=2, layers=2, ffn=256, clip=1280) if args.smoke else \
+        dict(dim=1536, heads=12, layers=30, ffn=8960, clip=1280, hidden=1024, key_hidden=128, freq=256)
+    save_file(matrix_game_weights("universal", dtype=torch.bfloat16, **size),
+              os.path.join(folder, "mg_universal.safetensors"))
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    world = MatrixGameLoader.execute("mg_universal.safetensors").result[0]
+    vae_path = harness.wan_vae_file(os.path.join(folder, "vae.safetensors"))
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(vae_path)))
+    image = torch.rand(1, 352, 640, 3, generator=torch.Generator().manual_seed(0))
+    clip = comfy.clip_vision.load(str(harness.clip_vision_h_file(os.path.join(folder, "clip_vision_h.safetensors"))))
+    tokens = clip.encode_image(image, crop=False)  # CLIP Vision Encode, crop "none"
+    return world, tokens, StartImage(image, vae)
+
+
+class Events:
+    """The node's ``fastar.cache`` events, timed as they come: the rollout's ms a chunk and when each chunk
+    was done (its frames decoded and sent)."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def __call__(self, event, data):
+        if event == "fastar.cache" and data.get("latency_s") is not None and data.get("status") == "running":
+            self.chunks.append((time.perf_counter(), data["latency_s"]))
+
+
+def run_node(play, kwargs, events: Events):
+    """WorldPlay.execute in a worker thread under inference mode; returns its result (or raises its error)."""
+    out = {}
+
+    def work():
+        try:
+            with torch.inference_mode():
+                out["result"] = play.execute(**kwargs).result
+        except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+            out["error"] = exc
+
+    events.chunks.clear()
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread, out
+
+
+def steady(times: list[float], per: int) -> dict:
+    """Chunk period from the times each chunk completed (after ``SKIP``): ms a chunk and frames a second."""
+    t = times[SKIP:]
+    periods = [b - a for a, b in zip(t, t[1:])]
+    ms = 1e3 * statistics.median(periods)
+    return {"period_ms": ms, "fps": per * 1e3 / ms}
+
+
+async def player(url: str, args, sessions: list) -> dict:
+    """The page: posts each action for ``--hold`` chunks, stops after ``--chunks``; times every frame."""
+    import aiohttp
+
+    sent, frames, chunks, acks, end = {}, {}, [], {}, None
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(url, max_msg_size=1 << 24) as ws:
+            posts = 0
+
+            async def post():
+                nonlocal posts
+                posts += 1
+                sent[posts] = time.perf_counter()
+                await ws.send_str(json.dumps({"action": ACTIONS[(posts - 1) % len(ACTIONS)], "id": posts}))
+            async for msg in ws:
+                now = time.perf_counter()
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    frames[int.from_bytes(msg.data[:4], "big")] = now
+                    continue
+                m = json.loads(msg.data)
+                if m["type"] == "hello":
+                    await post()
+                elif m["type"] == "ack":
+                    acks[m["seq"]] = sent[m["id"]]
+                elif m["type"] == "chunk":
+                    chunks.append({**m, "arrived": now})
+                    if m["chunk"] + 1 >= args.chunks:
+                        await ws.send_str(json.dumps({"stop": True}))
+                    elif m["chunk"] % args.hold == args.hold - 1:
+                        await post()
+                elif m["type"] == "end":
+                    end = m
+                    break
+    # key to frame: a post's sending to the arrival of the first frame of the first chunk that took it
+    latency, seen = [], set()
+    for c in chunks:
+        if c["seq"] and c["seq"] not in seen and c["seq"] in acks and c["frames"][0] in frames:
+            seen.add(c["seq"])
+            latency.append(1e3 * (frames[c["frames"][0]] - acks[c["seq"]]))
+    last_frame = [max(frames[n] for n in range(c["frames"][0], sum(c["frames"])) if n in frames) for c in chunks]
+    return {"log": end["log"], "latency_ms": latency, "chunk_done": last_frame, "frames": len(frames),
+            "per": chunks[-1]["frames"][1]}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    harness.import_comfy(args.comfyui, cpu=not cuda)
+    from aiohttp import web
+
+    from comfyui_fastar.nodes import play_nodes, progress
+
+    loop = asyncio.new_event_loop()
+    server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id=None)
+    announced = []
+    events = Events()
+    # ComfyUI's PromptServer, as far as the node uses it: its route table and loop, the events it sends
+    saved = play_nodes.prompt_server, play_nodes.send_event, progress.send_event
+    play_nodes.prompt_server = lambda: server
+    play_nodes.send_event = lambda event, data: announced.append(data)
+    progress.send_event = events
+    try:
+        return _measure(args, argv, loop, server, announced, events, cuda)
+    finally:
+        play_nodes.prompt_server, play_nodes.send_event, progress.send_event = saved
+        loop.close()
+
+
+def _measure(args, argv, loop, server, announced, events, cuda):
+    from aiohttp import web
+
+    from comfyui_fastar.nodes import play_nodes
+    from comfyui_fastar.nodes.play_nodes import WorldPlay
+    from comfyui_fastar.nodes.world_nodes import Actions
+
+    asyncio.set_event_loop(loop)
+    play_nodes._register_routes()
+    app = web.Application()
+    app.add_routes(server.routes)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = harness.free_port()
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+
+    with tempfile.TemporaryDirectory() as folder:
+        world, tokens, start = build(args, folder)
+        size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
+        seconds = args.chunks * 12 / 16
+        base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, **size)
+
+        def offline(log):
+            thread, out = run_node(WorldPlay, {**base, "actions": Actions(log)}, events)
+            thread.join()
+            if "error" in out:
+                raise out["error"]
+            return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks]
+
+        warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
+        offline(warm)  # compiles and captures, untimed
+        rounds = []
+        for r in range(args.repeats):
+            announced.clear()
+            thread, out = run_node(WorldPlay, base, events)
+            while not announced:
+                loop.run_until_complete(asyncio.sleep(0.01))
+            url = f"ws://127.0.0.1:{port}{announced[0]['url'].replace('?token=', '/ws?token=')}"
+            live = loop.run_until_complete(player(url, args, announced))
+            thread.join()
+            if "error" in out:
+                raise out["error"]
+            live_rollout = [s for _, s in events.chunks]
+            period = steady(live["chunk_done"], 12)
+            off, off_rollout = offline(live["log"])
+            rounds.append({
+                "live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
+                         "key_to_frame_ms": statistics.median(live["latency_ms"]),
+                         "key_to_frame_max_ms": max(live["latency_ms"]), "posts_timed": len(live["latency_ms"]),
+                         "frames": live["frames"]},
+                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:])}})
+            print(f"round {r}: live {rounds[-1]['live']['fps']:.1f} fps, key to frame "
+                  f"{rounds[-1]['live']['key_to_frame_ms']:.0f} ms; offline {off['fps']:.1f} fps", flush=True)
+    loop.run_until_complete(runner.cleanup())
+
+    def med(side, key):
+        return statistics.median(r[side][key] for r in rounds)
+
+    summary = {side: {k: med(side, k) for k in rounds[0][side]} for side in ("live", "offline")}
+    summary["live_over_offline_period"] = statistics.median(r["live"]["period_ms"] / r["offline"]["period_ms"]
+                                                            for r in rounds)
+    device = torch.device("cuda" if cuda else "cpu")
+    result = {**header(device, argv), "shape": {"height": size["height"], "width": size["width"],
+                                                 "model": "tiny" if args.smoke else "Matrix-Game 2.0 universal"},
+              "settings": {"chunks": args.chunks, "hold": args.hold, "repeats": args.repeats, "actions": ACTIONS,
+                           "cache": "TempCache at its defaults"},
+              "summary": summary, "rounds": rounds}
+    print(f"{'':10} {'frames/s':>9} {'chunk period ms':>16} {'rollout ms':>11} {'key to frame ms':>16}")
+    for side in ("live", "offline"):
+        s = summary[side]
+        print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} "
+              f"{s.get('key_to_frame_ms', float('nan')):16.1f}")
+    print("wrote", write_json(args.out, "play_bench_smoke.json" if args.smoke else "play_bench.json", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
