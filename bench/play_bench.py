@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=40, help="chunks a session plays (12 video frames each)")
     p.add_argument("--hold", type=int, default=2, help="chunks each action is held")
     p.add_argument("--repeats", type=int, default=3, help="rounds of live and offline")
+    p.add_argument("--cache", choices=("tempcache", "window"), default="tempcache",
+                   help="TempCache at its defaults, or the model's own window (6 latent frames)")
     return p.parse_args(argv)
 
 
@@ -198,14 +200,16 @@ def _measure(args, argv, loop, server, announced, events, cuda):
         world, tokens, start = build(args, folder)
         size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
         seconds = args.chunks * 12 / 16
-        base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, **size)
+        cache = world.variant.cache() if args.cache == "window" else None
+        base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, cache=cache,
+                    **size)
 
         def offline(log):
             thread, out = run_node(WorldPlay, {**base, "actions": Actions(log)}, events)
             thread.join()
             if "error" in out:
                 raise out["error"]
-            return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks]
+            return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks], out["result"][0]
 
         warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
         offline(warm)  # compiles and captures, untimed
@@ -222,13 +226,16 @@ def _measure(args, argv, loop, server, announced, events, cuda):
                 raise out["error"]
             live_rollout = [s for _, s in events.chunks]
             period = steady(live["chunk_done"], 12)
-            off, off_rollout = offline(live["log"])
+            off, off_rollout, replayed = offline(live["log"])
+            played = out["result"][0]
             rounds.append({
                 "live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
                          "key_to_frame_ms": statistics.median(live["latency_ms"]),
                          "key_to_frame_max_ms": max(live["latency_ms"]), "posts_timed": len(live["latency_ms"]),
                          "frames": live["frames"]},
-                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:])}})
+                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:])},
+                # the replay against the session: equal on the CPU; TempCache's merge adds atomically on a GPU
+                "replay_max_abs": (played - replayed).abs().max().item() if played.shape == replayed.shape else None})
             print(f"round {r}: live {rounds[-1]['live']['fps']:.1f} fps, key to frame "
                   f"{rounds[-1]['live']['key_to_frame_ms']:.0f} ms; offline {off['fps']:.1f} fps", flush=True)
     loop.run_until_complete(runner.cleanup())
@@ -237,20 +244,23 @@ def _measure(args, argv, loop, server, announced, events, cuda):
         return statistics.median(r[side][key] for r in rounds)
 
     summary = {side: {k: med(side, k) for k in rounds[0][side]} for side in ("live", "offline")}
+    summary["replay_max_abs"] = [r["replay_max_abs"] for r in rounds]
     summary["live_over_offline_period"] = statistics.median(r["live"]["period_ms"] / r["offline"]["period_ms"]
                                                             for r in rounds)
     device = torch.device("cuda" if cuda else "cpu")
     result = {**header(device, argv), "shape": {"height": size["height"], "width": size["width"],
                                                  "model": "tiny" if args.smoke else "Matrix-Game 2.0 universal"},
               "settings": {"chunks": args.chunks, "hold": args.hold, "repeats": args.repeats, "actions": ACTIONS,
-                           "cache": "TempCache at its defaults"},
+                           "cache": "TempCache at its defaults" if args.cache == "tempcache" else
+                           "the model's own window of 6 latent frames"},
               "summary": summary, "rounds": rounds}
     print(f"{'':10} {'frames/s':>9} {'chunk period ms':>16} {'rollout ms':>11} {'key to frame ms':>16}")
     for side in ("live", "offline"):
         s = summary[side]
         print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} "
               f"{s.get('key_to_frame_ms', float('nan')):16.1f}")
-    print("wrote", write_json(args.out, "play_bench_smoke.json" if args.smoke else "play_bench.json", result))
+    name = "play_bench" + ("_window" if args.cache == "window" else "") + ("_smoke" if args.smoke else "")
+    print("wrote", write_json(args.out, name + ".json", result))
     return result
 
 

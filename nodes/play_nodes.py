@@ -6,13 +6,15 @@ Action Schedule connected the node plays it with no page: a session's action log
 
 Routes (token-checked): ``GET /fastar/play/{session}`` the page, ``GET /fastar/play/{session}/ws`` its
 socket. Messages to the page are JSON (``hello``, ``ack``, ``chunk``, ``end``, ``error``) and binary frames
-(a 4-byte big-endian frame number, then a JPEG); from the page ``{"action": "W+D"}`` and ``{"stop": true}``."""
+(a 4-byte big-endian frame number, then a JPEG); from the page ``{"action": "W+D", "id": n}``, ``{"stop": true}``
+and ``{"restart": true}``."""
 from __future__ import annotations
 
 import asyncio
 import io as bytes_io
 import json
 import logging
+import secrets
 import struct
 import threading
 import time
@@ -66,7 +68,8 @@ class Live:
 
 def _authorised(request) -> Live | None:
     live = _sessions.get(request.match_info["session"])
-    return live if live is not None and request.query.get("token") == live.session.token else None
+    token = request.query.get("token", "")
+    return live if live is not None and secrets.compare_digest(token.encode(), live.session.token.encode()) else None
 
 
 def _register_routes() -> None:
