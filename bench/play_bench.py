@@ -162,7 +162,7 @@ def main(argv=None):
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web
 
-    from comfyui_fastar.nodes import play_nodes, progress
+    from comfyui_fastar.nodes import play_nodes, play_routes, progress
 
     loop = asyncio.new_event_loop()
     server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id=None)
@@ -173,6 +173,7 @@ def main(argv=None):
     play_nodes.prompt_server = lambda: server
     play_nodes.send_event = lambda event, data: announced.append(data)
     progress.send_event = events
+    play_routes.register_routes(server)
     try:
         return _measure(args, argv, loop, server, announced, events, cuda)
     finally:
@@ -183,12 +184,10 @@ def main(argv=None):
 def _measure(args, argv, loop, server, announced, events, cuda):
     from aiohttp import web
 
-    from comfyui_fastar.nodes import play_nodes
     from comfyui_fastar.nodes.play_nodes import WorldPlay
     from comfyui_fastar.nodes.world_nodes import Actions
 
     asyncio.set_event_loop(loop)
-    play_nodes._register_routes()
     app = web.Application()
     app.add_routes(server.routes)
     runner = web.AppRunner(app)

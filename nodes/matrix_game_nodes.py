@@ -27,7 +27,7 @@ _loaded: dict[str, object] = {}
 folder_paths = comfy_module("folder_paths")
 
 
-def _is_matrix_game(model) -> bool:
+def is_matrix_game(model) -> bool:
     from ..fastar.models.matrix_game import MatrixGameModel
 
     return isinstance(model, MatrixGameModel)
@@ -61,7 +61,7 @@ class MatrixGameLoader(io.ComfyNode):
             with in_words(LOADER):
                 model = load_wan(path, device=device,
                                  dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
-                if not _is_matrix_game(model):
+                if not is_matrix_game(model):
                     raise FastARError(f"{model_name} is a {type(model).__name__}, not a Matrix-Game 2.0 model (it has "
                                       f"no action module): Wan 2.1 text-to-video files load with Load Diffusion Model")
             v = model.variant
@@ -71,7 +71,7 @@ class MatrixGameLoader(io.ComfyNode):
         return io.NodeOutput(_loaded[key])
 
 
-def _context(clip_vision_output, model) -> torch.Tensor:
+def context_tokens(clip_vision_output, model) -> torch.Tensor:
     """CLIP Vision Encode's penultimate tokens [1, 257, 1280] as the model's context, or one clear error."""
     tokens = getattr(clip_vision_output, "penultimate_hidden_states", None)
     if tokens is None:
@@ -81,6 +81,20 @@ def _context(clip_vision_output, model) -> torch.Tensor:
                           f"[1, {model.text_len}, {model.text_dim}]: encode the start image with "
                           f"clip_vision_h.safetensors (ViT-H/14, 224 px) through CLIP Vision Encode, crop none")
     return tokens[:1]
+
+
+def size_inputs(note: str = "") -> list:
+    """The frame size's widgets (advanced): Matrix-Game 2.0 is trained at 640 x 352."""
+    return [io.Int.Input(name, default=default, min=16, max=4096, step=16, optional=True, **ADVANCED,
+                         tooltip=f"{note}Pixels; Matrix-Game 2.0 is trained at 640 x 352.")
+            for name, default in (("width", WIDTH), ("height", HEIGHT))]
+
+
+def check_size(cls, width: int, height: int) -> None:
+    for name, value in (("width", width), ("height", height)):
+        check_widget(cls, name, value)
+        if value % 16:
+            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
 
 
 def split_rows(rows: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,10 +145,7 @@ class MatrixGameSampler(io.ComfyNode):
                                         "give them here."),
                 io.Float.Input("shift", default=5.0, min=0.01, max=100.0, step=0.01, optional=True, **ADVANCED,
                                tooltip="Timestep shift, with timesteps given here."),
-                io.Int.Input("width", default=WIDTH, min=16, max=4096, step=16, optional=True, **ADVANCED,
-                             tooltip="Pixels; Matrix-Game 2.0 is trained at 640 x 352."),
-                io.Int.Input("height", default=HEIGHT, min=16, max=4096, step=16, optional=True, **ADVANCED,
-                             tooltip="Pixels; Matrix-Game 2.0 is trained at 640 x 352."),
+                *size_inputs(),
                 stream_input(),
             ],
             outputs=[io.Latent.Output()],
@@ -158,14 +169,11 @@ class MatrixGameSampler(io.ComfyNode):
         from ..fastar.models.matrix_game import FRAMES_PER_LATENT
 
         with in_words(SAMPLER):
-            if not _is_matrix_game(world):
+            if not is_matrix_game(world):
                 raise FastARError(f"the world input is {type(world).__name__}, not a Matrix-Game 2.0 model: load one "
                                   f"with {LOADER} (the pack's own world runs in FAST-AR World Sampler)")
             model = world
-            for name, value in (("width", width), ("height", height)):
-                check_widget(cls, name, value)
-                if value % 16:
-                    raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+            check_size(cls, width, height)
             variant = model.variant
             if timesteps and timesteps.strip():
                 schedule = FlowMatchSchedule.parse(timesteps, shift=float(shift))
@@ -179,7 +187,7 @@ class MatrixGameSampler(io.ComfyNode):
             rows = torch.from_numpy(rows)
             rows = torch.cat([rows, rows[-1:].expand(chunks * CHUNK - len(rows), -1)])  # the last action held
             frames = 3 * chunks
-            context = _context(clip_vision_output, model)
+            context = context_tokens(clip_vision_output, model)
         device, dtype = next(model.parameters()).device, model.dtype
         keyboard, mouse = split_rows(rows, model)
         fmt = comfy.latent_formats.Wan21()

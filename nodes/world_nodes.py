@@ -144,7 +144,7 @@ class ActionSchedule(io.ComfyNode):
         return io.NodeOutput(Actions(actions, float(fps)), ui=ui.PreviewText(text))
 
 
-def _photo(image) -> torch.Tensor:
+def photo_of(image) -> torch.Tensor:
     """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one."""
     if image is None:
         return worlds.load_photo(worlds.DEMO_PHOTO)
@@ -203,7 +203,7 @@ class WorldSampler(io.ComfyNode):
             if observe >= len(route):
                 raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "
                                   f"frames")
-            photo = _photo(image)
+            photo = photo_of(image)
             if min(photo.shape[1:]) < spec.view:
                 raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                                   f"{spec.view} px, the image must be at least that on each side")

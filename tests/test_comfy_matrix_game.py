@@ -301,3 +301,22 @@ def test_the_loader_refuses_a_wan_text_to_video_file_in_its_words(server):
     assert error["node_id"] == by_type["FastARMatrixGameLoader"]
     assert error["exception_message"].startswith("FAST-AR Matrix-Game 2.0 Loader: fastar_tiny.safetensors is a "
                                                  "WanModel, not a Matrix-Game 2.0 model"), error["exception_message"]
+
+
+def test_the_play_pages_legend_maps_keys_to_each_variants_actions(comfy):
+    """What the play page binds: the variant's keys (Temple Run's to keys a player reaches), GTA's steering on
+    A / D, the mouse where the model has one; every action one the session reads."""
+    from comfyui_fastar.fastar.models.matrix_game import VARIANTS
+    from comfyui_fastar.fastar.play import Session
+    from comfyui_fastar.nodes.players import legend
+
+    assert legend(VARIANTS["universal"].actions) == [["W", "W"], ["S", "S"], ["A", "A"], ["D", "D"], ["mouse", "look"]]
+    assert legend(VARIANTS["gta"].actions) == [["W", "forward"], ["S", "back"], ["A", "look_left"],
+                                               ["D", "look_right"], ["mouse", "look"]]
+    assert legend(VARIANTS["templerun"].actions) == [["Space", "jump"], ["C", "slide"], ["Q", "turnleft"],
+                                                     ["E", "turnright"], ["A", "leftside"], ["D", "rightside"]]
+    for variant in VARIANTS.values():
+        session = Session(variant.actions)
+        for _, action in legend(variant.actions):
+            if action != "look":
+                session.post(action)

@@ -1,0 +1,133 @@
+"""The worlds FAST-AR World Play plays, behind one face: the action rows its chunks read (``table``, and
+the model's copy written in place before each chunk: ``write``), its rollout, the frames it shows first
+and each chunk's decoded frames; and the play page's key legend."""
+from __future__ import annotations
+
+import comfy.latent_formats
+import numpy as np
+import torch
+
+from ..fastar import FastARError, worlds
+from .matrix_game_nodes import context_tokens, split_rows, start_latent
+from .play_routes import NODE
+from .video import ChunkDecoder
+from .world_nodes import CHUNK, photo_of
+
+
+def action_table(spec: worlds.ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
+    """A session's action rows [n, width]: a schedule's (``rows``, the rest idle), or idle to be written live."""
+    table = np.repeat(worlds.parse_actions("idle", spec, 1), n, 0)
+    if rows is not None:
+        table[:min(n, len(rows))] = rows[:n]
+    return table
+
+
+class PackWorld:
+    """The pack's world over a photograph: the camera starts at its centre and is shown ``observe`` frames
+    of the truth there (the log's first rows), then the model makes each chunk."""
+
+    def __init__(self, model, image, observe: int, chunks: int, rows: np.ndarray | None):
+        from ..fastar.models.world import WORLD_SAMPLING
+
+        spec = model.spec
+        self.spec, self.name, self.size = spec.actions, "the pack's world", (spec.view, spec.view)
+        photo = photo_of(image)
+        if min(photo.shape[1:]) < spec.view:
+            raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is {spec.view} "
+                              f"px, the image must be at least that on each side")
+        device = next(model.parameters()).device
+        n = observe + chunks * CHUNK
+        self.table = action_table(spec.actions, n, rows)
+        self.rows = torch.from_numpy(self.table)[None].to(device, model.dtype)  # the context's rows, written live
+        centre = torch.tensor([photo.shape[2] / 2, photo.shape[1] / 2, 0.0])
+        poses = worlds.integrate(torch.from_numpy(self.table[:observe]), spec.actions, centre)
+        truth = worlds.render(photo.to(device), poses.to(device), spec.view).transpose(0, 1)[None]
+        self.first = observe
+        self.observed = truth
+        self.model, self.world = model, spec
+        self.sampling = WORLD_SAMPLING
+        self.start = spec.encode(truth).to(model.dtype)
+        self.context = self.rows.view(1, n // spec.frames_per_latent, -1)
+
+    def reset(self) -> None:
+        """Every action after the frames shown first back to idle: the session from its start."""
+        self.write(self.first, len(self.table) - self.first, worlds.parse_actions("idle", self.spec, 1)[0])
+
+    def rollout(self, cache, seed):
+        from ..fastar import Rollout
+
+        return Rollout(self.model, self.context, frames=self.context.shape[1], height=self.size[0],
+                       width=self.size[1], chunk_frames=self.sampling.frames_per_block,
+                       schedule=self.sampling.schedule(), cache=cache, seed=seed, start=self.start)
+
+    def write(self, first: int, count: int, row: np.ndarray) -> None:
+        self.table[first:first + count] = row
+        self.rows[0, first:first + count] = torch.from_numpy(row).to(self.rows)
+
+    def observed_frames(self) -> torch.Tensor:
+        return ((self.observed[0].permute(1, 2, 3, 0) + 1) / 2).float().cpu()
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        return ((self.world.decode(x0.float())[0].permute(1, 2, 3, 0) + 1) / 2).cpu()
+
+
+class MatrixGame:
+    """Matrix-Game 2.0 from a start image: chunks of 12 video frames' actions (the first makes 9 frames)."""
+
+    def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None,
+                 size: tuple[int, int]):
+        if clip_vision_output is None or start is None:
+            raise FastARError("a Matrix-Game 2.0 world starts from an image: connect clip_vision_output (CLIP Vision "
+                              "Encode, crop none) and start (FAST-AR Start Image)")
+        variant = model.variant
+        if variant.sampling is None:
+            raise FastARError(f"the {variant.name} model records no sampling: play a distilled variant")
+        self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", size
+        self.model, self.sampling, self.first = model, variant.sampling, 0
+        self.table = action_table(self.spec, chunks * CHUNK, rows)
+        self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
+        frames = 3 * chunks
+        device = next(model.parameters()).device
+        self.context = context_tokens(clip_vision_output, model).to(device, model.dtype)
+        self.condition = start_latent(start, frames, size[1], size[0], NODE).to(device)
+        self.vae, self.format = start.vae, comfy.latent_formats.Wan21()
+        self.decoder = ChunkDecoder(self.vae, NODE)
+        self.frames = frames
+
+    def reset(self) -> None:
+        """Every action back to idle, the decoder's cache empty: the session from its start."""
+        self.write(0, len(self.table), worlds.parse_actions("idle", self.spec, 1)[0])
+        self.decoder = ChunkDecoder(self.vae, NODE)
+
+    def rollout(self, cache, seed):
+        from ..fastar import Rollout
+
+        run = self.model.bind(self.condition, self.keyboard, self.mouse, frames=self.frames)
+        return Rollout(run, self.context, frames=self.frames, height=self.size[0], width=self.size[1],
+                       chunk_frames=3, schedule=self.sampling.schedule(), cache=cache, seed=seed)
+
+    def write(self, first: int, count: int, row: np.ndarray) -> None:
+        self.table[first:first + count] = row
+        keys = len(self.model.variant.keys)
+        self.keyboard[0, first:first + count] = torch.from_numpy(row[:keys]).to(self.keyboard)
+        if self.mouse is not None:
+            self.mouse[0, first:first + count] = torch.from_numpy(row[keys:]).to(self.mouse)
+
+    def observed_frames(self) -> torch.Tensor:
+        return torch.zeros(0, *self.size, 3)
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        return torch.cat(list(self.decoder(self.format.process_out(x0.float()))))
+
+
+def legend(spec: worlds.ActionSpec) -> list[list[str]]:
+    """The page's keys: (what to press, the action it sends)."""
+    keyboard = {"W": "W", "S": "S", "A": "A", "D": "D", "forward": "W", "back": "S", "jump": "Space",
+                "slide": "C", "turnleft": "Q", "turnright": "E", "leftside": "A", "rightside": "D",
+                "zoom_in": "Z", "zoom_out": "X"}
+    out = [[keyboard.get(k, k), k] for k in spec.keys if k not in spec.idle]
+    used = {key for key, _ in out}
+    out += [[keyboard[a], target] for a, target in spec.aliases if keyboard.get(a) not in used | {None}]  # GTA's A / D
+    if spec.mouse:
+        out.append(["mouse", "look"])
+    return out
