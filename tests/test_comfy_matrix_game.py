@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_fastar.testing import comfy_harness
+from comfyui_fastar.testing import comfy_harness, play_client
 from comfyui_fastar.testing.checkpoints import matrix_game_weights
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
@@ -269,12 +269,11 @@ def _play_prompt(server, variant: str, actions: str | None = None) -> dict:
 def test_a_live_session_plays_matrix_game_and_replays_from_its_log(server):
     """A session over the tiny universal file: keys and a look posted as it plays, the first chunk's 9 frames
     then 12 a chunk, stopped from the page; its log, played by the same node, makes the same frames."""
-    from test_comfy_play import saved, session
-
     def plan(m):
         return {-1: [{"action": "W"}], 0: [{"action": "A+look_left"}], 2: [{"stop": True}]}.get(m["chunk"], [])
 
-    got, events = asyncio.run(session(server, plan, _play_prompt(server, "universal")))
+    got, events = asyncio.run(play_client.session(server["url"], server["port"], _play_prompt(server, "universal"),
+                                                  plan))
     assert got["hello"]["world"] == "Matrix-Game 2.0 universal" and got["hello"]["size"] == [H, W]
     assert ["W", "W"] in got["hello"]["keys"] and ["mouse", "look"] in got["hello"]["keys"]
     assert got["end"]["reason"] == "stopped" and not got["errors"]
@@ -283,14 +282,14 @@ def test_a_live_session_plays_matrix_game_and_replays_from_its_log(server):
     assert got["frames"] == list(range(9 + 12 * (len(chunks) - 1)))
     for c in chunks:
         assert c["seq"] == max([a["seq"] for a in got["acks"] if a["received"] < c["taken"]], default=0)
-    live = saved(server, events, "99")
+    live = play_client.saved(server["base"], events, "99")
     assert live.shape == (len(got["frames"]), H, W, 3)
     log = got["end"]["log"]
     assert "A+look_left*" in log and len(log.split(", ")) >= 2
     _, replay = asyncio.run(comfy_harness.run_prompt(server["url"], server["port"],
                                                      _play_prompt(server, "universal", log), timeout=600))
     assert not [e for e in replay if e["type"] == "execution_error"]
-    assert np.array_equal(saved(server, replay, "99"), live)
+    assert np.array_equal(play_client.saved(server["base"], replay, "99"), live)
 
 
 def test_the_loader_refuses_a_wan_text_to_video_file_in_its_words(server):

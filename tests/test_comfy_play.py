@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from comfyui_fastar.testing import comfy_harness
+from comfyui_fastar.testing import comfy_frontend, comfy_harness, play_client
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.comfyui
@@ -41,66 +41,13 @@ def _graph(prefix: str, actions: str | None = None, max_seconds: float = 60.0) -
 
 
 def saved(server, events, node: str = "3") -> np.ndarray:
-    """The frames the prompt's SaveImage ``node`` wrote, in order."""
-    from PIL import Image
-
-    (shown,) = [e["data"]["output"] for e in events if e["type"] == "executed" and e["data"]["node"] == node]
-    files = sorted(shown["images"], key=lambda f: f["filename"])
-    return np.stack([np.asarray(Image.open(server["base"] / "output" / f["subfolder"] / f["filename"]))
-                     for f in files])
+    return play_client.saved(server["base"], events, node)
 
 
 async def session(server, plan, graph=None):
-    """Queues a live graph (default: the pack's world's), plays it with ``plan(chunk message) -> messages to
-    send``, and returns what the page got (hello, chunk messages, acks, errors, frame numbers, end) and
-    ComfyUI's events."""
-    import aiohttp
-
-    client_id, events, got = uuid.uuid4().hex, [], {"chunks": [], "acks": [], "errors": [], "frames": []}
-    graph = graph or _graph(f"play_{client_id[:8]}")
-    async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(f"ws://127.0.0.1:{server['port']}/ws?clientId={client_id}") as comfy:
-            async with http.post(server["url"] + "/prompt", json={"prompt": graph, "client_id": client_id}) as r:
-                assert r.status == 200, await r.text()
-            while True:  # the node says where its session plays, to the page that queued it
-                m = json.loads((await comfy.receive(timeout=120)).data)
-                events.append(m)
-                if m["type"] == "fastar.play":
-                    url = server["url"] + m["data"]["url"]
-                    break
-            session, token = url.split("/fastar/play/")[1].split("?token=")
-            refused = []
-            for bad in (f"/fastar/play/{session}", f"/fastar/play/{session}?token=x", f"/fastar/play/{session}/ws",
-                        f"/fastar/play/{session}/ws?token={token[:-1]}", f"/fastar/play/0000/ws?token={token}"):
-                async with http.get(server["url"] + bad) as r:
-                    refused.append(r.status)
-            got["refused"] = refused
-            async with http.get(url) as r:
-                got["page"] = (r.status, await r.text())
-            async with http.ws_connect(url.replace("http://", "ws://").replace("?token=", "/ws?token=")) as ws:
-                while True:
-                    msg = await ws.receive(timeout=120)
-                    if msg.type == aiohttp.WSMsgType.BINARY:
-                        got["frames"].append(int.from_bytes(msg.data[:4], "big"))
-                        assert msg.data[4:7] == b"\xff\xd8\xff"  # a JPEG
-                        continue
-                    m = json.loads(msg.data)
-                    if m["type"] == "hello":
-                        got["hello"] = m
-                        m = {"type": "chunk", "chunk": -1}
-                    elif m["type"] in ("ack", "error", "restart"):
-                        got.setdefault(m["type"] + "s", []).append(m)
-                        continue
-                    elif m["type"] == "end":
-                        got["end"] = m
-                        break
-                    else:
-                        got["chunks"].append(m)
-                    for out in plan(m):
-                        await ws.send_str(json.dumps(out))
-            while not any(e["type"] == "executing" and e["data"].get("node") is None for e in events):
-                events.append(json.loads((await comfy.receive(timeout=120)).data))
-    return got, events
+    """The pack's world's live graph (or ``graph``) played by ``plan``: ``play_client.session``."""
+    return await play_client.session(server["url"], server["port"], graph or _graph(f"play_{uuid.uuid4().hex[:8]}"),
+                                     plan)
 
 
 def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server):
@@ -205,26 +152,20 @@ def _shift(a: np.ndarray, b: np.ndarray, r: int = 20) -> int:
     return min(errs, key=errs.get)
 
 
-def _chromium():
-    return next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).is_file()), None)
-
-
-@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+@pytest.mark.skipif(comfy_frontend.chromium() is None, reason="no Chromium here")
 def test_the_play_template_plays_in_the_frontend(server):
     """The live template as a user plays it: queued from the frontend, the node's button opens the play page,
     a key held moves the world (the trained world pans over its photograph), the legend and the numbers are
     shown, and stop ends the session with the frames saved on the graph."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from test_comfy_server import CLOSE_DIALOGS, _frontend, _screenshot
-
     snap = ("() => [window.__fastar.shown, Array.from(document.getElementById('screen').getContext('2d')"
             ".getImageData(0, 0, 64, 64).data)]")  # the frame's number and its pixels
     with sync_api.sync_playwright() as p:
-        browser, page = _frontend(p, server, sync_api)
+        browser, page = comfy_frontend.frontend(p, server["url"], sync_api, COMFYUI_PATH)
         try:
             page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(PLAY_WORKFLOW.read_text()))
             page.wait_for_timeout(800)
-            page.evaluate(CLOSE_DIALOGS)
+            page.evaluate(comfy_frontend.CLOSE_DIALOGS)
             label = page.evaluate("() => window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
                                   ".fastarPlayButton.label")
             page.evaluate("() => window.app.queuePrompt(0)")
@@ -247,7 +188,7 @@ def test_the_play_template_plays_in_the_frontend(server):
                                      .map((e) => [e.dataset.field, e.textContent]))""")
             legend = play.text_content("#legend")
             play.set_viewport_size({"width": 860, "height": 430})
-            _screenshot(play, "world_play.png")
+            comfy_frontend.screenshot(play, "world_play.png")
             play.click("#stop")
             play.wait_for_function("() => window.__fastar.end !== null", timeout=60000)
             end = play.evaluate("() => window.__fastar.end")
