@@ -94,6 +94,12 @@ class WorldPlay(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, actions=None, **_):
+        """A live session is a new one each time it is queued (never ComfyUI's cached outputs); a schedule
+        played offline is its inputs'."""
+        return float("nan") if actions is None else ""
+
+    @classmethod
     def execute(cls, world, seed, max_seconds, cache=None, actions=None, image=None, observe=12,
                 clip_vision_output=None, start=None, width=WIDTH, height=HEIGHT) -> io.NodeOutput:
         with in_words(NODE):
@@ -156,6 +162,11 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
         player.write(player.first + c * CHUNK, CHUNK, taken.row)
         return {"type": "chunk", "chunk": c, "seq": taken.seq, "taken": taken.taken, "received": taken.received}
 
+    def wait_for_page():
+        """No chunk is played unseen: the session waits while no page is open (Cancel still ends it)."""
+        while not live_end.connected.wait(0.05):
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
     def on_chunk(report):
         nonlocal frame_no, info, done
         done += 1
@@ -174,13 +185,15 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
             raise Stopped
         if session.restarting.is_set():
             raise Restart
+        if live:
+            wait_for_page()
         if report.chunk + 1 == chunks:
             raise Stopped
         info = take(report.chunk + 1)
 
     try:
-        while live and not live_end.connected.wait(0.05):  # the page first: no chunk is played unseen
-            comfy.model_management.throw_exception_if_processing_interrupted()
+        if live:
+            wait_for_page()
         with torch.inference_mode():  # the action rows are inference tensors, written between chunks
             while True:
                 ro = player.rollout(cache, seed)

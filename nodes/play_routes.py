@@ -94,4 +94,6 @@ def register_routes(server) -> None:
         finally:
             sender.cancel()
             live.queues.remove(queue)
+            if not live.queues:  # the page closed: the session waits for it to come back
+                live.connected.clear()
         return ws

@@ -3,6 +3,7 @@
 the frames a graph saved read back."""
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -20,8 +21,8 @@ def saved(base: Path, events: list, node: str) -> np.ndarray:
 
 
 async def session(url: str, port: int, graph: dict, plan):
-    """Queues the live ``graph``, plays it with ``plan(chunk message) -> messages to send`` (the hello comes
-    as chunk -1), and returns what the page got (hello, chunk messages, acks, errors, restarts, frame numbers,
+    """Queues the live ``graph``, plays it with ``plan(chunk message) -> messages to send`` (the n-th hello
+    comes as chunk -n; ``{"away": s}`` closes the page for s seconds), and returns what the page got (hello, chunk messages, acks, errors, restarts, frame numbers,
     end; the statuses of requests without the token and of the page itself) and ComfyUI's events."""
     import aiohttp
 
@@ -45,27 +46,37 @@ async def session(url: str, port: int, graph: dict, plan):
             got["refused"] = refused
             async with http.get(page) as r:
                 got["page"] = (r.status, await r.text())
-            async with http.ws_connect(page.replace("http://", "ws://").replace("?token=", "/ws?token=")) as ws:
-                while True:
-                    msg = await ws.receive(timeout=120)
-                    if msg.type == aiohttp.WSMsgType.BINARY:
-                        got["frames"].append(int.from_bytes(msg.data[:4], "big"))
-                        assert msg.data[4:7] == b"\xff\xd8\xff"  # a JPEG
-                        continue
-                    m = json.loads(msg.data)
-                    if m["type"] == "hello":
-                        got["hello"] = m
-                        m = {"type": "chunk", "chunk": -1}
-                    elif m["type"] in ("ack", "error", "restart"):
-                        got.setdefault(m["type"] + "s", []).append(m)
-                        continue
-                    elif m["type"] == "end":
-                        got["end"] = m
-                        break
-                    else:
-                        got["chunks"].append(m)
-                    for out in plan(m):
-                        await ws.send_str(json.dumps(out))
+            socket = page.replace("http://", "ws://").replace("?token=", "/ws?token=")
+            away = None  # seconds the page closes for before it opens again ({"away": s} from the plan)
+            while "end" not in got:
+                if away is not None:
+                    await asyncio.sleep(away)
+                    away = None
+                async with http.ws_connect(socket) as ws:
+                    while away is None:
+                        msg = await ws.receive(timeout=120)
+                        if msg.type == aiohttp.WSMsgType.BINARY:
+                            got["frames"].append(int.from_bytes(msg.data[:4], "big"))
+                            assert msg.data[4:7] == b"\xff\xd8\xff"  # a JPEG
+                            continue
+                        m = json.loads(msg.data)
+                        if m["type"] == "hello":
+                            got.setdefault("hellos", []).append(m)
+                            got["hello"] = m
+                            m = {"type": "chunk", "chunk": -len(got["hellos"])}
+                        elif m["type"] in ("ack", "error", "restart"):
+                            got.setdefault(m["type"] + "s", []).append(m)
+                            continue
+                        elif m["type"] == "end":
+                            got["end"] = m
+                            break
+                        else:
+                            got["chunks"].append(m)
+                        for out in plan(m):
+                            if "away" in out:
+                                away = out["away"]
+                            else:
+                                await ws.send_str(json.dumps(out))
             while not any(e["type"] == "executing" and e["data"].get("node") is None for e in events):
                 events.append(json.loads((await comfy.receive(timeout=120)).data))
     return got, events

@@ -89,6 +89,25 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
     assert np.array_equal(saved(server, replay_events), live)
 
 
+def test_a_closed_page_pauses_the_session_until_it_opens_again(server):
+    """The page closes for 3 s after chunk 1: the session plays at most the chunk already under way (its
+    frames unseen), waits, and goes on where it was once the page is back (its frames and log whole)."""
+    def plan(m):
+        if m["chunk"] == 1:
+            return [{"away": 3.0}]
+        return [{"stop": True}] if m["chunk"] >= 3 else []
+
+    got, events = asyncio.run(session(server, plan))
+    assert len(got["hellos"]) == 2 and got["end"]["reason"] == "stopped"
+    chunks = {c["chunk"]: c for c in got["chunks"]}
+    last = max(chunks)
+    assert len(set(range(last + 1)) - set(chunks)) <= 1, sorted(chunks)  # played while no page was open
+    taken = sorted(c["taken"] for c in chunks.values())
+    assert max(b - a for a, b in zip(taken, taken[1:])) >= 2.5  # it waited for the page
+    assert saved(server, events).shape[0] == 12 + 12 * (last + 1)
+    assert got["end"]["log"] == f"idle*{12 + 12 * (last + 1)}f"
+
+
 def test_restart_plays_the_world_from_its_start(server):
     seen = []
 
