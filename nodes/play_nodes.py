@@ -64,7 +64,8 @@ class WorldPlay(io.ComfyNode):
             display_name=NODE,
             description="Plays a world model live: queued, it opens a session and a play page (the node's button, "
                         "or the link in the log) where keys and the mouse steer it and its frames come back as "
-                        "they are made; each chunk takes the action held when it starts. Stop on the page (or "
+                        "they are made; each chunk takes the action held when it starts, and with no page open it "
+                        "waits. Stop on the page (or "
                         "the length running out) returns the frames played and the action log, an Action Schedule "
                         "that replays the session frame for frame with this node and the same seed. With actions "
                         "connected it plays them with no page. The pack's world (no download, the CPU is enough) "
