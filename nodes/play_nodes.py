@@ -75,7 +75,9 @@ class WorldPlay(io.ComfyNode):
                 io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1, control_after_generate=True,
                              tooltip="The noise of every chunk: a session replays with the seed it ran with."),
                 io.Float.Input("max_seconds", default=60.0, min=1.0, max=3600.0, step=1.0,
-                               tooltip="The longest session, at 16 video frames a second: it ends there."),
+                               tooltip="The longest session, at 16 video frames a second: it ends there. Its "
+                                       "frames are kept for the frames output (Matrix-Game 2.0 at 640 x 352: "
+                                       "2.6 GB a minute)."),
                 CacheType.Input("cache", optional=True,
                                 tooltip="TempCache Settings or Sink + Window Cache. Empty: TempCache at its defaults."),
                 ActionsType.Input("actions", optional=True,
