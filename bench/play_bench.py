@@ -112,7 +112,7 @@ def steady(times: list[float], per: int) -> dict:
     return {"period_ms": ms, "fps": per * 1e3 / ms}
 
 
-async def player(url: str, args, sessions: list) -> dict:
+async def player(url: str, args) -> dict:
     """The page: posts each action for ``--hold`` chunks, stops after ``--chunks``; times every frame."""
     import aiohttp
 
@@ -219,7 +219,7 @@ def _measure(args, argv, loop, server, announced, events, cuda):
             while not announced:
                 loop.run_until_complete(asyncio.sleep(0.01))
             url = f"ws://127.0.0.1:{port}{announced[0]['url'].replace('?token=', '/ws?token=')}"
-            live = loop.run_until_complete(player(url, args, announced))
+            live = loop.run_until_complete(player(url, args))
             thread.join()
             if "error" in out:
                 raise out["error"]

@@ -251,14 +251,6 @@ _LOOK = re.compile(rf"^look\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)$", re.I)
 FPS = 16.0  # video frames a second, for counts in seconds (Wan 2.1's rate)
 
 
-class UnknownAction(FastARError):
-    """An action text's name its world does not know (``name``)."""
-
-    def __init__(self, name: str, message: str):
-        super().__init__(message)
-        self.name = name
-
-
 def action_names(spec: ActionSpec) -> list[str]:
     """The names a world's action text knows: its keys, ``idle``, its aliases and, with a mouse, the looks
     (``look(PITCH,YAW)`` besides: a mouse move per video frame)."""
@@ -327,7 +319,7 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: flo
                 continue
             key = lower.get(name.lower())
             if key is None:
-                raise UnknownAction(name, f"unknown action {name!r}; this world knows {', '.join(known)}"
+                raise FastARError(f"unknown action {name!r}; this world knows {', '.join(known)}"
                                   + (", look(PITCH,YAW)" if spec.mouse else ""))
             key = alias.get(key, key)
             if key in LOOKS:

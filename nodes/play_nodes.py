@@ -9,7 +9,6 @@ import io as bytes_io
 import json
 import logging
 import struct
-import time
 
 import comfy.model_management
 import comfy.utils
@@ -149,14 +148,11 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
         url = f"/fastar/play/{session.id}?token={session.token}"
         send_event(PLAY_EVENT, {"node": unique, "session": session.id, "url": url, "world": player.name})
         logging.info("%s: a session of %s is open: play it at %s", NODE, player.name, url)
-    played = [player.observed_frames()]
+    played = [player.observed_frames()]  # the frames shown first, then each chunk's
     events = CacheEvents(unique)
     events.sampling(3, player.sampling.timesteps, player.sampling.shift, f"as {player.name} samples")
     pbar = comfy.utils.ProgressBar(chunks)
-    frame_no = sum(len(p) for p in played)
     reason = "done"
-
-    done = 0  # chunks played
 
     def take(c: int) -> dict:
         if not live:
@@ -171,18 +167,17 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
             comfy.model_management.throw_exception_if_processing_interrupted()
 
     def on_chunk(report):
-        nonlocal frame_no, info, done
-        done += 1
+        nonlocal info
+        first = sum(len(p) for p in played)  # this chunk's first frame's number
         frames = player.decode(report.latent)
         played.append(frames)
         events(report)
         pbar.update_absolute(report.chunk + 1, chunks)
         if live:
-            live_end.send(json.dumps({**info, "frames": [frame_no, len(frames)], "latency_s": report.latency_s,
+            live_end.send(json.dumps({**info, "frames": [first, len(frames)], "latency_s": report.latency_s,
                                       "cache": events.last}))
             for i, f in enumerate(_uint8(frames)):
-                live_end.send(struct.pack(">I", frame_no + i) + _jpeg(f))
-        frame_no += len(frames)
+                live_end.send(struct.pack(">I", first + i) + _jpeg(f))
         comfy.model_management.throw_exception_if_processing_interrupted()
         if session.stopping.is_set():
             raise Stopped
@@ -208,23 +203,22 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
                 except Restart:
                     session.restarting.clear()
                     player.reset()
-                    played, done = [player.observed_frames()], 0
-                    frame_no = len(played[0])
+                    played = [player.observed_frames()]
                     live_end.send(json.dumps({"type": "restart"}))
     except Stopped:
         reason = "stopped" if session.stopping.is_set() else "done"
     except BaseException:
         events.finish("stopped")
         if live:
-            live_end.send(json.dumps({"type": "end", "reason": "cancelled", "log": _log(player, done)}))
+            live_end.send(json.dumps({"type": "end", "reason": "cancelled", "log": _log(player, len(played) - 1)}))
         raise
     finally:
         if live:
             sessions.pop(session.id, None)
     events.finish("done")
-    log = _log(player, done)
+    log = _log(player, len(played) - 1)
     if live:
-        live_end.send(json.dumps({"type": "end", "reason": reason, "log": log, "time": time.perf_counter()}))
+        live_end.send(json.dumps({"type": "end", "reason": reason, "log": log}))
     frames = torch.cat(played)
     return io.NodeOutput(frames, log, Actions(log), ui=ui.PreviewText(log))
 

@@ -87,7 +87,7 @@ def start_image_latent(vae, image: torch.Tensor, max_frames: int, node: str, tol
     model, count_conv3d = _wan_vae(vae, node)
     comfy.model_management.load_models_gpu([vae.patcher], memory_required=vae.memory_used_encode(
         (1, 3, 4, *image.shape[1:3]), vae.vae_dtype))
-    cache = [None] * count_conv3d(model.decoder)
+    cache = [None] * count_conv3d(model.encoder)
     with torch.inference_mode():
         x = vae.process_input(image[:1, :, :, :3].movedim(-1, 1)).to(vae.vae_dtype).to(vae.device)[:, :, None]
         black = torch.full_like(x, -1.0).expand(-1, -1, 4, -1, -1)  # pixel 0, in the encoder's [-1, 1]

@@ -77,23 +77,28 @@ def _vocabularies() -> dict[str, worlds.ActionSpec]:
             **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
 
 
-def vocabulary_check(text: str) -> None:
-    """Refuses text that no world can read: unreadable items, or a name no world knows (which keys
-    the loaded world has is its sampler's check)."""
+def _names(items) -> list[str]:
+    return [name.strip() for names, _, _ in items for name in names.split("+")]
+
+
+def vocabulary_check(text: str) -> list[tuple[str, str, str]]:
+    """The text's items (``worlds.action_items``), or refused where no world can read it: unreadable, or a
+    name no world knows (which keys the loaded world has is its sampler's check)."""
+    items = worlds.action_items(text)
     specs = _vocabularies().values()
-    for names, _, _ in worlds.action_items(text):
-        for name in (s.strip() for s in names.split("+")):
-            if not any(worlds.knows(spec, name) for spec in specs):
-                raise FastARError(f"unknown action {name!r}: no world knows it (the node's description lists "
-                                  f"each world's keys)")
+    for name in _names(items):
+        if not any(worlds.knows(spec, name) for spec in specs):
+            raise FastARError(f"unknown action {name!r}: no world knows it (the node's description lists "
+                              f"each world's keys)")
+    return items
 
 
 def timeline(text: str, fps: float, shown: int = 12) -> str:
     """What the schedule holds, for a person: its items in seconds, its length, and which worlds know
     all its keys."""
-    vocabulary_check(text)
+    items = vocabulary_check(text)
     lines, n = [], 0
-    for names, count, unit in worlds.action_items(text):
+    for names, count, unit in items:
         frames = worlds.frame_count(names, count, unit, CHUNK, fps)
         if len(lines) < shown:
             lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {'+'.join(s.strip() for s in names.split('+'))}")
@@ -101,8 +106,7 @@ def timeline(text: str, fps: float, shown: int = 12) -> str:
             lines.append("...")
         n += frames
     lines.append(f"{n} video frames = {-(-n // CHUNK)} chunks of {CHUNK} = {n / fps:.1f} s at {fps:g} fps")
-    whole = [name for name, spec in _vocabularies().items()
-             if all(worlds.knows(spec, k.strip()) for names, _, _ in worlds.action_items(text) for k in names.split("+"))]
+    whole = [name for name, spec in _vocabularies().items() if all(worlds.knows(spec, k) for k in _names(items))]
     lines.append("runs on: " + (", ".join(whole) or "no one world: its keys come from different worlds"))
     return "\n".join(lines)
 
