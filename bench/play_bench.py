@@ -165,19 +165,20 @@ def main(argv=None):
     from comfyui_fastar.nodes import play_nodes, play_routes, progress
 
     loop = asyncio.new_event_loop()
-    server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id=None)
     announced = []
+    # ComfyUI's PromptServer, as far as the node uses it: its route table and loop, the client that queued
+    # the session and the events it sends that client
+    server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
+                                   send_sync=lambda event, data, sid: announced.append(data))
     events = Events()
-    # ComfyUI's PromptServer, as far as the node uses it: its route table and loop, the events it sends
-    saved = play_nodes.prompt_server, play_nodes.send_event, progress.send_event
+    saved = play_nodes.prompt_server, progress.send_event
     play_nodes.prompt_server = lambda: server
-    play_nodes.send_event = lambda event, data: announced.append(data)
     progress.send_event = events
     play_routes.register_routes(server)
     try:
         return _measure(args, argv, loop, server, announced, events, cuda)
     finally:
-        play_nodes.prompt_server, play_nodes.send_event, progress.send_event = saved
+        play_nodes.prompt_server, progress.send_event = saved
         loop.close()
 
 

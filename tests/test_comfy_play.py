@@ -144,7 +144,7 @@ def test_the_play_template_is_the_live_graph_at_its_defaults(server):
     by_type = {n["class_type"]: n["inputs"] for n in prompt.values()}
     play = by_type["FastARWorldPlay"]
     assert {k: v for k, v in play.items() if not isinstance(v, list)} == {
-        "seed": 0, "max_seconds": 60.0, "observe": 12, "width": 640, "height": 352}
+        "seed": 0, "max_seconds": 60.0, "observe": 12, "width": 640, "height": 352, "page_wait": 300.0}
     assert set(k for k, v in play.items() if isinstance(v, list)) == {"world", "cache"}
     t = TempCacheConfig()
     assert by_type["FastARTempCacheSettings"] == {"enabled": t.enabled, "merge_threshold": t.merge_threshold,
