@@ -88,6 +88,10 @@ class WorldPlay(io.ComfyNode):
                 io.ClipVisionOutput.Input("clip_vision_output", optional=True,
                                           tooltip="Matrix-Game 2.0: CLIP Vision Encode (crop none) of the start image."),
                 StartType.Input("start", optional=True, tooltip="Matrix-Game 2.0: FAST-AR Start Image."),
+                io.Vae.Input("vae", optional=True,
+                             tooltip="Matrix-Game 2.0: what decodes the frames. A fast decoder (FAST-AR Load Fast "
+                                     "Decoder with taew2_1, or Load VAE's lighttaew2_1) plays faster; empty: the "
+                                     "start image's Wan VAE."),
                 *size_inputs("Matrix-Game 2.0: "),
             ],
             outputs=[io.Image.Output("frames"), io.String.Output("action_log"), ActionsType.Output("schedule")],
@@ -103,7 +107,7 @@ class WorldPlay(io.ComfyNode):
 
     @classmethod
     def execute(cls, world, seed, max_seconds, cache=None, actions=None, image=None, observe=12,
-                clip_vision_output=None, start=None, width=WIDTH, height=HEIGHT) -> io.NodeOutput:
+                clip_vision_output=None, start=None, vae=None, width=WIDTH, height=HEIGHT) -> io.NodeOutput:
         with in_words(NODE):
             check_widget(cls, "max_seconds", max_seconds)
             check_size(cls, width, height)
@@ -118,6 +122,9 @@ class WorldPlay(io.ComfyNode):
             else:
                 raise FastARError(f"the world input is {type(world).__name__}: connect FAST-AR World Model or FAST-AR "
                                   f"Matrix-Game 2.0 Loader")
+            if vae is not None and not is_matrix_game(world):
+                raise FastARError("vae decodes Matrix-Game 2.0's frames; the pack's world decodes with its own "
+                                  "decoder: disconnect vae")
             first = observe if not is_matrix_game(world) else 0
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
             chunks = played = max(1, round(max_seconds * worlds.FPS) // CHUNK)
@@ -126,7 +133,7 @@ class WorldPlay(io.ComfyNode):
                 played = -(-max(len(rows) - first, 1) // CHUNK)
                 chunks = max(chunks, played)
             with torch.inference_mode():
-                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width))
+                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width), vae)
                           if is_matrix_game(world)
                           else PackWorld(world, image, observe, chunks, rows))
             session = Session(spec)
