@@ -42,7 +42,7 @@ def load_fast_decoder(path: str, node: str = NODE):
     normalized = next((v for prefix, v in SPACES.items() if name.lower().startswith(prefix)), None)
     if normalized is None:
         raise FastARError(f"{node}: {name}: the file's name says which latent it decodes: taew2_1* (madebyollin's, "
-                          f"Wan 2.1's normalized latent) or lighttaew2_1* (lightx2v's, the VAE's); taehv is "
+                          f"Wan 2.1's normalized latent) or lighttaew2_1* (the VAE's latent); taehv is "
                           f"HunyuanVideo's, not Wan's")
     sd = comfy.utils.load_torch_file(path)
     if "decoder.22.bias" not in sd:
@@ -67,12 +67,12 @@ class LoadFastDecoder(io.ComfyNode):
             display_name=NODE,
             description="A fast decoder for Wan 2.1's latents (TAEHV family: a fraction of the Wan VAE's decode "
                         "time and memory, at some loss of detail) from models/vae_approx or models/vae: "
-                        "madebyollin's taew2_1 (.pth or .safetensors) or lightx2v's lighttaew2_1, each read in "
+                        "madebyollin's taew2_1 (.pth or .safetensors) or lighttaew2_1, each read in "
                         "the latent space it was trained on. Connect it to FAST-AR Video Stream, Save Video or "
                         "World Play's vae, or to VAE Decode. Needs a ComfyUI with TAEHV (2026 on).",
             inputs=[io.Combo.Input("decoder_name", options=_files(),
                                    tooltip="taew2_1.pth / taew2_1.safetensors (github.com/madebyollin/taehv) or "
-                                           "lighttaew2_1.safetensors (lightx2v/Autoencoders), in models/vae_approx.")],
+                                           "lighttaew2_1.safetensors, in models/vae_approx.")],
             outputs=[io.Vae.Output()],
         )
 
