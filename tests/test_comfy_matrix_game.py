@@ -350,7 +350,8 @@ def test_a_fast_decoder_streams_and_plays_cores_frames_or_is_refused_in_one_line
     (latent_file,) = (server["base"] / "output" / "latents").glob(f"{prefix}_*.latent")
     latent = safetensors.torch.load_file(str(latent_file))["latent_tensor"]
     fast = load_fast_decoder(str(server["base"] / "models" / "vae_approx" / "taew2_1.safetensors"))
-    whole = fast.decode(latent)[0].clamp(0, 1).numpy()
+    with torch.inference_mode():
+        whole = fast.decode(latent)[0].clamp(0, 1).numpy()
     played = play_client.saved(server["base"], events, "93") / 255.0
     assert played.shape == whole.shape == (1 + 4 * (9 - 1), H, W, 3) and whole.std() > 0.05
     assert np.abs(played - whole).max() <= 1.01 / 255  # SaveImage's 8 bits: truncated, not rounded
