@@ -96,6 +96,10 @@ class WorldPlay(io.ComfyNode):
                 io.ClipVisionOutput.Input("clip_vision_output", optional=True,
                                           tooltip="Matrix-Game 2.0: CLIP Vision Encode (crop none) of the start image."),
                 StartType.Input("start", optional=True, tooltip="Matrix-Game 2.0: FAST-AR Start Image."),
+                io.Vae.Input("vae", optional=True,
+                             tooltip="Matrix-Game 2.0: what decodes the frames. A fast decoder (FAST-AR Load Fast "
+                                     "Decoder with taew2_1, or Load VAE's lighttaew2_1) plays faster; empty: the "
+                                     "start image's Wan VAE."),
                 *size_inputs("Matrix-Game 2.0: "),
                 io.Float.Input("page_wait", default=PAGE_WAIT, min=10.0, max=3600.0, step=10.0, optional=True,
                                tooltip="Seconds a live session waits while no play page is open (before the "
@@ -115,7 +119,7 @@ class WorldPlay(io.ComfyNode):
 
     @classmethod
     def execute(cls, world, seed, max_seconds, cache=None, actions=None, image=None, observe=12,
-                clip_vision_output=None, start=None, width=WIDTH, height=HEIGHT,
+                clip_vision_output=None, start=None, vae=None, width=WIDTH, height=HEIGHT,
                 page_wait=PAGE_WAIT) -> io.NodeOutput:
         with in_words(NODE):
             check_widget(cls, "max_seconds", max_seconds)
@@ -132,6 +136,9 @@ class WorldPlay(io.ComfyNode):
             else:
                 raise FastARError(f"the world input is {type(world).__name__}: connect FAST-AR World Model or FAST-AR "
                                   f"Matrix-Game 2.0 Loader")
+            if vae is not None and not is_matrix_game(world):
+                raise FastARError("vae decodes Matrix-Game 2.0's frames; the pack's world decodes with its own "
+                                  "decoder: disconnect vae")
             client = _client() if actions is None else None  # refused before any work
             first = observe if not is_matrix_game(world) else 0
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
@@ -141,7 +148,7 @@ class WorldPlay(io.ComfyNode):
                 played = -(-max(len(rows) - first, 1) // CHUNK)
                 chunks = max(chunks, played)
             with torch.inference_mode():
-                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width))
+                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width), vae)
                           if is_matrix_game(world)
                           else PackWorld(world, image, observe, chunks, rows))
             session = Session(spec)
