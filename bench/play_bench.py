@@ -53,6 +53,8 @@ def parse_args(argv=None):
                    help="TempCache at its defaults, or the model's own window (6 latent frames)")
     p.add_argument("--decoder", choices=("wan", "taehv"), default="wan",
                    help="what decodes the frames: the Wan 2.1 VAE, or a TAEHV-family fast decoder (taew2_1's layout)")
+    p.add_argument("--serial", action="store_true",
+                   help="decode, encode and send each chunk before the next samples (the loop before pipelining)")
     return p.parse_args(argv)
 
 
@@ -89,25 +91,26 @@ def build(args, folder: str):
 
 
 class DecodeTimes:
-    """Times each chunk's decode (``players.MatrixGame.decode``, waited for on a GPU) while installed."""
+    """Times each chunk's decode (``play_worlds.MatrixGame.decode``, its stream waited for on a GPU: the
+    pipelined loop's own, so the sampling beside it is not) while installed."""
 
     def __init__(self, cuda: bool):
-        from comfyui_fastar.nodes import players
+        from comfyui_fastar.nodes import play_worlds
 
-        self.players, self.real, self.cuda, self.ms = players, players.MatrixGame.decode, cuda, []
+        self.players, self.real, self.cuda, self.ms = play_worlds, play_worlds.MatrixGame.decode, cuda, []
         real, times = self.real, self
 
         def decode(player, x0):
             if times.cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             t = time.perf_counter()
             out = real(player, x0)
             if times.cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             times.ms.append(1e3 * (time.perf_counter() - t))
             return out
 
-        players.MatrixGame.decode = decode
+        play_worlds.MatrixGame.decode = decode
 
     def take(self) -> float:
         """The median decode ms of the chunks since the last call, after the first ``SKIP``."""
@@ -147,6 +150,12 @@ def run_node(play, kwargs, events: Events):
     return thread, out
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
+
+
 def steady(times: list[float], per: int) -> dict:
     """Chunk period from the times each chunk completed (after ``SKIP``): ms a chunk and frames a second."""
     t = times[SKIP:]
@@ -156,7 +165,8 @@ def steady(times: list[float], per: int) -> dict:
 
 
 async def player(url: str, args) -> dict:
-    """The page: posts each action for ``--hold`` chunks, stops after ``--chunks``; times every frame."""
+    """The page: posts each action for ``--hold`` chunks, stops after ``--chunks``; times every frame (the frames
+    shown first, which come before any chunk, are not a chunk's)."""
     import aiohttp
 
     sent, frames, chunks, acks, end = {}, {}, [], {}, None
@@ -214,15 +224,16 @@ def main(argv=None):
     server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
                                    send_sync=lambda event, data, sid: announced.append(data))
     events = Events()
-    saved = play_nodes.prompt_server, progress.send_event
+    saved = play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED
     play_nodes.prompt_server = lambda: server
     progress.send_event = events
+    play_nodes.PIPELINED = not args.serial
     play_routes.register_routes(server)
     decode_ms = DecodeTimes(cuda)
     try:
         return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
     finally:
-        play_nodes.prompt_server, progress.send_event = saved
+        play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
@@ -278,6 +289,7 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
             rounds.append({
                 "live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
                          "key_to_frame_ms": statistics.median(live["latency_ms"]),
+                         "key_to_frame_p95_ms": percentile(live["latency_ms"], 95),
                          "key_to_frame_max_ms": max(live["latency_ms"]), "posts_timed": len(live["latency_ms"]),
                          "decode_ms": live_decode, "frames": live["frames"]},
                 "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:]),
@@ -299,6 +311,7 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
     result = {**header(device, argv), "shape": {"height": size["height"], "width": size["width"],
                                                  "model": "tiny" if args.smoke else "Matrix-Game 2.0 universal"},
               "settings": {"chunks": args.chunks, "hold": args.hold, "repeats": args.repeats, "actions": ACTIONS,
+                           "loop": "serial" if args.serial else "pipelined",
                            "decoder": "the Wan 2.1 VAE" if args.decoder == "wan" else
                            "a TAEHV-family fast decoder (taew2_1's layout, float16 file)",
                            "cache": "TempCache at its defaults" if args.cache == "tempcache" else
@@ -311,7 +324,7 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
         print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} {s['decode_ms']:10.1f} "
               f"{s.get('key_to_frame_ms', float('nan')):16.1f}")
     name = "play_bench" + ("_window" if args.cache == "window" else "") + ("_taehv" if args.decoder == "taehv" else "") \
-        + ("_smoke" if args.smoke else "")
+        + ("_serial" if args.serial else "") + ("_smoke" if args.smoke else "")
     print("wrote", write_json(args.out, name + ".json", result))
     return result
 

@@ -37,6 +37,7 @@ class Session:
         self._seq, self._received = 0, None
         self.stopping = threading.Event()     # the player ended the session
         self.restarting = threading.Event()   # the player asked for the world from its start again
+        self.paused = threading.Event()       # no chunk starts while it is set
 
     def read(self, action: str) -> np.ndarray:
         """One action (keys joined by ``+``, a look; no count; at most ``MAX_LIVE_TEXT`` characters) as its

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -242,13 +242,14 @@ class Rollout:
                     self.cache.skip_to(a)
                 passes.run(frames(a, b), a)
 
-    def run(self, on_chunk: Callable[[ChunkReport], None] | None = None, keep: bool = True) -> torch.Tensor:
-        """Every chunk, then [B, C, frames, h, w]: the video's clean latents. ``keep=False`` (the frames
-        go to ``on_chunk`` as they come): only the last chunk's are returned, and the rollout holds just
-        the frames a later prompt switch re-encodes (``History``), so its memory does not grow with the
-        video (but for the unbounded cache's)."""
-        b, ch, _, h, w = self.chunk_shape
-        history = History(self, keep)
+    def chunks(self, keep: bool = True) -> Iterator[ChunkReport]:
+        """Every chunk, as it is made: a ``ChunkReport`` each, the next chunk sampled only when the caller
+        asks for it (so what it changes between chunks, an action row, conditions the next), and a caller
+        that stops asking ends the rollout. After the last, ``self.out`` is [B, C, frames, h, w]: the
+        video's clean latents; ``keep=False`` (the frames go to the caller as they come): only the last
+        chunk's, and the rollout holds just the frames a later prompt switch re-encodes (``History``), so
+        its memory does not grow with the video (but for the unbounded cache's)."""
+        history, self.out = History(self, keep), None
         if self.start is not None:
             history.add(0, self.start)
             CleanPasses(self).run(self.start)
@@ -262,13 +263,19 @@ class Rollout:
             x0 = self.sample_chunk(c)
             telemetry = self.attention.finish_chunk()
             history.add(start, x0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            yield ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames, time.perf_counter() - tic,
+                              self.cache.stats(), x0, telemetry.annsa_densities, self.prompt, telemetry.annsa_sparse)
+        self.out = history.out if keep else x0
+
+    def run(self, on_chunk: Callable[[ChunkReport], None] | None = None, keep: bool = True) -> torch.Tensor:
+        """Every chunk (``chunks``), ``on_chunk`` called with each report (raise in it to cancel); returns
+        ``self.out``."""
+        for report in self.chunks(keep):
             if on_chunk is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                on_chunk(ChunkReport(c, self.num_chunks, start + self.chunk_frames, self.frames,
-                                     time.perf_counter() - tic, self.cache.stats(), x0, telemetry.annsa_densities,
-                                     self.prompt, telemetry.annsa_sparse))
-        return history.out if keep else x0
+                on_chunk(report)
+        return self.out
 
 
 def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:

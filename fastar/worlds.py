@@ -396,13 +396,16 @@ def _row(names: str, spec: ActionSpec) -> np.ndarray:
     return _frames(spec, 1, keys, tuple(mouse))[0]
 
 
-def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: float = FPS) -> np.ndarray:
+def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: float = FPS,
+                  first_chunk: int | None = None) -> np.ndarray:
     """Action text, e.g. ``D*4, W+D*2, look_left*6f, zoom_in*1.5s, idle*2``, as actions per video frame
     [N, width]. Each item is keys joined by ``+`` (``spec.keys``, ``idle``, and with a mouse ``look_up``
     / ``look_down`` / ``look_left`` / ``look_right`` or ``look(PITCH,YAW)``), held for a count of chunks
     (``chunk_video_frames`` video frames each), of video frames with ``f``, or of seconds with ``s`` (at
     ``fps``); no count: one chunk. The JSON run-length form ``[["D", 4], ["W+D", 2]]`` (counts in
-    chunks) is read too. At most ``MAX_TEXT`` characters and ``MAX_FRAMES`` video frames."""
+    chunks) is read too. ``first_chunk``: the video frames a count of chunks holds of the video's first
+    chunk where it is shorter (Matrix-Game 2.0's 9: its VAE makes 1 + 4k frames). At most ``MAX_TEXT``
+    characters and ``MAX_FRAMES`` video frames."""
     rows, index, ids, counts, total = [], {}, [], [], 0
     for names, count, unit in action_items(text):
         i = index.get(names)
@@ -410,6 +413,8 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: flo
             i = index[names] = len(rows)
             rows.append(_row(names, spec))
         frames = frame_count(names, count, unit, chunk_video_frames, fps)
+        if not total and first_chunk is not None and unit in ("", "c"):
+            frames -= chunk_video_frames - first_chunk
         total += frames
         if total > MAX_FRAMES:
             raise FastARError(f"the actions hold more than {MAX_FRAMES} video frames (68 minutes at 16 a "

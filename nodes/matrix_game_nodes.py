@@ -71,6 +71,9 @@ class MatrixGameLoader(io.ComfyNode):
         return io.NodeOutput(_loaded[key])
 
 
+FIRST_CHUNK = 9  # video frames of the first chunk: Matrix-Game 2.0's VAE makes 1 + 4k (chunk c: [12c - 3, 12c + 9))
+
+
 def context_tokens(clip_vision_output, model) -> torch.Tensor:
     """CLIP Vision Encode's penultimate tokens [1, 257, 1280] as the model's context, or one clear error."""
     tokens = getattr(clip_vision_output, "penultimate_hidden_states", None)
@@ -182,10 +185,11 @@ class MatrixGameSampler(io.ComfyNode):
                 raise FastARError(f"the {variant.name} model records no sampling: give its timesteps")
             else:
                 schedule, source = variant.sampling.schedule(), f"as Matrix-Game 2.0 {variant.name} is distilled"
-            rows = worlds.parse_actions(actions.text, variant.actions, CHUNK, actions.fps)
-            chunks = -(-len(rows) // CHUNK)
+            rows = worlds.parse_actions(actions.text, variant.actions, CHUNK, actions.fps, first_chunk=FIRST_CHUNK)
+            lead = CHUNK - FIRST_CHUNK
+            chunks = -(-(len(rows) + lead) // CHUNK)
             rows = torch.from_numpy(rows)
-            rows = torch.cat([rows, rows[-1:].expand(chunks * CHUNK - len(rows), -1)])  # the last action held
+            rows = torch.cat([rows, rows[-1:].expand(chunks * CHUNK - lead - len(rows), -1)])  # the last action held
             frames = 3 * chunks
             context = context_tokens(clip_vision_output, model)
         device, dtype = next(model.parameters()).device, model.dtype

@@ -5,62 +5,43 @@ held when it starts (``fastar.play.Session``). With an Action Schedule connected
 page: a session's action log replays it frame for frame."""
 from __future__ import annotations
 
-import io as bytes_io
 import json
 import logging
-import struct
 import time
 
 import comfy.model_management
 import comfy.utils
-import numpy as np
 import torch
 from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, worlds
 from ..fastar.play import Session
-from .matrix_game_nodes import HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
-from .play_routes import NODE, Live, register_routes, sessions
-from .players import MatrixGame, PackWorld, legend
+from .matrix_game_nodes import FIRST_CHUNK, HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
+from .play_routes import NODE, Live, Shown, register_routes, sessions
+from .play_worlds import MatrixGame, PackWorld, legend
 from .progress import CacheEvents, prompt_server
 from .schema import CacheType, StartType, check_widget, node_id, schema
 from .world_nodes import CHUNK, ActionsType, Actions, WorldType
 from .words import in_words
 
 PLAY_EVENT = "fastar.play"
-PAGE_WAIT = 300.0  # seconds a session waits with no page open
+PAGE_WAIT = 300.0  # seconds a session waits with no page open (or paused)
 LOG_MARGIN = 128  # characters one more chunk can add to the log, at most
-
-
-class Stopped(Exception):
-    """The session ends here (stop message, its length, no page, a full log): the node returns what was
-    played."""
-
-    def __init__(self, reason: str = "done"):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Restart(Exception):
-    """The player asked for the world from its start again."""
-
-
-def _jpeg(frame: np.ndarray) -> bytes:
-    from PIL import Image
-
-    out = bytes_io.BytesIO()
-    Image.fromarray(frame).save(out, format="JPEG", quality=85)
-    return out.getvalue()
-
-
-def _uint8(frames: torch.Tensor) -> np.ndarray:
-    """Frames [n, H, W, 3] in [0, 1] as uint8."""
-    return (frames.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+PIPELINED = True  # chunk k shown while chunk k + 1 samples (False: one after the other, the benchmarks' baseline)
 
 
 def _log(player, chunks: int) -> str:
     """The rows the first ``chunks`` chunks played (and the frames shown first) as action text."""
-    return worlds.actions_text(player.table[:player.first + chunks * CHUNK], player.spec)
+    return worlds.actions_text(player.table[:player.rows_played(chunks)], player.spec)
+
+
+def _gpu() -> dict | None:
+    """The GPU's memory in use and in all, for the page beside the cache's."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated_gb": torch.cuda.memory_allocated() / 1e9, "used_gb": (total - free) / 1e9,
+            "total_gb": total / 1e9}
 
 
 class WorldPlay(io.ComfyNode):
@@ -140,12 +121,13 @@ class WorldPlay(io.ComfyNode):
                 raise FastARError("vae decodes Matrix-Game 2.0's frames; the pack's world decodes with its own "
                                   "decoder: disconnect vae")
             client = _client() if actions is None else None  # refused before any work
-            first = observe if not is_matrix_game(world) else 0
+            # where chunks lie in the video (play_worlds.Layout): after the frames shown first, Matrix-Game's first short
+            first, lead = (0, CHUNK - FIRST_CHUNK) if is_matrix_game(world) else (observe, 0)
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
             chunks = played = max(1, round(max_seconds * worlds.FPS) // CHUNK)
             if actions is not None:
-                rows = worlds.parse_actions(actions.text, spec, CHUNK, actions.fps)
-                played = -(-max(len(rows) - first, 1) // CHUNK)
+                rows = worlds.parse_actions(actions.text, spec, CHUNK, actions.fps, first_chunk=CHUNK - lead)
+                played = max(1, -(-(len(rows) - first + lead) // CHUNK))
                 chunks = max(chunks, played)
             with torch.inference_mode():
                 player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width), vae)
@@ -172,11 +154,13 @@ def _open(player, session: Session, chunks: int, unique, server, client) -> Live
     """A live session's routes and its page's address, sent to the client that queued it only (its
     token is the session's one key: never in the log, never to other clients)."""
     hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
-             "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks}
+             "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks,
+             "first": player.first}
     live = Live(session, hello, server.loop)
     sessions[session.id] = live
     url = f"/fastar/play/{session.id}?token={session.token}"
-    server.send_sync(PLAY_EVENT, {"node": unique, "session": session.id, "url": url, "world": player.name}, client)
+    server.send_sync(PLAY_EVENT, {"node": unique, "session": session.id, "url": url, "world": player.name,
+                                  "state": "open"}, client)
     logging.info("%s: session %s of %s is open; its page's address went to the client that queued it (the "
                  "node's button)", NODE, session.id, player.name)
     return live
@@ -184,94 +168,98 @@ def _open(player, session: Session, chunks: int, unique, server, client) -> Live
 
 def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: tuple | None,
           page_wait: float = PAGE_WAIT) -> io.NodeOutput:
-    """The rollout's first ``chunks`` chunks: before each, the action held (live, for ``client``: the server
-    and the client that queued it) or the schedule's is written into the model's action rows; after each,
-    its frames are decoded and sent."""
+    """The rollout's first ``chunks`` chunks, as a loop over them: before each, the action held (live, for
+    ``client``: the server and the client that queued it) or the schedule's is written into the chunk's
+    rows; each one made is shown (``Shown``) while the next samples. A stop, a restart, the end of the
+    length, a full log or no page for ``page_wait`` seconds end the loop between chunks."""
     unique, live = node_id(cls), client is not None
     link = _open(player, session, chunks, unique, *client) if live else None
-    played = [player.observed_frames()]  # the frames shown first, then each chunk's
     events = CacheEvents(unique)
     events.sampling(3, player.sampling.timesteps, player.sampling.shift, f"as {player.name} samples")
     pbar = comfy.utils.ProgressBar(chunks)
-    end = {"type": "end", "reason": "done"}
+    shown = Shown(player, link, next(player.model.parameters()).device, PIPELINED)
 
-    def take(c: int) -> dict:
+    def take(c: int) -> dict | None:
         if not live:
-            return {}
+            return None
         taken = session.take()
-        player.write(player.first + c * CHUNK, CHUNK, taken.row)
+        player.write_chunk(c, taken.row)
         return {"type": "chunk", "chunk": c, "seq": taken.seq, "taken": taken.taken, "received": taken.received}
 
-    def wait_for_page():
-        """No chunk is played unseen: the session waits while no page is open, at most ``page_wait``
-        seconds (Cancel still ends it)."""
-        if link.connected.is_set():
-            return
-        logging.info("%s: session %s waits for its page (it ends after %g s without one)", NODE, session.id,
-                     page_wait)
+    def wait() -> str | None:
+        """Waits while no page is open or the session is paused, at most ``page_wait`` seconds (Cancel still
+        ends it): no chunk is played unseen. Why the session ends, if it does."""
+        if link.connected.is_set() and not session.paused.is_set():
+            return None
+        logging.info("%s: session %s waits for its page (it ends after %g s without one)", NODE, session.id, page_wait)
         since = time.monotonic()
-        while not link.connected.wait(0.05):
+        while not link.connected.wait(0.05) or session.paused.is_set():
             comfy.model_management.throw_exception_if_processing_interrupted()
+            if session.stopping.is_set():
+                return "stopped"
             if time.monotonic() - since > page_wait:
-                logging.warning("%s: session %s ends: no page open for %g s", NODE, session.id, page_wait)
-                raise Stopped("no page")
+                reason = "paused" if link.connected.is_set() else "no page"
+                logging.warning("%s: session %s ends: %s for %g s", NODE, session.id, reason, page_wait)
+                return reason
+        return None
 
-    def on_chunk(report):
-        nonlocal info
-        first = sum(len(p) for p in played)  # this chunk's first frame's number
-        frames = player.decode(report.latent)
-        played.append(frames)
-        events(report)
-        pbar.update_absolute(report.chunk + 1, chunks)
-        if live:
-            link.send(json.dumps({**info, "frames": [first, len(frames)], "latency_s": report.latency_s,
-                                  "cache": events.last}))
-            for i, f in enumerate(_uint8(frames)):
-                link.send(struct.pack(">I", first + i) + _jpeg(f))
-        comfy.model_management.throw_exception_if_processing_interrupted()
+    def gate(c: int) -> str | None:
+        """Why the session ends (or restarts) before chunk ``c``, else None once it may play."""
         if session.stopping.is_set():
-            raise Stopped("stopped")
+            return "stopped"
         if session.restarting.is_set():
-            raise Restart
-        if report.chunk + 1 == chunks:
-            raise Stopped("done")
-        if live:
-            if len(_log(player, len(played) - 1)) > worlds.MAX_TEXT - LOG_MARGIN:
-                raise Stopped("log full")  # one more chunk could make a log no Action Schedule reads
-            wait_for_page()
-        info = take(report.chunk + 1)
+            return "restart"
+        if c == chunks:
+            return "done"
+        if live and c and len(_log(player, c)) > worlds.MAX_TEXT - LOG_MARGIN:
+            return "log full"  # one more chunk could make a log no Action Schedule reads
+        return wait() if live else None
 
+    end, played = {"type": "end", "reason": "cancelled"}, 0
     try:
-        if live:
-            wait_for_page()
         with torch.inference_mode():  # the action rows are inference tensors, written between chunks
             while True:
+                shown.begin()
                 ro = player.rollout(cache, seed)
                 events.start(ro.frames, chunks)
-                info = take(0)
-                try:
-                    ro.run(on_chunk, keep=False)
+                rollout = ro.chunks(keep=False)
+                played, reason = 0, gate(0)
+                message = None if reason else take(0)
+                while reason is None:
+                    report = next(rollout)
+                    played += 1
+                    events(report)
+                    pbar.update_absolute(played, chunks)
+                    if message is not None:
+                        message.update(latency_s=report.latency_s, cache=events.last, gpu=_gpu())
+                    shown.put(report.latent, message)
+                    if played == 1:
+                        shown.handoff.drain()  # the first decode loads the decoder: nothing else runs meanwhile
+                    comfy.model_management.throw_exception_if_processing_interrupted()
+                    reason = gate(played)
+                    message = None if reason else take(played)
+                rollout.close()
+                shown.handoff.drain()
+                if reason != "restart":
+                    end["reason"] = reason
                     break
-                except Restart:
-                    session.restarting.clear()
-                    player.reset()
-                    played = [player.observed_frames()]
-                    link.send(json.dumps({"type": "restart"}))
-    except Stopped as stop:
-        end["reason"] = stop.reason
+                session.restarting.clear()
+                player.reset()
+                link.send(json.dumps({"type": "restart"}))
+        shown.handoff.close()
     except BaseException:
-        end["reason"] = "cancelled"
+        shown.handoff.close(raising=False)
         events.finish("stopped")
         raise
     finally:
         if live:
             sessions.pop(session.id, None)
-            link.send(json.dumps({**end, "log": _log(player, len(played) - 1)}))
+            link.send(json.dumps({**end, "log": _log(player, played)}))
             link.close()
+            client[0].send_sync(PLAY_EVENT, {"node": unique, "session": session.id, "state": "ended"}, client[1])
     events.finish("done")
-    log = _log(player, len(played) - 1)
-    frames = torch.cat(played)
-    return io.NodeOutput(frames, log, Actions(log), ui=ui.PreviewText(log))
+    log = _log(player, played)
+    return io.NodeOutput(torch.cat(shown.frames), log, Actions(log), ui=ui.PreviewText(log))
 
 
 register_routes(prompt_server())

@@ -1,23 +1,31 @@
-"""FAST-AR World Play's routes on ComfyUI's server: ``GET /fastar/play/{session}`` the play page
-(``web/fastar_play.html``) and ``GET /fastar/play/{session}/ws`` its socket, both refused without the
-session's token. To the page: JSON (``hello``, ``ack``, ``chunk``, ``restart``, ``end``, ``error``) and
-binary frames (a 4-byte big-endian frame number, then a JPEG); from it ``{"action": "W+D", "id": n}``,
-``{"stop": true}`` and ``{"restart": true}``. Every other message is answered with an ``error`` on a socket
-that stays open; the sockets close when their session ends.
+"""FAST-AR World Play's protocol and routes on ComfyUI's server: ``GET /fastar/play/{session}`` the play
+page (``web/fastar_play.html``) and ``GET /fastar/play/{session}/ws`` its socket, both refused without the
+session's token. To the page: JSON (``hello``, then ``ack``, ``chunk``, ``paused``, ``restart``, ``end``,
+``error``) and binary frames (a 4-byte big-endian frame number, then a JPEG): the frames shown first right
+after ``hello`` (``hello.first`` of them), then each chunk's after its ``chunk`` message. From the page:
+``{"action": "W+D", "id": n}``, ``{"pause": true|false}``, ``{"stop": true}`` and ``{"restart": true}``.
+Every other message is answered with an ``error`` on a socket that stays open; the sockets close when their
+session ends.
 
 The token is the only key to a session: it goes to the client that queued it (``fastar.play``) and
 nowhere else (not the log, not other clients)."""
 from __future__ import annotations
 
 import asyncio
+import io as bytes_io
 import json
 import secrets
+import struct
 import threading
 from collections import deque
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from ..fastar import FastARError
 from ..fastar.play import Session
+from .handoff import Handoff
 
 NODE = "FAST-AR World Play"
 PAGE = Path(__file__).resolve().parent.parent / "web" / "fastar_play.html"
@@ -69,6 +77,7 @@ class Live:
     def __init__(self, session: Session, hello: dict, loop):
         self.session, self.hello, self.loop = session, hello, loop
         self.pages: list[Outbox] = []
+        self.start_frames: list[bytes] = []  # the frames shown first, for every page that opens
         self.connected = threading.Event()
         self.closed = False
 
@@ -85,6 +94,50 @@ class Live:
         self.loop.call_soon_threadsafe(close)
 
 
+def _jpeg(frame: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = bytes_io.BytesIO()
+    Image.fromarray(frame).save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+def _uint8(frames: torch.Tensor) -> np.ndarray:
+    """Frames [n, H, W, 3] in [0, 1] as uint8."""
+    return (frames.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+
+class Shown:
+    """What a session shows: the frames shown first, then each chunk's decoded frames, kept for the node's
+    output and sent to the pages as JPEGs (a 4-byte frame number first) after the chunk's message; off the
+    sampling thread (``Handoff``), so chunk k is decoded and sent while chunk k + 1 samples."""
+
+    def __init__(self, player, link: Live | None, device, pipelined: bool = True):
+        self.player, self.link, self.frames = player, link, []
+        self.handoff = Handoff(self._show, device, threaded=pipelined, name="fastar-world-play")
+
+    def begin(self) -> None:
+        """The frames shown first (the pack's world's observed frames), to every page now and later."""
+        self.frames = [self.player.observed_frames()]
+        if self.link is not None:
+            self.link.start_frames = [struct.pack(">I", i) + _jpeg(f) for i, f in enumerate(_uint8(self.frames[0]))]
+            for frame in self.link.start_frames:
+                self.link.send(frame)
+
+    def put(self, latent: torch.Tensor, message: dict | None) -> None:
+        self.handoff.put(latent.clone(), message)  # the rollout reuses its buffers for the next chunk
+
+    def _show(self, latent: torch.Tensor, message: dict | None) -> None:
+        frames = self.player.decode(latent)
+        self.frames.append(frames)
+        if self.link is None:
+            return
+        first = self.player.chunk_rows(message["chunk"])[0]
+        self.link.send(json.dumps({**message, "frames": [first, len(frames)]}))
+        for i, f in enumerate(_uint8(frames)):
+            self.link.send(struct.pack(">I", first + i) + _jpeg(f))
+
+
 def authorised(request) -> Live | None:
     """The session a request names, where it carries that session's token."""
     live = sessions.get(request.match_info["session"])
@@ -98,11 +151,16 @@ def handle(live: Live, text: str) -> dict | None:
         data = json.loads(text)
     except ValueError:
         data = None
-    if not isinstance(data, dict) or not ({"action", "stop", "restart"} & data.keys()):
+    if not isinstance(data, dict) or not ({"action", "pause", "stop", "restart"} & data.keys()):
         return {"type": "error", "message": f"{NODE}: a message from the page is a JSON object: "
-                                           f"{{\"action\": \"W+D\"}}, {{\"stop\": true}} or {{\"restart\": true}}"}
+                                           f"{{\"action\": \"W+D\"}}, {{\"pause\": true}}, {{\"stop\": true}} "
+                                           f"or {{\"restart\": true}}"}
     if data.get("stop") or data.get("restart"):
         (live.session.stopping if data.get("stop") else live.session.restarting).set()
+        return None
+    if "pause" in data:
+        (live.session.paused.set if data["pause"] is True else live.session.paused.clear)()
+        live.send(json.dumps({"type": "paused", "paused": live.session.paused.is_set()}))  # to every page
         return None
     action = data.get("action")
     if not isinstance(action, str):
@@ -141,7 +199,9 @@ def register_routes(server) -> None:
         await ws.prepare(request)
         outbox = Outbox()
         live.pages.append(outbox)
-        outbox.put(json.dumps(live.hello))
+        outbox.put(json.dumps({**live.hello, "paused": live.session.paused.is_set()}))
+        for frame in live.start_frames:
+            outbox.put(frame)
         live.connected.set()
 
         async def pump():

@@ -72,8 +72,8 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
     assert any(c["seq"] == 1 for c in chunks) and any(c["seq"] == 2 for c in chunks)
     (error,) = got["errors"]
     assert error["message"].startswith("FAST-AR World Play: unknown action 'jump'")
-    # the frames in order, after the 12 the world was shown first, a chunk's 12 each
-    assert got["frames"] == list(range(12, 12 + 12 * len(chunks)))
+    # the frames in order: the 12 the world was shown first (sent with hello, before any chunk), a chunk's 12 each
+    assert got["hello"]["first"] == 12 and got["frames"] == list(range(12 + 12 * len(chunks)))
     assert all(c["frames"] == [12 + 12 * i, 12] for i, c in enumerate(chunks))
     assert chunks[-1]["cache"]["tokens"] > 0 and chunks[-1]["cache"]["dense_tokens"] > 0
     live = saved(server, events)

@@ -1,6 +1,7 @@
 """The worlds FAST-AR World Play plays, behind one face: the action rows its chunks read (``table``, and
-the model's copy written in place before each chunk: ``write``), its rollout, the frames it shows first
-and each chunk's decoded frames; and the play page's key legend."""
+the model's copy written in place before each chunk: ``write_chunk``), where each chunk's rows lie in the
+video (``Layout``), its rollout, the frames it shows first and each chunk's decoded frames; and the play
+page's key legend."""
 from __future__ import annotations
 
 import comfy.latent_formats
@@ -8,10 +9,39 @@ import numpy as np
 import torch
 
 from ..fastar import FastARError, worlds
-from .matrix_game_nodes import context_tokens, split_rows, start_latent
+from .matrix_game_nodes import FIRST_CHUNK, context_tokens, split_rows, start_latent
 from .play_routes import NODE
 from .video import chunk_decoder
 from .world_nodes import CHUNK, photo_of
+
+
+class Layout:
+    """Where a world's chunks lie among the video's frames, which are also its action rows: ``first`` rows
+    shown before the first chunk (the pack's world's observed frames), then chunks of ``CHUNK`` video
+    frames, the first of them ``lead`` frames short (Matrix-Game 2.0's VAE makes 1 + 4k frames: chunk 0
+    is frames [0, 9), chunk c [12c - 3, 12c + 9)). A chunk's action goes into its own rows, as the model's
+    own pipeline writes it, so that live rows, a schedule's and the log are the same rows."""
+    first = 0
+    lead = 0
+
+    @property
+    def first_chunk(self) -> int:
+        """Video frames the first chunk holds: what a count of 1 chunk is at a schedule's start."""
+        return CHUNK - self.lead
+
+    def chunk_rows(self, c: int) -> tuple[int, int]:
+        return max(self.first, self.first + c * CHUNK - self.lead), self.first + (c + 1) * CHUNK - self.lead
+
+    def rows_played(self, chunks: int) -> int:
+        return self.chunk_rows(chunks - 1)[1] if chunks else self.first
+
+    def chunks_for(self, rows: int) -> int:
+        """Chunks that play ``rows`` action rows (at least one)."""
+        return max(1, -(-(rows - self.first + self.lead) // CHUNK))
+
+    def write_chunk(self, c: int, row: np.ndarray) -> None:
+        start, end = self.chunk_rows(c)
+        self.write(start, end - start, row)
 
 
 def action_table(spec: worlds.ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
@@ -22,7 +52,7 @@ def action_table(spec: worlds.ActionSpec, n: int, rows: np.ndarray | None) -> np
     return table
 
 
-class PackWorld:
+class PackWorld(Layout):
     """The pack's world over a photograph: the camera starts at its centre and is shown ``observe`` frames
     of the truth there (the log's first rows), then the model makes each chunk."""
 
@@ -71,8 +101,8 @@ class PackWorld:
         return ((self.world.decode(x0.float())[0].permute(1, 2, 3, 0) + 1) / 2).cpu()
 
 
-class MatrixGame:
-    """Matrix-Game 2.0 from a start image: chunks of 12 video frames' actions (the first makes 9 frames),
+class MatrixGame(Layout):
+    """Matrix-Game 2.0 from a start image: chunks of 12 video frames (the first 9, ``lead`` 3),
     decoded by ``vae`` (a fast decoder, or Wan's VAE; None: the start image's)."""
 
     def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None,
@@ -84,8 +114,8 @@ class MatrixGame:
         if variant.sampling is None:
             raise FastARError(f"the {variant.name} model records no sampling: play a distilled variant")
         self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", size
-        self.model, self.sampling, self.first = model, variant.sampling, 0
-        self.table = action_table(self.spec, chunks * CHUNK, rows)
+        self.model, self.sampling, self.first, self.lead = model, variant.sampling, 0, CHUNK - FIRST_CHUNK
+        self.table = action_table(self.spec, chunks * CHUNK - self.lead, rows)
         self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
         frames = 3 * chunks
         device = next(model.parameters()).device

@@ -1,0 +1,85 @@
+"""A chunk's frames made while the next chunk samples: decoding, encoding, sending or writing a finished
+chunk runs in a worker thread (on CUDA, on its own stream), handed over through a queue of one, so a
+worker slower than sampling slows sampling rather than growing memory."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class Handoff:
+    """``work(*item)`` for each ``put(*item)``, in order, in a worker thread: one item waiting and one at
+    work at most (``put`` blocks beyond that). Tensors handed over are the caller's no more: on CUDA the
+    worker's stream waits for the work that made them. ``threaded=False`` runs ``work`` inline (the serial
+    loop, which the benchmarks compare against). The worker's error surfaces in the caller's next ``put``,
+    ``drain`` or ``close``; after one, the remaining items are dropped."""
+
+    def __init__(self, work, device: torch.device | str | None = None, threaded: bool = True,
+                 name: str = "fastar-handoff"):
+        self.work, self.error = work, None
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        cuda = threaded and device is not None and torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(torch.device(device)) if cuda else None
+        self.inference = torch.is_inference_mode_enabled()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True) if threaded else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def put(self, *item) -> None:
+        self._raise()
+        if self.thread is None:
+            self.work(*item)
+            return
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record()
+            for t in item:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.stream)
+        self.queue.put((item, event))
+
+    def _loop(self) -> None:
+        with torch.inference_mode(self.inference):
+            while True:
+                got = self.queue.get()
+                try:
+                    if got is None:
+                        return
+                    if self.error is None:
+                        self._run(*got)
+                except BaseException as exc:  # the caller re-raises it
+                    self.error = exc
+                finally:
+                    self.queue.task_done()
+
+    def _run(self, item, event) -> None:
+        if self.stream is None:
+            self.work(*item)
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(event)
+            self.work(*item)
+        self.stream.synchronize()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def drain(self) -> None:
+        """Returns once every item put is done."""
+        if self.thread is not None:
+            self.queue.join()
+        self._raise()
+
+    def close(self, raising: bool = True) -> None:
+        """Every item put done, then the worker ends (``raising=False``: its error, if any, is dropped, as
+        when the caller already has one of its own)."""
+        if self.thread is not None and self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        if raising:
+            self._raise()
