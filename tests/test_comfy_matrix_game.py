@@ -376,7 +376,7 @@ def test_the_play_pages_legend_maps_keys_to_each_variants_actions(comfy):
     A / D, the mouse where the model has one; every action one the session reads."""
     from comfyui_fastar.fastar.models.matrix_game import VARIANTS
     from comfyui_fastar.fastar.play import Session
-    from comfyui_fastar.nodes.players import legend
+    from comfyui_fastar.nodes.play_worlds import legend
 
     assert legend(VARIANTS["universal"].actions) == [["W", "W"], ["S", "S"], ["A", "A"], ["D", "D"], ["mouse", "look"]]
     assert legend(VARIANTS["gta"].actions) == [["W", "forward"], ["S", "back"], ["A", "look_left"],
