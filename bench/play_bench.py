@@ -55,12 +55,19 @@ def parse_args(argv=None):
                    help="what decodes the frames: the Wan 2.1 VAE, or a TAEHV-family fast decoder (taew2_1's layout)")
     p.add_argument("--serial", action="store_true",
                    help="decode, encode and send each chunk before the next samples (the loop before pipelining)")
-    return p.parse_args(argv)
+    p.add_argument("--matrix", action="store_true",
+                   help="in one process (one world built): both decoders x serial and pipelined, a file each")
+    p.add_argument("--offline-rounds", type=int, default=None,
+                   help="rounds that also replay the log offline (default: every round)")
+    args = p.parse_args(argv)
+    args.decoders = ("wan", "taehv") if args.matrix else (args.decoder,)
+    args.loops = (True, False) if args.matrix else (args.serial,)
+    return args
 
 
 def build(args, folder: str):
-    """The loaded world, the CLIP vision tokens, the start image and the frames' decoder (None: the start
-    image's VAE), as the graph's nodes make them."""
+    """The loaded world, the CLIP vision tokens, the start image and the frames' decoders by ``--decoder``
+    name (None: the start image's VAE), as the graph's nodes make them."""
     import comfy.clip_vision
     import comfy.sd
     import comfy.utils
@@ -81,13 +88,13 @@ def build(args, folder: str):
     image = torch.rand(1, 352, 640, 3, generator=torch.Generator().manual_seed(0))
     clip = comfy.clip_vision.load(str(harness.clip_vision_h_file(os.path.join(folder, "clip_vision_h.safetensors"))))
     tokens = clip.encode_image(image, crop=False)  # CLIP Vision Encode, crop "none"
-    decoder = None
-    if args.decoder == "taehv":
+    decoders = {"wan": None}
+    if "taehv" in args.decoders:
         from comfyui_fastar.nodes.fast_decoder_nodes import load_fast_decoder
 
-        decoder = load_fast_decoder(str(harness.taehv_file(os.path.join(folder, "taew2_1.safetensors"),
-                                                           dtype=torch.float16)), "play_bench")
-    return world, tokens, StartImage(image, vae), decoder
+        decoders["taehv"] = load_fast_decoder(str(harness.taehv_file(os.path.join(folder, "taew2_1.safetensors"),
+                                                                     dtype=torch.float16)), "play_bench")
+    return world, tokens, StartImage(image, vae), decoders
 
 
 class DecodeTimes:
@@ -227,22 +234,18 @@ def main(argv=None):
     saved = play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED
     play_nodes.prompt_server = lambda: server
     progress.send_event = events
-    play_nodes.PIPELINED = not args.serial
     play_routes.register_routes(server)
     decode_ms = DecodeTimes(cuda)
     try:
-        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
+        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_nodes)
     finally:
         play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
 
-def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
+def _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_nodes):
     from aiohttp import web
-
-    from comfyui_fastar.nodes.play_nodes import WorldPlay
-    from comfyui_fastar.nodes.world_nodes import Actions
 
     asyncio.set_event_loop(loop)
     app = web.Application()
@@ -252,61 +255,77 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
     port = harness.free_port()
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
 
+    results = []
     with tempfile.TemporaryDirectory() as folder:
-        world, tokens, start, decoder = build(args, folder)
-        size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
-        seconds = args.chunks * 12 / 16
-        cache = world.variant.cache() if args.cache == "window" else None
-        base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, cache=cache,
-                    vae=decoder, **size)
+        world, tokens, start, decoders = build(args, folder)
+        for args.decoder in args.decoders:
+            for args.serial in args.loops:
+                play_nodes.PIPELINED = not args.serial
+                results.append(_rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, tokens,
+                                       start, decoders[args.decoder]))
+    loop.run_until_complete(runner.cleanup())
+    return results[0] if len(results) == 1 else results
 
-        def offline(log):
-            thread, out = run_node(WorldPlay, {**base, "actions": Actions(log)}, events)
-            thread.join()
-            if "error" in out:
-                raise out["error"]
-            return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks], out["result"][0]
 
-        warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
-        offline(warm)  # compiles and captures, untimed
-        decode_ms.take()
-        rounds = []
-        for r in range(args.repeats):
-            announced.clear()
-            thread, out = run_node(WorldPlay, base, events)
-            while not announced:
-                loop.run_until_complete(asyncio.sleep(0.01))
-            url = f"ws://127.0.0.1:{port}{announced[0]['url'].replace('?token=', '/ws?token=')}"
-            live = loop.run_until_complete(player(url, args))
-            thread.join()
-            if "error" in out:
-                raise out["error"]
-            live_rollout = [s for _, s in events.chunks]
-            period = steady(live["chunk_done"], 12)
-            live_decode = decode_ms.take()
+def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, tokens, start, decoder):
+    """One configuration's warm-up and rounds; its JSON written."""
+    from comfyui_fastar.nodes.play_nodes import WorldPlay
+    from comfyui_fastar.nodes.world_nodes import Actions
+
+    size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
+    seconds = args.chunks * 12 / 16
+    cache = world.variant.cache() if args.cache == "window" else None
+    base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, cache=cache,
+                vae=decoder, **size)
+
+    def offline(log):
+        thread, out = run_node(WorldPlay, {**base, "actions": Actions(log)}, events)
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks], out["result"][0]
+
+    warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
+    offline(warm)  # compiles and captures, untimed
+    decode_ms.take()
+    rounds = []
+    for r in range(args.repeats):
+        announced.clear()
+        thread, out = run_node(WorldPlay, base, events)
+        while not announced:
+            loop.run_until_complete(asyncio.sleep(0.01))
+        url = f"ws://127.0.0.1:{port}{announced[0]['url'].replace('?token=', '/ws?token=')}"
+        live = loop.run_until_complete(player(url, args))
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        live_rollout = [s for _, s in events.chunks]
+        period = steady(live["chunk_done"], 12)
+        live_decode = decode_ms.take()
+        rounds.append({"live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
+                                "key_to_frame_ms": statistics.median(live["latency_ms"]),
+                                "key_to_frame_p95_ms": percentile(live["latency_ms"], 95),
+                                "key_to_frame_max_ms": max(live["latency_ms"]),
+                                "posts_timed": len(live["latency_ms"]), "decode_ms": live_decode,
+                                "frames": live["frames"]}})
+        if r < (args.repeats if args.offline_rounds is None else args.offline_rounds):
             off, off_rollout, replayed = offline(live["log"])
             played = out["result"][0]
-            rounds.append({
-                "live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
-                         "key_to_frame_ms": statistics.median(live["latency_ms"]),
-                         "key_to_frame_p95_ms": percentile(live["latency_ms"], 95),
-                         "key_to_frame_max_ms": max(live["latency_ms"]), "posts_timed": len(live["latency_ms"]),
-                         "decode_ms": live_decode, "frames": live["frames"]},
-                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:]),
-                            "decode_ms": decode_ms.take()},
-                # the replay against the session: equal on the CPU; TempCache's merge adds atomically on a GPU
-                "replay_max_abs": (played - replayed).abs().max().item() if played.shape == replayed.shape else None})
-            print(f"round {r}: live {rounds[-1]['live']['fps']:.1f} fps, key to frame "
-                  f"{rounds[-1]['live']['key_to_frame_ms']:.0f} ms; offline {off['fps']:.1f} fps", flush=True)
-    loop.run_until_complete(runner.cleanup())
+            rounds[-1]["offline"] = {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:]),
+                                     "decode_ms": decode_ms.take()}
+            # the replay against the session: equal on the CPU; TempCache's merge adds atomically on a GPU
+            rounds[-1]["replay_max_abs"] = ((played - replayed).abs().max().item()
+                                            if played.shape == replayed.shape else None)
+        print(f"round {r}: live {rounds[-1]['live']['fps']:.1f} fps, key to frame "
+              f"{rounds[-1]['live']['key_to_frame_ms']:.0f} ms", flush=True)
 
     def med(side, key):
-        return statistics.median(r[side][key] for r in rounds)
+        return statistics.median(r[side][key] for r in rounds if side in r)
 
     summary = {side: {k: med(side, k) for k in rounds[0][side]} for side in ("live", "offline")}
-    summary["replay_max_abs"] = [r["replay_max_abs"] for r in rounds]
+    summary["replay_max_abs"] = [r["replay_max_abs"] for r in rounds if "replay_max_abs" in r]
     summary["live_over_offline_period"] = statistics.median(r["live"]["period_ms"] / r["offline"]["period_ms"]
-                                                            for r in rounds)
+                                                            for r in rounds if "offline" in r)
     device = torch.device("cuda" if cuda else "cpu")
     result = {**header(device, argv), "shape": {"height": size["height"], "width": size["width"],
                                                  "model": "tiny" if args.smoke else "Matrix-Game 2.0 universal"},

@@ -1,7 +1,8 @@
 """Frames on disk while sampling: each finished chunk decoded by the Wan VAE or a fast decoder (the
 decoder's memory of past frames carried from chunk to chunk, ``video.chunk_decoder``) and appended to a
 video file per video of the batch (``video.VideoWriter``), so a long run can be watched, and kept after a
-cancel, while it goes on."""
+cancel, while it goes on. The decode and the writing run beside the sampling (``handoff.Handoff``): chunk k
+is written while chunk k + 1 samples."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import video
+from .handoff import Handoff
 
 
 @dataclass(frozen=True)
@@ -24,15 +26,21 @@ class StreamSettings:
 
 
 class ChunkStream:
-    """Decodes a rollout's chunks as they come and appends their frames to the files; ``close`` ends the
-    files (also after a cancel: what was written plays) and returns them as ComfyUI's saved results."""
+    """Decodes a rollout's chunks as they come and appends their frames to the files, in a worker beside the
+    sampling (``frames_written`` and ``latest`` trail by the chunk at work); ``close`` waits for the last
+    chunk, ends the files (also after a cancel: what was written plays) and returns them as ComfyUI's saved
+    results."""
 
-    def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str):
+    def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str,
+                 threaded: bool = True):
         self.node, self.frames_written, self.latest = node, 0, None
         self.keep_latent = settings.keep_latent
         folder, self.subfolder, self.filenames = video.output_files(settings.filename_prefix, width, height,
                                                                     settings.format, batch)
         self.decode = video.chunk_decoder(settings.vae, node)
+        self.handoff = Handoff(self._write, getattr(settings.vae, "device", None), threaded=threaded,
+                               name="fastar-video-stream")
+        self.chunks = 0
         self.writers = []
         try:
             for filename in self.filenames:
@@ -44,13 +52,22 @@ class ChunkStream:
 
     def __call__(self, latents: torch.Tensor) -> None:
         """Append ``latents`` [B, C, t, h, w] (the VAE's space, the video's next t latent frames)."""
+        self.handoff.put(latents.clone())
+        self.chunks += 1
+        if self.chunks == 1:
+            self.handoff.drain()  # the first decode loads the VAE through ComfyUI: nothing else runs meanwhile
+
+    def _write(self, latents: torch.Tensor) -> None:
         for frames in self.decode(latents):
             for writer, frame in zip(self.writers, frames):
                 writer.write(frame)
             self.frames_written += 1
             self.latest = frames[0]
 
-    def close(self) -> list:
-        for writer in self.writers:
-            writer.close()
+    def close(self, raising: bool = True) -> list:
+        try:
+            self.handoff.close(raising)
+        finally:
+            for writer in self.writers:
+                writer.close()
         return [(f, self.subfolder) for f, w in zip(self.filenames, self.writers) if w.count]
