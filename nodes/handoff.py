@@ -18,7 +18,7 @@ class Handoff:
 
     def __init__(self, work, device: torch.device | str | None = None, threaded: bool = True,
                  name: str = "fastar-handoff"):
-        self.work, self.error = work, None
+        self.work, self.error, self.failed = work, None, False
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         cuda = threaded and device is not None and torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(torch.device(device)) if cuda else None
@@ -48,10 +48,10 @@ class Handoff:
                 try:
                     if got is None:
                         return
-                    if self.error is None:
+                    if not self.failed:
                         self._run(*got)
                 except BaseException as exc:  # the caller re-raises it
-                    self.error = exc
+                    self.error, self.failed = exc, True
                 finally:
                     self.queue.task_done()
 
