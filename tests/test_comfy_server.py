@@ -827,6 +827,86 @@ def test_the_world_template_plays_in_the_frontend(server):
     assert all((w, h) == (64, 64) for _, w, h in shown), shown
 
 
+def _webp(path):
+    """An animated WebP's frames, RGB arrays."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    with Image.open(path) as im:
+        return np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(im)])
+
+
+def _finished(server, before):
+    """The prompts that finished on the server since ``before`` (its history's ids then), oldest first."""
+    history = _get(server["url"] + "/history")
+    done = [(h["prompt"][0], k) for k, h in history.items() if k not in before and h.get("status", {}).get("completed")]
+    return [k for _, k in sorted(done)]
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
+def test_the_world_template_compares_the_same_route_run_after_run_in_the_frontend(server):
+    """The no-download template Run twice from the page, as a user compares TempCache against the window:
+    both samplers fly one route over one ground truth with one noise on every Run (their seeds saved fixed,
+    the route placed by route_seed), so a second Run shows what the first did; each sampler's cache widget
+    follows its flight to the end."""
+    import numpy as np
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    before = set(_get(server["url"] + "/history"))
+    seeds = "() => [5, 6].map((id) => window.app.graph.getNodeById(id).widgets.map((w) => [w.name, w.value]))"
+    with sync_api.sync_playwright() as p:
+        browser, page = _frontend(p, server, sync_api)
+        try:
+            page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(WORLD_WORKFLOW.read_text()))
+            page.wait_for_timeout(800)
+            page.evaluate(CLOSE_DIALOGS)
+            # the window's ground truth saved too, beside the template's (TempCache's)
+            page.evaluate("""() => { const g = window.app.graph, save = window.LiteGraph.createNode('SaveAnimatedWEBP');
+                g.add(save);
+                save.pos = [760, 1300];
+                g.getNodeById(6).connect(1, save, 0);
+                save.widgets.find((w) => w.name === 'filename_prefix').value = 'fastar/world_truth_window'; }""")
+            loaded = page.evaluate(seeds)
+            runs = []
+            for n in (1, 2):
+                page.evaluate("() => window.app.queuePrompt(0)")
+                deadline = time.time() + 600
+                while len(_finished(server, before)) < n and time.time() < deadline:
+                    time.sleep(1)
+                runs.append(page.evaluate(seeds))
+            widgets = page.evaluate("""() => [5, 6].map((id) => { const r = window.app.graph.getNodeById(id)
+                .fastarCacheView.root; const f = (k) => r.querySelector('[data-field=' + k + ']').textContent;
+                return [f('status'), f('frames'), f('sampling')]; })""")
+        finally:
+            browser.close()
+    ids = _finished(server, before)
+    assert len(ids) == 2, ids
+    # the seeds as saved: the noise seed fixed after every Run, route_seed beside it
+    assert loaded == runs[0] == runs[1], (loaded, runs)
+    for widgets_of in loaded:
+        assert dict(widgets_of)["control_after_generate"] == "fixed" and dict(widgets_of)["route_seed"] == 0
+    saved = []
+    for prompt_id in ids:
+        history = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]
+        graph = history["prompt"][2]
+        files = {}
+        for node_id, out in history["outputs"].items():
+            if graph[node_id]["class_type"] == "SaveAnimatedWEBP":
+                (image,) = out["images"]
+                files[graph[node_id]["inputs"]["filename_prefix"]] = _webp(
+                    server["base"] / "output" / image["subfolder"] / image["filename"])
+        saved.append(files)
+    first, second = saved
+    assert set(first) == {"fastar/world_truth", "fastar/world_truth_window", "fastar/world_tempcache",
+                          "fastar/world_window"}
+    # one ground truth for both samplers, the same on both Runs; each cache's frames the same on both Runs
+    assert np.array_equal(first["fastar/world_truth"], first["fastar/world_truth_window"])
+    for name in first:
+        assert np.array_equal(first[name], second[name]), name
+    assert not np.array_equal(first["fastar/world_tempcache"], first["fastar/world_window"])  # two caches compared
+    assert widgets == [["FAST-AR cache: done", "132 / 132 video", "3 fr · 3 steps · shift 5"]] * 2, widgets
+
+
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium here")
 def test_the_node_shows_a_files_sampling_in_the_frontend(server):
     """A file that records its sampling, run from the page with widgets that say otherwise: the cache widget's
