@@ -677,21 +677,31 @@ def test_the_story_workflow_runs_to_a_playable_file(server):
     assert (len(frames), size, rate) == (45, (32, 32), 16)
 
 
+# a hang guard, not a speed claim: several times the template's time in bench/results/cpu_figures.json (2 cores,
+# quiet and beside a busy process); the figure itself lives there
+WORLD_TEMPLATE_HANG_S = 900
+
+
 def test_the_world_template_runs_with_no_download_on_a_cpu(server):
     """The no-download template as the frontend queues it: the pack's world model flies the demo's route with
-    TempCache and with the window, each sampler's progress shown, and the three animations saved as the
-    nodes' outputs; TempCache recalls the revisited place better than the window (the pack's README
-    picture), all in well under a minute on the CPU."""
+    TempCache and with the window, each sampler's progress and cache widget events shown, and the three
+    animations saved as the nodes' outputs; TempCache recalls the revisited place better than the window (the
+    pack's README picture)."""
     prompt = _to_api_prompt(json.loads(WORLD_WORKFLOW.read_text()), _get(server["url"] + "/object_info"))
     by_type = {}
     for node_id, node in prompt.items():
         by_type.setdefault(node["class_type"], []).append(node_id)
-    tic = time.time()
-    prompt_id, events = asyncio.run(_run(server["url"], server["port"], prompt))
-    seconds = time.time() - tic
-    assert seconds < 60, seconds
+    prompt_id, events = asyncio.run(_run(server["url"], server["port"], prompt, timeout=WORLD_TEMPLATE_HANG_S))
     progress = [e["data"] for e in events if e["type"] == "progress"]
     assert {p["node"] for p in progress} >= set(by_type["FastARWorldSampler"]) and max(p["max"] for p in progress) == 8
+    cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
+    for node_id in by_type["FastARWorldSampler"]:  # each sampler's widget: from waiting to done, in video frames
+        mine = [c for c in cache if c["node"] == node_id]
+        assert [c["status"] for c in mine] == ["running"] * 9 + ["done"], mine
+        assert [c["video_frames_done"] for c in mine[1:-1]] == list(range(48, 133, 12)), mine
+        assert mine[-1]["video_total_frames"] == 132 and mine[-1]["chunks"] == 8 and mine[-1]["tokens"] > 0
+        assert mine[-1]["sampling"] == {"frames_per_chunk": 3, "timesteps": [1000.0, 666.0, 333.0], "shift": 5.0,
+                                        "source": "as the pack's world is trained"}
     outputs = _get(server["url"] + f"/history/{prompt_id}")[prompt_id]["outputs"]
     from PIL import Image
 
@@ -870,7 +880,7 @@ def test_the_world_template_compares_the_same_route_run_after_run_in_the_fronten
             runs = []
             for n in (1, 2):
                 page.evaluate("() => window.app.queuePrompt(0)")
-                deadline = time.time() + 600
+                deadline = time.time() + WORLD_TEMPLATE_HANG_S
                 while len(_finished(server, before)) < n and time.time() < deadline:
                     time.sleep(1)
                 runs.append(page.evaluate(seeds))
