@@ -2,8 +2,9 @@
 one busy process (``python -c "while 1: pass"``, as on a machine shared with other work):
 
 - ``fastar``, the main job, from start to end as a user times it (its own process: imports, the model's
-  load, both flights, the GIF), and its world model's chunk under TempCache 12 (median of the last half,
-  the cache full): what FAST-AR World Play plays a chunk at on a CPU, 12 video frames a chunk;
+  load, both flights, the GIF; wall seconds and the CPU seconds it used), and its world model's chunk under
+  TempCache 12 (median of the last half, the cache full): what FAST-AR World Play plays a chunk at on a CPU,
+  12 video frames a chunk;
 - with ``--comfyui PATH``, the world template (``example_workflows/FAST-AR - world model, no download``)
   queued to a ComfyUI server on the CPU as the test queues it, from queue to its end (a new seed on both
   samplers each time, so nothing is cached).
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -85,15 +87,18 @@ def fastar_run(setting: str, smoke: bool) -> dict:
     env, argv = SETTINGS[setting]
     with tempfile.TemporaryDirectory() as out:
         args = [*argv, "--out", out] + (["--revisit", "36"] if smoke else [])
-        before = loadavg()
+        before, cpu = loadavg(), resource.getrusage(resource.RUSAGE_CHILDREN)
         tic = time.perf_counter()
         subprocess.run([sys.executable, "-c", FASTAR, os.path.dirname(os.path.abspath(__file__)), *args],
                        env=environment(env), check=True, capture_output=True, text=True)
         seconds = time.perf_counter() - tic
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
         with open(os.path.join(out, "world.json")) as f:
             summary = json.load(f)
     chunk = next(c for name, c in summary["caches"].items() if name.startswith("TempCache"))
-    return {"seconds": round(seconds, 2), "chunk_ms": round(chunk["ms_per_chunk"], 1), "loadavg": before}
+    return {"seconds": round(seconds, 2), "cpu_s": round(cpu_s, 2), "chunk_ms": round(chunk["ms_per_chunk"], 1),
+            "loadavg": before}
 
 
 def template_prompt(info: dict, seed: int, smoke: bool) -> dict:
