@@ -31,6 +31,7 @@ from .models.loading import MATRIX_GAME_PRESET
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule
+from .threads import HELP as THREADS_HELP, on, set_cpu_threads
 
 # (model size, pixel height, width, latent frames, dtype) of the embedded defaults
 DEFAULTS = {"cpu": ("tiny", 256, 256, 96, "float32"), "cuda": ("1.3B", 480, 832, 120, "bfloat16")}
@@ -81,6 +82,7 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-noise", type=float, default=0.0, help="timestep of the clean cache pass (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--eager", action="store_true", help="CUDA: launch every chunk op by op instead of replaying "
                                                          "repeating chunks from a CUDA graph")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default bf16 on GPU, fp32 on CPU")
@@ -116,6 +118,7 @@ def load_context(path, text_dim, device, dtype):
 
 
 def run(args) -> list[dict]:
+    args.threads = set_cpu_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastARError(f"--device {args.device}: no CUDA device is available")
@@ -186,7 +189,7 @@ def _run(args, device, group) -> list[dict]:
     engine = Rollout(model, context, frames=frames, height=height, width=width, chunk_frames=args.chunk_frames,
                      schedule=schedule, cache=cache, seed=args.seed, context_noise=args.context_noise, ann=ann,
                      cuda_graphs=not args.eager, group=group)
-    say(f"fastar: {label} on {device} ({str(dtype).replace('torch.', '')}), {video_frames(frames)} video frames "
+    say(f"fastar: {label} on {on(device, args.threads)} ({str(dtype).replace('torch.', '')}), {video_frames(frames)} video frames "
           f"({frames} latent) at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {cache.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")

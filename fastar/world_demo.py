@@ -25,6 +25,7 @@ from . import worlds
 from .config import CacheConfig, TempCacheConfig
 from .errors import FastARError
 from .plot import plot_rollout
+from .threads import HELP as THREADS_HELP, on, set_cpu_threads
 
 PANEL = 128  # pixels a 64-pixel frame is drawn at
 
@@ -59,9 +60,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=worlds.WEIGHTS, help="a world model file (default: the pack's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--out", default="fastar_world", help="folder for world.gif, world_strip.png, world_latency.png "
                                                          "and world.json (default ./fastar_world)")
     return p
+
+
+def writable_folder(path: str, flag: str) -> None:
+    """``path`` made a folder and written to once, or a one-line refusal naming ``flag``."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise FastARError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+
+
+def model_size(model) -> str:
+    """The model's parameter count in words: 7.5 M."""
+    return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M"
 
 
 def route(args, spec, photo) -> tuple[np.ndarray, int, range | None]:
@@ -148,6 +167,8 @@ def run(argv) -> dict:
     from .models.world import WorldModel
 
     args = parser().parse_args(argv)
+    writable_folder(args.out, "--out")  # before the run, not after it
+    threads = set_cpu_threads(args.threads)
     tic = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -164,13 +185,19 @@ def run(argv) -> dict:
         raise FastARError(f"--world {args.world}: {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                           f"{spec.view} px, the photograph must be at least that on each side")
     actions, observed, revisit = route(args, spec, photo)
+    shipped = os.path.dirname(os.path.dirname(os.path.abspath(args.world))) == worlds.PHOTOS
+    if args.model == worlds.WEIGHTS and not shipped:
+        trained_on = len(os.listdir(os.path.join(worlds.PHOTOS, "train")))
+        print(f"fastar: the pack's world model ({model_size(model)} parameters) was trained on {trained_on} "
+              f"photographs: over one of your own it drifts to texture within a few chunks (the held-out ones in "
+              f"{os.path.join(worlds.PHOTOS, 'heldout')} show what it remembers)", flush=True)
     flight = worlds.flight(photo, actions, spec.view, observed, np.random.default_rng(args.seed + 1), revisit,
                            spec.actions)
     caches = {f"window (sink 3 + {args.window_frames})": CacheConfig("window", window_frames=args.window_frames),
               f"TempCache {args.max_cache_frames}": TempCacheConfig(merge_threshold=args.merge_threshold,
                                                                     max_cache_frames=args.max_cache_frames)}
     n, chunks = len(actions), (len(actions) - observed) // 12
-    print(f"fastar: the world model ({os.path.basename(args.model)}) on {device} flies {n} video frames over "
+    print(f"fastar: the world model ({os.path.basename(args.model)}) on {on(device, threads)} flies {n} video frames over "
           f"{os.path.basename(args.world)}: {observed} shown, {n - observed} generated in {chunks} chunks, "
           + (f"back over a place after {args.revisit} frames " if revisit is not None else "")
           + "with each cache:", flush=True)

@@ -75,10 +75,13 @@ def send_event(event: str, data: dict) -> None:
 
 
 class CacheEvents:
-    """``fastar.cache`` events for the cache widget: plain numbers only (the widget formats them)."""
+    """``fastar.cache`` events for the cache widget: plain numbers only (the widget formats them).
+    ``video_of``: video frames of a count of latent frames (Wan's VAE by default; the pack's world
+    stacks 4 video frames in every latent frame)."""
 
-    def __init__(self, node):
+    def __init__(self, node, video_of=video_frames):
         self.node = None if node is None else str(node)
+        self.video_of = video_of
         self.total, self.chunks, self.video_total = 0, 0, 0
         self.t0 = time.perf_counter()
         self.last = None
@@ -102,7 +105,8 @@ class CacheEvents:
         """``total_frames`` latent frames in ``chunks`` chunks; ``length``: the video frames asked for,
         where whole chunks overshoot them and the latent is cut to them (default: all the chunks decode to)."""
         self.total, self.chunks, self.prompts, self.last = total_frames, chunks, prompts, None
-        self.video_total = video_frames(total_frames) if length is None else min(length, video_frames(total_frames))
+        whole = self.video_of(total_frames)
+        self.video_total = whole if length is None else min(length, whole)
         self.t0 = time.perf_counter()
         self._send({"status": "running", **self._frames(0, self.total), "chunk": 0,
                     "chunks": self.chunks, "prompt": 1, "prompts": prompts})
@@ -110,9 +114,9 @@ class CacheEvents:
     def _frames(self, done: int, total: int) -> dict:
         """Frames done / total in latent frames (what the rollout counts) and in video frames (what
         ``length`` counts: the widget shows these)."""
-        video_total = self.video_total if total == self.total else video_frames(total)
+        video_total = self.video_total if total == self.total else self.video_of(total)
         return {"frames_done": done, "total_frames": total,
-                "video_frames_done": min(video_frames(done), video_total), "video_total_frames": video_total}
+                "video_frames_done": min(self.video_of(done), video_total), "video_total_frames": video_total}
 
     def engine(self, engine) -> None:
         self.engine_name, self.engine_reason = engine.name, engine.reason

@@ -13,7 +13,9 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, worlds
-from .schema import ADVANCED, CacheType, check_widget, schema
+from ..fastar.models.world import WORLD_SAMPLING
+from .progress import CacheEvents
+from .schema import ADVANCED, CacheType, check_widget, node_id, schema
 from .words import in_words
 
 WorldType = io.Custom("FASTAR_WORLD")
@@ -178,10 +180,16 @@ class WorldSampler(io.ComfyNode):
                 io.Int.Input("observe", default=36, min=CHUNK, max=1200, step=CHUNK,
                              tooltip="Video frames of ground truth shown first (a multiple of 12): what the world "
                                      "has shown before the model takes over."),
-                io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1,
-                             tooltip="Where on the photograph the route starts, and the noise."),
+                io.Int.Input("seed", default=0, min=0, max=2 ** 31 - 1, control_after_generate=True,
+                             tooltip="The sampling noise. Where the route lies is route_seed's: a new seed "
+                                     "samples the same route again."),
+                io.Int.Input("route_seed", default=0, min=0, max=2 ** 31 - 1,
+                             tooltip="Where on the photograph the route starts: samplers with the same route_seed "
+                                     "and actions fly the same route over the same ground truth, whatever their "
+                                     "seed."),
             ],
             outputs=[io.Image.Output("frames"), io.Image.Output("ground_truth")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -197,7 +205,7 @@ class WorldSampler(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, world, actions, observe, seed, cache=None, image=None) -> io.NodeOutput:
+    def execute(cls, world, actions, observe, seed, route_seed=0, cache=None, image=None) -> io.NodeOutput:
         node = "FAST-AR World Sampler"
         with in_words(node):
             if not hasattr(world, "spec"):
@@ -214,15 +222,26 @@ class WorldSampler(io.ComfyNode):
                 raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                                   f"{spec.view} px, the image must be at least that on each side")
             photo = photo.to(next(world.parameters()).device)
-            flight = worlds.flight(photo, route, spec.view, observe, np.random.default_rng(seed), None, spec.actions)
+            flight = worlds.flight(photo, route, spec.view, observe, np.random.default_rng(route_seed), None,
+                                   spec.actions)
             chunks = (len(route) - observe) // CHUNK
             pbar = comfy.utils.ProgressBar(chunks)
+            events = CacheEvents(node_id(cls), video_of=lambda n: n * spec.frames_per_latent)
+            events.sampling(WORLD_SAMPLING.frames_per_block, WORLD_SAMPLING.timesteps, WORLD_SAMPLING.shift,
+                            "as the pack's world is trained")
+            events.start(len(route) // spec.frames_per_latent, chunks)
 
             def on_chunk(report):
+                events(report)
                 pbar.update_absolute(report.chunk + 1, chunks)
                 comfy.model_management.throw_exception_if_processing_interrupted()
 
-            with torch.inference_mode():
-                video = worlds.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
+            try:
+                with torch.inference_mode():
+                    video = worlds.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
+            except BaseException:
+                events.finish("stopped")
+                raise
+            events.finish("done")
         as_image = lambda v: ((v[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).float().cpu()  # noqa: E731
         return io.NodeOutput(as_image(video), as_image(flight.truth))

@@ -1,9 +1,11 @@
 """The main job runs on the CPU default path and rejects bad arguments with one line."""
 import json
+import os
 
 import pytest
 import torch
 
+from comfyui_fastar.fastar import worlds
 from comfyui_fastar.fastar.cli import main
 
 
@@ -197,6 +199,7 @@ def test_the_default_flies_the_world_and_writes_what_each_cache_remembers(tmp_pa
     assert main(["--revisit", "36", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "36 shown, 36 generated in 3 chunks, back over a place after 36 frames" in out
+    assert "trained on" not in out  # a held-out photograph: what the model was made to show
     summary = json.loads((tmp_path / "world.json").read_text())
     assert set(summary["caches"]) == {"window (sink 3 + 12)", "TempCache 12"}
     for name, s in summary["caches"].items():
@@ -215,7 +218,24 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
     assert main(["--world", str(photo), "--actions", "D, W+A*6f, zoom_in*6f", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "world.json").read_text())
     assert summary["video_frames"] == 12 + 24 and summary["revisit"] is None  # 12 observed, padded to whole chunks
-    assert "the revisit" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the revisit" not in out
+    # one's own photograph: said once, before the run, what the model was trained on and what to expect
+    (said,) = [line for line in out.splitlines() if "trained on" in line]
+    assert said == ("fastar: the pack's world model (7.5 M parameters) was trained on 12 photographs: over one of "
+                    "your own it drifts to texture within a few chunks (the held-out ones in "
+                    f"{os.path.join(worlds.PHOTOS, 'heldout')} show what it remembers)")
+    assert out.index(said) < out.index("flies")
+
+
+def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+    """``--out`` where nothing can be written: one line naming the option and the folder, at once."""
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "world"
+    assert main(["--out", str(out)]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip() == f"fastar: error: --out {out}: cannot write there (Not a directory)"
+    assert said.out == ""  # nothing ran
 
 
 @pytest.mark.parametrize("argv,message", [

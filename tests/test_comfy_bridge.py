@@ -637,3 +637,22 @@ def test_the_samplers_keep_the_block_size_the_checkpoint_records(comfy, tmp_path
         sample("3", "1000,750,500,250", 5.0)
     assert "causvid_tiny.safetensors records 3 frames per block, timesteps 1000,757,522, shift 1; the sampler's" \
            in caplog.text
+
+
+def test_the_world_sampler_places_the_route_by_route_seed_and_draws_the_noise_by_seed(pack):
+    """Two World Samplers compared on one graph fly one route whatever their noise: route_seed alone places
+    the route on the photograph (the ground truth), seed alone draws the noise (the frames made)."""
+    from comfyui_fastar.nodes.world_nodes import BUNDLED, Actions, WorldModelLoader, WorldSampler
+
+    world = WorldModelLoader.execute(BUNDLED).result[0]
+
+    def fly(seed, route_seed):
+        return WorldSampler.execute(world, Actions("A+S*3, D*1"), 36, seed, route_seed).result
+
+    frames, truth = fly(0, 0)
+    assert truth.shape == frames.shape == (48, 64, 64, 3)
+    again, same_truth = fly(0, 0)
+    assert torch.equal(again, frames) and torch.equal(same_truth, truth)
+    other_noise, noise_truth = fly(1, 0)
+    assert torch.equal(noise_truth, truth) and not torch.equal(other_noise[36:], frames[36:])
+    assert not torch.equal(fly(0, 1)[1], truth)  # another route_seed: another place on the photograph

@@ -101,6 +101,10 @@ def test_the_world_template_flies_the_demos_route_with_tempcache_and_the_window(
                                                                        t.sink_frames]
     assert by_type["FastARWindowCache"][0]["widgets_values"] == [w.sink_frames, w.window_frames, False]
     assert [n["widgets_values"][0] for n in by_type["FastARWorldSampler"]] == [36, 36]  # shown up to the loop
+    # a fair comparison on every Run: one noise seed, saved fixed (the frontend would add "randomize"), one route_seed
+    assert [n["widgets_values"][1:] for n in by_type["FastARWorldSampler"]] == [[0, "fixed", 0]] * 2
+    (note,) = by_type["Note"]
+    assert "same route with the same noise on every Run" in note["widgets_values"][0]
     assert len(by_type["SaveAnimatedWEBP"]) == 3
 
 

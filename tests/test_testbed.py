@@ -412,3 +412,21 @@ def test_no_bench_script_imports_another_script_and_no_test_another_test():
         assert not imported & set(tests), (path, imported & set(tests))
     for name, path in tests.items():
         assert not _imports(path) & (set(tests) - {name}), (path, _imports(path) & set(tests))
+
+
+@pytest.mark.slow
+def test_cpu_figures_smoke(tmp_path):
+    """bench/cpu_figures.py --smoke: ``fastar`` under two thread settings, quiet and beside a busy process, each
+    run's seconds, world chunk and load recorded, and the medians with World Play's frames a second."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "cpu_figures.py"), "--smoke", "--settings", "omp1,set1",
+                           "--out", str(tmp_path)], env=TWINS, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "cpu_figures_smoke.json").read_text())
+    assert result["device"].startswith("CPU") and result["command"].startswith("python bench/cpu_figures.py --smoke")
+    assert set(result["fastar"]) == {"quiet", "busy"} and result["template"] == {}
+    for by_setting in result["fastar"].values():
+        assert set(by_setting) == {"omp1", "set1"}
+        for s in by_setting.values():
+            (run,) = s["runs"]
+            assert s["median_s"] == run["seconds"] > 0 and s["chunk_ms"] == run["chunk_ms"] > 0
+            assert s["world_play_fps"] == round(12 / (run["chunk_ms"] / 1e3), 1) and len(run["loadavg"]) == 3

@@ -1,5 +1,5 @@
 // FAST-AR cache widget: live KV-cache size on the samplers (Autoregressive Long Sampler, FAST-AR AR Video,
-// FAST-AR Matrix-Game Sampler) and FAST-AR World Play.
+// FAST-AR Matrix-Game Sampler, FAST-AR World Sampler) and FAST-AR World Play.
 //
 // The sampler sends `fastar.cache` events (PromptServer.send_sync) after every chunk with plain
 // numbers: tokens, GB, dense-equivalent size, frames done / total (in video frames, what the sampler's
@@ -13,7 +13,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const NODE_TYPES = new Set(["FastARAutoregressiveSampler", "FastARARVideo", "FastARMatrixGameSampler", "FastARWorldPlay"]);
+const NODE_TYPES = new Set(["FastARAutoregressiveSampler", "FastARARVideo", "FastARMatrixGameSampler", "FastARWorldSampler",
+                            "FastARWorldPlay"]);
 const EVENT = "fastar.cache";
 const HISTORY = 120;  // points kept for the graph
 
