@@ -191,9 +191,11 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: 
         ends it): no chunk is played unseen. Why the session ends, if it does."""
         if link.connected.is_set() and not session.paused.is_set():
             return None
-        logging.info("%s: session %s waits for its page (it ends after %g s without one)", NODE, session.id, page_wait)
+        logging.info("%s: session %s %s (it ends after %g s)", NODE, session.id,
+                     "is paused" if link.connected.is_set() else "waits for its page", page_wait)
         since = time.monotonic()
-        while not link.connected.wait(0.05) or session.paused.is_set():
+        while not link.connected.is_set() or session.paused.is_set():
+            time.sleep(0.05)
             comfy.model_management.throw_exception_if_processing_interrupted()
             if session.stopping.is_set():
                 return "stopped"

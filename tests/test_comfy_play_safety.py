@@ -253,4 +253,4 @@ def test_a_session_whose_page_never_opens_ends_after_page_wait(server):
     assert 10.0 <= elapsed < 120.0
     (out,) = [e["data"]["output"] for e in events if e["type"] == "executed" and e["data"]["node"] == "2"]
     assert out["text"] == ["idle*12f"]  # the frames shown first only: no chunk was played unseen
-    assert "waits for its page (it ends after 10 s without one)" in logs and "no page open for 10 s" in logs
+    assert "waits for its page (it ends after 10 s)" in logs and "ends: no page for 10 s" in logs
