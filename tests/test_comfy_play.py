@@ -258,6 +258,7 @@ def test_the_play_benchmark_times_a_live_session_and_its_replay(comfy, tmp_path,
     assert live["frames"] == 9 + 12 * 4 and live["posts_timed"] >= 2
     assert 0 < live["key_to_frame_ms"] <= live["key_to_frame_max_ms"]
     assert live["fps"] > 0 and offline["fps"] > 0 and live["rollout_ms"] > 0 and offline["rollout_ms"] > 0
-    assert 0 < live["decode_ms"] < live["period_ms"] and 0 < offline["decode_ms"] < offline["period_ms"]
+    # pipelined, a chunk's decode overlaps the next chunk's sampling: it is timed, not bounded by the period
+    assert live["decode_ms"] > 0 and offline["decode_ms"] > 0 and result["settings"]["loop"] == "pipelined"
     assert result["shape"] == {"height": 48, "width": 64, "model": "tiny"}
     assert result["summary"]["replay_max_abs"] == [0.0]  # the CPU replays its session bit for bit
