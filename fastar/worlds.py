@@ -257,7 +257,7 @@ _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _NAME = rf"look\({_NUMBER},{_NUMBER}\)|[A-Za-z_]+"
 _NAMES = rf"(?:{_NAME})(?:\+(?:{_NAME}))*"
 _ITEM = rf"({_NAMES})(?:\*({_NUMBER})([fcs]?))?"
-_TEXT = re.compile(rf",*{_ITEM}(?:,+{_ITEM})*,*")
+_TEXT = re.compile(rf"(?:{_NAMES})(?:\*{_NUMBER}[fcs]?)?(?:,+(?:{_NAMES})(?:\*{_NUMBER}[fcs]?)?)*")
 _ITEMS = re.compile(_ITEM)
 _LOOK = re.compile(rf"look\(({_NUMBER}),({_NUMBER})\)")
 _SPACE_INSIDE = re.compile(r"[\w.)]\s+[\w.(]")  # a space inside a name, a number or between two items
@@ -272,38 +272,49 @@ def _format(x: float) -> str:
 
 
 def compact(text: str, limit: int = MAX_TEXT) -> str:
-    """Action text with its whitespace dropped, or refused: longer than ``limit`` characters, or spaced
-    inside a name, a number or between two items (``W D``: a comma or + is missing)."""
+    """Action text with its whitespace and its outer commas dropped, or refused: longer than ``limit``
+    characters, or spaced inside a name, a number or between two items (``W D``: a comma or + is missing)."""
     if len(text) > limit:
         raise FastARError(f"the action text is {len(text)} characters; at most {limit} are read")
     spaced = _SPACE_INSIDE.search(text)
     if spaced is not None:
         raise FastARError(f"cannot read {spaced.group(0).strip()!r}: a space inside a name or a number, or a "
                           f"missing comma or + between two actions")
-    return _SPACE.sub("", text)
+    return _SPACE.sub("", text).strip(",")
 
 
 def _read(text: str, limit: int = MAX_TEXT) -> str:
     """Plain action text (not JSON) compacted and checked whole in one C-level match, or refused naming the
     item the match stopped in."""
     text = compact(text, limit)
-    if _TEXT.fullmatch(text) is not None:
+    m = _TEXT.match(text)  # greedy over items that read one way only: the longest readable start
+    if m is not None and m.end() == len(text):
         return text
-    if not text.strip(","):
+    if not text:
         raise FastARError("the text holds no action; e.g. D*4, W*2")
-    m = _TEXT.match(text)  # the longest readable start: the next item is the one that cannot be read
     if m is None:
-        start = len(text) - len(text.lstrip(","))
-    elif text[m.end() - 1] == ",":
-        start = m.end()
-    else:  # stopped inside the last item it read (W*2*3): name that whole item
-        start = m.start(4) if m.start(4) >= 0 else m.start(1)
+        start = 0
+    elif text[m.end()] == ",":  # the item after these commas is the one that cannot be read
+        start = len(text) - len(text[m.end():].lstrip(","))
+    else:  # stopped inside the last item it read (W*2*3): name that whole item, a look's comma not a boundary
+        start = text.rfind(",", 0, m.end()) + 1
+        while start > 0 and text.count(")", start, m.end()) > text.count("(", start, m.end()):
+            start = text.rfind(",", 0, start - 1) + 1
     depth, end = 0, start
     while end < len(text) and end - start < 40 and (text[end] != "," or depth):
         depth += {"(": 1, ")": -1}.get(text[end], 0)
         end += 1
     raise FastARError(f"cannot read {text[start:end]!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 (chunks), W*6f "
                       f"(video frames) or W*1.5s (seconds)")
+
+
+def vocabulary(names) -> re.Pattern:
+    """A whole-text pattern that reads only ``names`` (in any case) and exact looks: one C-level pass that
+    accepts a text every name of which some world knows (a queue-time check on ComfyUI's event loop)."""
+    known = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
+    name = rf"(?:look\({_NUMBER},{_NUMBER}\)|(?i:{known}))"
+    item = rf"{name}(?:\+{name})*(?:\*{_NUMBER}[fcs]?)?"
+    return re.compile(rf"{item}(?:,+{item})*")  # over ``compact``'s text
 
 
 def action_items(text: str, limit: int = MAX_TEXT) -> list[tuple[str, str | None, str]]:

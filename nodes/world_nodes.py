@@ -26,6 +26,7 @@ CHUNK = 12  # video frames a chunk of 3 latent frames makes
 # and the loop's first leg again
 DEFAULT_ACTIONS = "A+S*2, D*38f, W*10f, A*38f, S*10f, D*1"
 _cache: dict[str, object] = {}
+_known = None  # worlds.vocabulary of every world's names, made once
 
 
 def _load(name: str):
@@ -79,23 +80,27 @@ def _vocabularies() -> dict[str, worlds.ActionSpec]:
             **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
 
 
-def vocabulary_check(text: str) -> set[str]:
-    """The names the text uses (``worlds.used_names``), or refused where no world can read it: unreadable,
-    or a name no world knows (which keys the loaded world has is its sampler's check). Runs at queue time,
-    on ComfyUI's event loop: C-level passes over the text only."""
-    names = worlds.used_names(text)
+def vocabulary_check(text: str) -> None:
+    """Refuses text no world can read: unreadable, or a name no world knows (which keys the loaded world
+    has is its sampler's check). Runs at queue time, on ComfyUI's event loop: C-level passes over the text
+    only, one where every name is known."""
+    global _known
+    if _known is None:
+        _known = worlds.vocabulary(n for spec in _vocabularies().values() for n in worlds.action_names(spec))
+    if not text.lstrip().startswith("[") and _known.fullmatch(worlds.compact(text)):
+        return
     specs = _vocabularies().values()
-    for name in sorted(names):
+    for name in sorted(worlds.used_names(text)):  # an unreadable text is refused here, by its item
         if not any(worlds.knows(spec, name) for spec in specs):
             raise FastARError(f"unknown action {name[:40]!r}: no world knows it (the node's description lists "
                               f"each world's keys)")
-    return names
 
 
 def timeline(text: str, fps: float, shown: int = 12) -> str:
     """What the schedule holds, for a person: its items in seconds, its length, and which worlds know
     all its keys."""
-    names = vocabulary_check(text)
+    vocabulary_check(text)
+    names = worlds.used_names(text)
     lines, n = [], 0
     for keys, count, unit in worlds.action_items(text):
         frames = worlds.frame_count(keys, count, unit, CHUNK, fps)
