@@ -825,7 +825,7 @@ def test_the_world_template_plays_in_the_frontend(server):
             page.evaluate("() => window.app.queuePrompt(0)")
             page.wait_for_function("""() => { const saves = window.app.graph._nodes.filter((n) => n.type === 'SaveAnimatedWEBP');
                 return saves.length === 3 && saves.every((n) => n.imgs && n.imgs.length && n.imgs[0].complete
-                                                              && n.imgs[0].naturalWidth > 0); }""", timeout=120000)
+                                                              && n.imgs[0].naturalWidth > 0); }""", timeout=1000 * WORLD_TEMPLATE_HANG_S)
             shown = page.evaluate("""() => window.app.graph._nodes.filter((n) => n.type === 'SaveAnimatedWEBP')
                                            .map((n) => [n.title, n.imgs[0].naturalWidth, n.imgs[0].naturalHeight])""")
             page.evaluate(FIT_GRAPH)
