@@ -677,7 +677,7 @@ def test_the_story_workflow_runs_to_a_playable_file(server):
     assert (len(frames), size, rate) == (45, (32, 32), 16)
 
 
-# a hang guard, not a speed claim: several times the template's time in bench/results/cpu_figures.json (2 cores,
+# a hang guard, not a speed claim: several times the template's time on 2 cores (bench/cpu_figures.py --comfyui,
 # quiet and beside a busy process); the figure itself lives there
 WORLD_TEMPLATE_HANG_S = 900
 
