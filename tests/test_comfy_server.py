@@ -880,7 +880,10 @@ def test_the_world_template_compares_the_same_route_run_after_run_in_the_fronten
                 g.add(save);
                 save.pos = [760, 1300];
                 g.getNodeById(6).connect(1, save, 0);
-                save.widgets.find((w) => w.name === 'filename_prefix').value = prefix; }""", WINDOW_TRUTH)
+                for (const w of g.getNodeById(7).widgets) {  // encoded as the template's ground truth is
+                    const mine = save.widgets.find((x) => x.name === w.name);
+                    if (mine) mine.value = w.name === 'filename_prefix' ? prefix : w.value;
+                } }""", WINDOW_TRUTH)
             loaded = page.evaluate(seeds)
             runs = []
             for n in (1, 2):
