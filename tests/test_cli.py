@@ -168,7 +168,7 @@ def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
 
 def test_cli_fp8_linears_reach_the_model_and_need_a_16_bit_dtype(tmp_path, capsys, monkeypatch):
     from comfyui_fastar.fastar import cli
-    from comfyui_fastar.fastar.models.wan import Fp8Linear
+    from comfyui_fastar.fastar.models import Fp8Linear
 
     seen = []
 

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from comfyui_fastar.fastar import CacheConfig, FastARError, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import MatrixGameModel, convert_checkpoint, load_wan
-from comfyui_fastar.fastar.models.matrix_game import (HEAD_DIM, ActionCaches, ActionConfig, ActionModule, ActionStep,
+from comfyui_fastar.fastar.models.matrix_game import (HEAD_DIM, ActionCaches, ActionConfig, ActionStep,
+                                                      MatrixGameActionModule,
                                                       _windows, detect, rope_tables)
 from comfyui_fastar.testing.checkpoints import MATRIX_GAME_FILES, converted, matrix_game_weights
 
@@ -118,7 +119,7 @@ def test_the_action_module_is_the_papers_equations(mouse, local):
     torch.manual_seed(0)
     cfg = ActionConfig(keyboard_dim=4, mouse_dim=2 if mouse else 0, blocks=1, hidden=128, keyboard_hidden=16,
                        local_frames=local)
-    module = ActionModule(32, cfg, 0)
+    module = MatrixGameActionModule(32, cfg, 0)
     for p in module.parameters():
         p.normal_(0, 0.2)
     b, t, s, chunk = 1, 9, 5, 3

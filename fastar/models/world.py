@@ -20,8 +20,9 @@ from torch import nn
 
 from ..errors import FastARError
 from ..worlds import ActionSpec, integrate
-from .checkpoints import Sampling
-from .wan import WanConfig, WanModel, rope_at
+from .checkpoints import CONFIG_METADATA_KEY, SAMPLING_METADATA_KEY, Sampling
+from .rope import rope_at
+from .wan import WanConfig, WanModel
 
 WORLD_METADATA_KEY = "fastar.world"
 # how the world model is trained to sample (Matrix-Game 2.0's chunks, steps and shift)
@@ -99,7 +100,7 @@ def world_config(spec: WorldSpec, *, dim: int = 256, ffn_dim: int = 1024, num_he
                      action_dim=spec.condition_dim)
 
 
-class ActionModule(nn.Module):
+class WorldActionModule(nn.Module):
     """A block's action input: every token's hidden state beside its frame's condition, through an MLP,
     added to the residual stream (the per-token path of Matrix-Game 2.0's action module)."""
 
@@ -123,7 +124,8 @@ class WorldModel(WanModel):
         if cfg.cross_attn or cfg.action_dim != spec.condition_dim or cfg.in_dim != spec.channels:
             raise FastARError("WorldModel: the config must have no cross-attention, in_dim = the world's latent "
                               f"channels ({spec.channels}) and action_dim = its condition ({spec.condition_dim})")
-        super().__init__(cfg)
+        super().__init__(cfg, lambda i: WorldActionModule(cfg.dim, cfg.action_dim, cfg.eps) if i < cfg.action_layers
+                         else None)
         self.spec = spec
 
     @property
@@ -222,8 +224,6 @@ def save_world(model: WorldModel, path, sampling, *, training: dict | None = Non
     trained, in the metadata."""
     from safetensors.torch import save_file
 
-    from .checkpoints import SAMPLING_METADATA_KEY
-    from .loading import CONFIG_METADATA_KEY
 
     metadata = {CONFIG_METADATA_KEY: json.dumps(model.config.to_dict()), WORLD_METADATA_KEY: model.spec.to_json(),
                 SAMPLING_METADATA_KEY: sampling.to_json()}
