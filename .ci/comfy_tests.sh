@@ -3,18 +3,26 @@
 # core-ar-2026), each in its own environment (.ci/comfy_envs.sh): every test marked comfyui
 # (pyproject.toml), wherever it lives under tests/. Those also marked core_ar need core's autoregressive
 # path and are deselected on a tree without comfy/ldm/wan/ar_model.py; this fails unless some tree ran
-# them. Fails if any test fails or skips: every test selected here is meant to run against its tree.
+# them. Likewise those marked taehv (core's TAEHV fast decoders, comfy/taesd/taehv.py). Fails if any
+# test fails or skips: every test selected here is meant to run against its tree.
 # The cache widget's browser tests need Chromium and Playwright and are deselected here.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENVS=${COMFY_ENVS:-$ROOT/.comfyui}
 status=0
 core_ar_trees=0
+taehv_trees=0
 while read -r name tree python; do
-  marks="comfyui and not core_ar"
+  marks="comfyui"
   if [[ -f "$tree/comfy/ldm/wan/ar_model.py" ]]; then
-    marks="comfyui"
     core_ar_trees=$((core_ar_trees + 1))
+  else
+    marks="$marks and not core_ar"
+  fi
+  if [[ -f "$tree/comfy/taesd/taehv.py" ]]; then
+    taehv_trees=$((taehv_trees + 1))
+  else
+    marks="$marks and not taehv"
   fi
   work=$(mktemp -d)  # the pip-installable trees create input/, output/ ... in the working directory
   echo "== ComfyUI $name ($tree): -m \"$marks\""
@@ -31,6 +39,10 @@ while read -r name tree python; do
 done < <("$ROOT/.ci/comfy_envs.sh" "$ENVS")
 if (( core_ar_trees == 0 )); then
   echo "comfy_tests: no tree has comfy/ldm/wan/ar_model.py: the core_ar tests ran nowhere" >&2
+  status=1
+fi
+if (( taehv_trees == 0 )); then
+  echo "comfy_tests: no tree has comfy/taesd/taehv.py: the taehv tests ran nowhere" >&2
   status=1
 fi
 exit $status

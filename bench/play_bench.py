@@ -3,7 +3,9 @@
 Matrix-Game 2.0's universal model at its shapes (Wan 2.1 1.3B with the action module in blocks 0-14, random
 weights written at the released key layout, bf16, 640x352), loaded by FAST-AR Matrix-Game 2.0 Loader; its start
 image encoded by ComfyUI's CLIP vision model (ViT-H/14, random weights, as CLIP Vision Encode with crop none
-does) and a Wan 2.1 VAE at its real widths (random weights). The node runs in a worker thread inside
+does) and a Wan 2.1 VAE at its real widths (random weights); the frames are decoded by that VAE, or with
+``--decoder taehv`` by a TAEHV-family fast decoder at taew2_1's real layout (random weights, float16 as
+released, loaded by FAST-AR Load Fast Decoder; it needs a ComfyUI with TAEHV). The node runs in a worker thread inside
 ``torch.inference_mode``, as ComfyUI's executor runs it; its session is served by the pack's own routes on a
 local aiohttp server (the routes ComfyUI's PromptServer mounts), and a player on the session's socket holds each
 of a round of actions for ``--hold`` chunks, then stops after ``--chunks``. The session's log is then played
@@ -11,10 +13,12 @@ offline by the same node (no page). Rounds alternate live and offline (``--repea
 offline warm-up.
 
 Per run, over the chunks after the first two: the chunk period (a chunk's frames every so many ms: frames a
-second), the rollout's own ms a chunk, and (live) the time from posting an action to the arrival of the first
+second), the rollout's own ms a chunk, the decode's ms a chunk (``MatrixGame.decode``, synchronized on a
+GPU), and (live) the time from posting an action to the arrival of the first
 frame of the first chunk that took it. The medians over rounds are written to ``play_bench.json``.
 
     python bench/play_bench.py --comfyui PATH --out bench/results   # a GPU; PATH: a ComfyUI tree
+    python bench/play_bench.py --comfyui PATH --decoder taehv --out bench/results   # the fast decoder
     python bench/play_bench.py --comfyui PATH --smoke --out /tmp     # tiny shapes on the CPU: the script only
 """
 from __future__ import annotations
@@ -47,11 +51,14 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="rounds of live and offline")
     p.add_argument("--cache", choices=("tempcache", "window"), default="tempcache",
                    help="TempCache at its defaults, or the model's own window (6 latent frames)")
+    p.add_argument("--decoder", choices=("wan", "taehv"), default="wan",
+                   help="what decodes the frames: the Wan 2.1 VAE, or a TAEHV-family fast decoder (taew2_1's layout)")
     return p.parse_args(argv)
 
 
 def build(args, folder: str):
-    """The loaded world, the start image and CLIP vision tokens, as the graph's nodes make them."""
+    """The loaded world, the CLIP vision tokens, the start image and the frames' decoder (None: the start
+    image's VAE), as the graph's nodes make them."""
     import comfy.clip_vision
     import comfy.sd
     import comfy.utils
@@ -72,7 +79,43 @@ def build(args, folder: str):
     image = torch.rand(1, 352, 640, 3, generator=torch.Generator().manual_seed(0))
     clip = comfy.clip_vision.load(str(harness.clip_vision_h_file(os.path.join(folder, "clip_vision_h.safetensors"))))
     tokens = clip.encode_image(image, crop=False)  # CLIP Vision Encode, crop "none"
-    return world, tokens, StartImage(image, vae)
+    decoder = None
+    if args.decoder == "taehv":
+        from comfyui_fastar.nodes.fast_decoder_nodes import load_fast_decoder
+
+        decoder = load_fast_decoder(str(harness.taehv_file(os.path.join(folder, "taew2_1.safetensors"),
+                                                           dtype=torch.float16)), "play_bench")
+    return world, tokens, StartImage(image, vae), decoder
+
+
+class DecodeTimes:
+    """Times each chunk's decode (``players.MatrixGame.decode``, waited for on a GPU) while installed."""
+
+    def __init__(self, cuda: bool):
+        from comfyui_fastar.nodes import players
+
+        self.players, self.real, self.cuda, self.ms = players, players.MatrixGame.decode, cuda, []
+        real, times = self.real, self
+
+        def decode(player, x0):
+            if times.cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = real(player, x0)
+            if times.cuda:
+                torch.cuda.synchronize()
+            times.ms.append(1e3 * (time.perf_counter() - t))
+            return out
+
+        players.MatrixGame.decode = decode
+
+    def take(self) -> float:
+        """The median decode ms of the chunks since the last call, after the first ``SKIP``."""
+        ms, self.ms = self.ms, []
+        return statistics.median(ms[SKIP:] or ms)
+
+    def close(self):
+        self.players.MatrixGame.decode = self.real
 
 
 class Events:
@@ -165,23 +208,26 @@ def main(argv=None):
     from comfyui_fastar.nodes import play_nodes, play_routes, progress
 
     loop = asyncio.new_event_loop()
-    server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id=None)
     announced = []
+    # ComfyUI's PromptServer, as far as the node uses it: its route table and loop, the client that queued
+    # the session and the events it sends that client
+    server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
+                                   send_sync=lambda event, data, sid: announced.append(data))
     events = Events()
-    # ComfyUI's PromptServer, as far as the node uses it: its route table and loop, the events it sends
-    saved = play_nodes.prompt_server, play_nodes.send_event, progress.send_event
+    saved = play_nodes.prompt_server, progress.send_event
     play_nodes.prompt_server = lambda: server
-    play_nodes.send_event = lambda event, data: announced.append(data)
     progress.send_event = events
     play_routes.register_routes(server)
+    decode_ms = DecodeTimes(cuda)
     try:
-        return _measure(args, argv, loop, server, announced, events, cuda)
+        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
     finally:
-        play_nodes.prompt_server, play_nodes.send_event, progress.send_event = saved
+        play_nodes.prompt_server, progress.send_event = saved
+        decode_ms.close()
         loop.close()
 
 
-def _measure(args, argv, loop, server, announced, events, cuda):
+def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
     from aiohttp import web
 
     from comfyui_fastar.nodes.play_nodes import WorldPlay
@@ -196,12 +242,12 @@ def _measure(args, argv, loop, server, announced, events, cuda):
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
 
     with tempfile.TemporaryDirectory() as folder:
-        world, tokens, start = build(args, folder)
+        world, tokens, start, decoder = build(args, folder)
         size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
         seconds = args.chunks * 12 / 16
         cache = world.variant.cache() if args.cache == "window" else None
         base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, cache=cache,
-                    **size)
+                    vae=decoder, **size)
 
         def offline(log):
             thread, out = run_node(WorldPlay, {**base, "actions": Actions(log)}, events)
@@ -212,6 +258,7 @@ def _measure(args, argv, loop, server, announced, events, cuda):
 
         warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
         offline(warm)  # compiles and captures, untimed
+        decode_ms.take()
         rounds = []
         for r in range(args.repeats):
             announced.clear()
@@ -225,14 +272,16 @@ def _measure(args, argv, loop, server, announced, events, cuda):
                 raise out["error"]
             live_rollout = [s for _, s in events.chunks]
             period = steady(live["chunk_done"], 12)
+            live_decode = decode_ms.take()
             off, off_rollout, replayed = offline(live["log"])
             played = out["result"][0]
             rounds.append({
                 "live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),
                          "key_to_frame_ms": statistics.median(live["latency_ms"]),
                          "key_to_frame_max_ms": max(live["latency_ms"]), "posts_timed": len(live["latency_ms"]),
-                         "frames": live["frames"]},
-                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:])},
+                         "decode_ms": live_decode, "frames": live["frames"]},
+                "offline": {**off, "rollout_ms": 1e3 * statistics.median(off_rollout[SKIP:]),
+                            "decode_ms": decode_ms.take()},
                 # the replay against the session: equal on the CPU; TempCache's merge adds atomically on a GPU
                 "replay_max_abs": (played - replayed).abs().max().item() if played.shape == replayed.shape else None})
             print(f"round {r}: live {rounds[-1]['live']['fps']:.1f} fps, key to frame "
@@ -250,15 +299,19 @@ def _measure(args, argv, loop, server, announced, events, cuda):
     result = {**header(device, argv), "shape": {"height": size["height"], "width": size["width"],
                                                  "model": "tiny" if args.smoke else "Matrix-Game 2.0 universal"},
               "settings": {"chunks": args.chunks, "hold": args.hold, "repeats": args.repeats, "actions": ACTIONS,
+                           "decoder": "the Wan 2.1 VAE" if args.decoder == "wan" else
+                           "a TAEHV-family fast decoder (taew2_1's layout, float16 file)",
                            "cache": "TempCache at its defaults" if args.cache == "tempcache" else
                            "the model's own window of 6 latent frames"},
               "summary": summary, "rounds": rounds}
-    print(f"{'':10} {'frames/s':>9} {'chunk period ms':>16} {'rollout ms':>11} {'key to frame ms':>16}")
+    print(f"{'':10} {'frames/s':>9} {'chunk period ms':>16} {'rollout ms':>11} {'decode ms':>10} "
+          f"{'key to frame ms':>16}")
     for side in ("live", "offline"):
         s = summary[side]
-        print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} "
+        print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} {s['decode_ms']:10.1f} "
               f"{s.get('key_to_frame_ms', float('nan')):16.1f}")
-    name = "play_bench" + ("_window" if args.cache == "window" else "") + ("_smoke" if args.smoke else "")
+    name = "play_bench" + ("_window" if args.cache == "window" else "") + ("_taehv" if args.decoder == "taehv" else "") \
+        + ("_smoke" if args.smoke else "")
     print("wrote", write_json(args.out, name + ".json", result))
     return result
 

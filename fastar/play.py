@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FastARError
-from .worlds import FPS, ActionSpec, action_items, parse_actions
+from .worlds import FPS, MAX_LIVE_TEXT, ActionSpec, action_items, parse_actions
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,10 @@ class Session:
         self.restarting = threading.Event()   # the player asked for the world from its start again
 
     def read(self, action: str) -> np.ndarray:
-        """One action (keys joined by ``+``, a look; no count) as its row for this world."""
-        items = action_items(action)
-        if len(items) != 1 or items[0][1:] != ("1", "c"):
+        """One action (keys joined by ``+``, a look; no count; at most ``MAX_LIVE_TEXT`` characters) as its
+        row for this world, its mouse within the world's range."""
+        items = action_items(action, limit=MAX_LIVE_TEXT)
+        if len(items) != 1 or items[0][1] is not None:
             raise FastARError(f"{action!r}: a live action is one item with no count, e.g. W+D or W+look(0,0.05)")
         return parse_actions(action, self.spec, 1, self.fps)[0]
 

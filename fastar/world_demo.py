@@ -39,8 +39,8 @@ def parser() -> argparse.ArgumentParser:
                         "64 px a side, and large enough for the route")
     p.add_argument("--actions", help="the route as action text, e.g. 'D*4, W+D*2, look_left*6f, zoom_in, idle' "
                                      "(counts in chunks of 12 video frames, or frames with f; keys W S A D zoom_in "
-                                     "zoom_out, look_up/down/left/right, idle). Default: an out-and-back of --revisit "
-                                     "frames")
+                                     f"zoom_out, look_up/down/left/right, idle; at most {worlds.MAX_TEXT} characters). "
+                                     "Default: an out-and-back of --revisit frames")
     p.add_argument("--revisit", type=int, default=96,
                    help="the default route: video frames between leaving a place and coming back, a multiple of 12 "
                         "from 36 (default 96)")

@@ -40,6 +40,7 @@ class ActionSpec:
     mouse: bool = True
     pan: float = 4.0          # pixels a held W/S/A/D pans the view per video frame (at zoom 1)
     mouse_pan: float = 40.0   # pixels per unit of pitch/yaw per video frame
+    mouse_limit: float = 0.12  # the largest |pitch| and |yaw| a frame the world was trained on (text beyond is refused)
     zoom: float = 1.03        # view-size factor per video frame of zoom_out (zoom_in: its inverse)
     idle: tuple[str, ...] = ()  # the keys a row without any holds (a one-hot keyboard's "no move")
     aliases: tuple[tuple[str, str], ...] = ()  # (name, what it stands for: a key or a look), e.g. GTA's A: look_left
@@ -243,12 +244,95 @@ def revisit_actions(spec: ActionSpec, n: int, hw: tuple[int, int], view: int, rn
 
 
 # -- action text -----------------------------------------------------------------------------------------
+# Read in time linear in its length: whitespace is checked and dropped first, then one regular expression
+# whose every repetition is followed by a character it cannot itself take (so no input makes it try two
+# ways) reads the whole text in C; Python touches the items only once they are known to be well formed.
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)"
-_TOKEN = re.compile(rf"^\s*((?:[A-Za-z_\s]|\+|look\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\))+?)\s*"
-                    rf"(?:\*\s*({_NUMBER})\s*([fcs]?))?\s*$")
-_LOOK = re.compile(rf"^look\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)$", re.I)
-FPS = 16.0  # video frames a second, for counts in seconds (Wan 2.1's rate)
+MAX_TEXT = 65536      # characters of action text: a schedule, a session's log or a live message
+MAX_LIVE_TEXT = 256   # characters of one live action from the play page
+MAX_FRAMES = 65536    # video frames one text may hold: over an hour at 16 frames a second
+FPS = 16.0            # video frames a second, for counts in seconds (Wan 2.1's rate)
+
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_NAME = rf"look\({_NUMBER},{_NUMBER}\)|[A-Za-z_]+"
+_NAMES = rf"(?:{_NAME})(?:\+(?:{_NAME}))*"
+_ITEM = rf"({_NAMES})(?:\*({_NUMBER})([fcs]?))?"
+_TEXT = re.compile(rf",*{_ITEM}(?:,+{_ITEM})*,*")
+_ITEMS = re.compile(_ITEM)
+_LOOK = re.compile(rf"look\(({_NUMBER}),({_NUMBER})\)")
+_SPACE_INSIDE = re.compile(r"[\w.)]\s+[\w.(]")  # a space inside a name, a number or between two items
+_SPACE = re.compile(r"\s+")
+_COUNT = re.compile(rf"\*{_NUMBER}[fcs]?")
+LOOK_ANY = "look(PITCH,YAW)"  # what ``used_names`` calls every exact look
+
+
+def _format(x: float) -> str:
+    """A float32 as the shortest decimal that reads back to it (``look(0.03,...)``, not 0.029999999)."""
+    return np.format_float_positional(np.float32(x), trim="-")
+
+
+def compact(text: str, limit: int = MAX_TEXT) -> str:
+    """Action text with its whitespace dropped, or refused: longer than ``limit`` characters, or spaced
+    inside a name, a number or between two items (``W D``: a comma or + is missing)."""
+    if len(text) > limit:
+        raise FastARError(f"the action text is {len(text)} characters; at most {limit} are read")
+    spaced = _SPACE_INSIDE.search(text)
+    if spaced is not None:
+        raise FastARError(f"cannot read {spaced.group(0).strip()!r}: a space inside a name or a number, or a "
+                          f"missing comma or + between two actions")
+    return _SPACE.sub("", text)
+
+
+def _read(text: str, limit: int = MAX_TEXT) -> str:
+    """Plain action text (not JSON) compacted and checked whole in one C-level match, or refused naming the
+    item the match stopped in."""
+    text = compact(text, limit)
+    if _TEXT.fullmatch(text) is not None:
+        return text
+    if not text.strip(","):
+        raise FastARError("the text holds no action; e.g. D*4, W*2")
+    m = _TEXT.match(text)  # the longest readable start: the next item is the one that cannot be read
+    if m is None:
+        start = len(text) - len(text.lstrip(","))
+    elif text[m.end() - 1] == ",":
+        start = m.end()
+    else:  # stopped inside the last item it read (W*2*3): name that whole item
+        start = m.start(4) if m.start(4) >= 0 else m.start(1)
+    depth, end = 0, start
+    while end < len(text) and end - start < 40 and (text[end] != "," or depth):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    raise FastARError(f"cannot read {text[start:end]!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 (chunks), W*6f "
+                      f"(video frames) or W*1.5s (seconds)")
+
+
+def action_items(text: str, limit: int = MAX_TEXT) -> list[tuple[str, str | None, str]]:
+    """Action text read as (keys joined by ``+``, the count as typed or None, the unit as typed: ``f``,
+    ``s``, ``c`` or none) per item, before any world's keys are checked; unreadable text is refused here."""
+    stripped = text.strip()
+    if not stripped.startswith("["):
+        return [(m.group(1), m.group(2), m.group(3) or "") for m in _ITEMS.finditer(_read(text, limit))]
+    if len(text) > limit:
+        raise FastARError(f"the action text is {len(text)} characters; at most {limit} are read")
+    try:
+        items = [(compact(str(k)), str(int(c)), "c") for k, c in json.loads(stripped)]
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise FastARError(f"unreadable JSON run list ({exc}); expected [[\"D\", 4], ...]") from None
+    bad = [k for k, _, _ in items if re.fullmatch(_NAMES, k) is None]
+    if bad:
+        raise FastARError(f"cannot read {bad[0][:40]!r} in the JSON run list; write KEY[+KEY], e.g. W+D")
+    if not items:
+        raise FastARError("the text holds no action; e.g. D*4, W*2")
+    return items
+
+
+def used_names(text: str) -> set[str]:
+    """Every name a readable text uses, each exact look as ``LOOK_ANY``: what a check at queue time needs,
+    in C-level passes only (it runs on ComfyUI's event loop, which must not stall)."""
+    if text.strip().startswith("["):
+        return {name for names, _, _ in action_items(text) for name in names.split("+")}
+    bare = _COUNT.sub("", _LOOK.sub("look()", _read(text)))
+    return {LOOK_ANY if name == "look()" else name for name in re.split(r"[,+]", bare) if name}
 
 
 def action_names(spec: ActionSpec) -> list[str]:
@@ -257,45 +341,59 @@ def action_names(spec: ActionSpec) -> list[str]:
     return list(spec.keys) + ["idle"] + (list(LOOKS) if spec.mouse else []) + [a for a, _ in spec.aliases]
 
 
-def frame_count(names: str, count: str, unit: str, chunk_video_frames: int, fps: float) -> int:
-    """Video frames one item holds: ``count`` chunks (unit ``c``), frames (``f``) or seconds (``s``)."""
+def frame_count(names: str, count: str | None, unit: str, chunk_video_frames: int, fps: float) -> int:
+    """Video frames one item holds: ``count`` chunks (no unit, or ``c``), frames (``f``) or seconds (``s``);
+    no count: one chunk."""
+    if count is None:
+        return chunk_video_frames
+    typed = f"{names}*{count}{unit}"
+    if len(count) > 12:
+        raise FastARError(f"{typed[:40]}: a count of more than 12 digits")
     if unit == "s":
         frames = round(float(count) * fps)
     elif not re.fullmatch(r"\d+", count):
-        raise FastARError(f"*{count}{unit}: a count of chunks or frames is a whole number (seconds take s: *{count}s)")
+        raise FastARError(f"{typed}: a count of chunks or frames is a whole number (seconds take s: "
+                          f"*{count}s)")
     else:
-        frames = int(count) * (chunk_video_frames if unit == "c" else 1)
+        frames = int(count) * (1 if unit == "f" else chunk_video_frames)
     if frames < 1:
-        raise FastARError(f"{names.strip()}*{count}{unit} holds no frame")
+        raise FastARError(f"{typed} holds no frame")
     return frames
 
 
-def action_items(text: str) -> list[tuple[str, str, str]]:
-    """Action text read as (keys joined by ``+``, count, unit ``c``/``f``/``s``) per item, before any
-    world's keys are checked; unreadable text is refused here."""
-    items = []
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            runs = json.loads(stripped)
-            items = [(str(k), str(int(c)), "c") for k, c in runs]
-        except (ValueError, TypeError) as exc:
-            raise FastARError(f"unreadable JSON run list ({exc}); expected [[\"D\", 4], ...]") from None
-    else:
-        for raw in filter(str.strip, re.split(r",(?![^(]*\))", stripped)):
-            m = _TOKEN.match(raw)
-            if m is None:
-                raise FastARError(f"cannot read {raw.strip()!r}; write KEY[+KEY]*COUNT, e.g. W+D*2 "
-                                  f"(chunks), W*6f (video frames) or W*1.5s (seconds)")
-            items.append((m.group(1), m.group(2) or "1", m.group(3) or "c"))
-    if not items:
-        raise FastARError("the text holds no action; e.g. D*4, W*2")
-    return items
-
-
 def knows(spec: ActionSpec, name: str) -> bool:
-    """Whether a world with these keys reads one action name."""
-    return (_LOOK.match(name) is not None and spec.mouse) or name.lower() in {k.lower() for k in action_names(spec)}
+    """Whether a world with these keys reads one action name (``LOOK_ANY`` or an exact look: any mouse)."""
+    if name == LOOK_ANY or _LOOK.fullmatch(name):
+        return spec.mouse
+    return name.lower() in {k.lower() for k in action_names(spec)}
+
+
+def _row(names: str, spec: ActionSpec) -> np.ndarray:
+    """One item's keys (joined by ``+``) as a row of ``spec``: its keys and the mouse they add up to,
+    refused where the mouse leaves the range the world was trained on."""
+    known = action_names(spec)
+    lower = {k.lower(): k for k in known}
+    alias = dict(spec.aliases)
+    keys, mouse = [], np.zeros(2, np.float32)
+    for name in names.split("+"):
+        look = _LOOK.fullmatch(name)
+        if look is not None and spec.mouse:
+            with np.errstate(over="ignore", invalid="ignore"):  # out of range is refused below, by name
+                mouse += (float(look.group(1)), float(look.group(2)))
+            continue
+        key = lower.get(name.lower())
+        if key is None:
+            raise FastARError(f"unknown action {name[:40]!r}; this world knows {', '.join(known)}"
+                              + (", look(PITCH,YAW)" if spec.mouse else ""))
+        key = alias.get(key, key)
+        if key in LOOKS:
+            mouse += LOOKS[key]
+        elif key != "idle":
+            keys.append(key)
+    if spec.mouse and not (np.abs(mouse) <= spec.mouse_limit).all():
+        raise FastARError(f"{names[:60]}: the mouse moves [{_format(mouse[0])}, {_format(mouse[1])}] a video "
+                          f"frame; this world was trained within ±{spec.mouse_limit:g} on each axis")
+    return _frames(spec, 1, keys, tuple(mouse))[0]
 
 
 def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: float = FPS) -> np.ndarray:
@@ -304,49 +402,41 @@ def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: flo
     / ``look_down`` / ``look_left`` / ``look_right`` or ``look(PITCH,YAW)``), held for a count of chunks
     (``chunk_video_frames`` video frames each), of video frames with ``f``, or of seconds with ``s`` (at
     ``fps``); no count: one chunk. The JSON run-length form ``[["D", 4], ["W+D", 2]]`` (counts in
-    chunks) is read too."""
-    items = action_items(text)
-    known = action_names(spec)
-    lower = {k.lower(): k for k in known}
-    alias = dict(spec.aliases)
-    out = []
-    for names, count, unit in items:
-        keys, mouse = [], np.zeros(2, np.float32)
-        for name in (s.strip() for s in names.split("+")):
-            look = _LOOK.match(name)
-            if look is not None and spec.mouse:
-                mouse += (float(look.group(1)), float(look.group(2)))
-                continue
-            key = lower.get(name.lower())
-            if key is None:
-                raise FastARError(f"unknown action {name!r}; this world knows {', '.join(known)}"
-                                  + (", look(PITCH,YAW)" if spec.mouse else ""))
-            key = alias.get(key, key)
-            if key in LOOKS:
-                mouse += LOOKS[key]
-            elif key != "idle":
-                keys.append(key)
+    chunks) is read too. At most ``MAX_TEXT`` characters and ``MAX_FRAMES`` video frames."""
+    rows, index, ids, counts, total = [], {}, [], [], 0
+    for names, count, unit in action_items(text):
+        i = index.get(names)
+        if i is None:
+            i = index[names] = len(rows)
+            rows.append(_row(names, spec))
         frames = frame_count(names, count, unit, chunk_video_frames, fps)
-        out.append(_frames(spec, frames, keys, tuple(mouse)))
-    return np.concatenate(out)
+        total += frames
+        if total > MAX_FRAMES:
+            raise FastARError(f"the actions hold more than {MAX_FRAMES} video frames (68 minutes at 16 a "
+                              f"second); at most {MAX_FRAMES} are played")
+        ids.append(i)
+        counts.append(frames)
+    return np.repeat(np.stack(rows)[ids], counts, axis=0)
 
 
 def runs(actions: np.ndarray, spec: ActionSpec) -> list[tuple[int, int, str]]:
     """Actions per video frame [N, width] as runs of equal rows: (first frame, end, what is held), the
-    mouse as a named look where it is one, else ``look(PITCH,YAW)`` (exact: the text reads back to it)."""
-    out, n, i = [], len(actions), 0
-    while i < n:
-        j = i + 1
-        while j < n and np.array_equal(actions[j], actions[i]):
-            j += 1
+    mouse as a named look where it is one, else ``look(PITCH,YAW)`` in the shortest decimals that read
+    back to the same float32 (exact: the text reads back to the rows)."""
+    if not len(actions):
+        return []
+    change = np.flatnonzero((actions[1:] != actions[:-1]).any(-1)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(actions)]])
+    out = []
+    for i, j in zip(starts.tolist(), ends.tolist()):
         row = actions[i]
         names = [k for k, on in zip(spec.keys, row[:len(spec.keys)]) if on and k not in spec.idle]
         mouse = row[len(spec.keys):]
         if spec.mouse and mouse.any():
             named = [n for n, look in LOOKS.items() if np.array_equal(mouse, np.float32(look))]
-            names.append(named[0] if named else f"look({float(mouse[0])!r},{float(mouse[1])!r})")
+            names.append(named[0] if named else f"look({_format(mouse[0])},{_format(mouse[1])})")
         out.append((i, j, "+".join(names) or "idle"))
-        i = j
     return out
 
 

@@ -9,6 +9,7 @@ import io as bytes_io
 import json
 import logging
 import struct
+import time
 
 import comfy.model_management
 import comfy.utils
@@ -21,16 +22,23 @@ from ..fastar.play import Session
 from .matrix_game_nodes import HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
 from .play_routes import NODE, Live, register_routes, sessions
 from .players import MatrixGame, PackWorld, legend
-from .progress import CacheEvents, prompt_server, send_event
+from .progress import CacheEvents, prompt_server
 from .schema import CacheType, StartType, check_widget, node_id, schema
 from .world_nodes import CHUNK, ActionsType, Actions, WorldType
 from .words import in_words
 
 PLAY_EVENT = "fastar.play"
+PAGE_WAIT = 300.0  # seconds a session waits with no page open
+LOG_MARGIN = 128  # characters one more chunk can add to the log, at most
 
 
 class Stopped(Exception):
-    """The player ended the session (stop message): the node returns what was played."""
+    """The session ends here (stop message, its length, no page, a full log): the node returns what was
+    played."""
+
+    def __init__(self, reason: str = "done"):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Restart(Exception):
@@ -88,7 +96,15 @@ class WorldPlay(io.ComfyNode):
                 io.ClipVisionOutput.Input("clip_vision_output", optional=True,
                                           tooltip="Matrix-Game 2.0: CLIP Vision Encode (crop none) of the start image."),
                 StartType.Input("start", optional=True, tooltip="Matrix-Game 2.0: FAST-AR Start Image."),
+                io.Vae.Input("vae", optional=True,
+                             tooltip="Matrix-Game 2.0: what decodes the frames. A fast decoder (FAST-AR Load Fast "
+                                     "Decoder with taew2_1, or Load VAE's lighttaew2_1) plays faster; empty: the "
+                                     "start image's Wan VAE."),
                 *size_inputs("Matrix-Game 2.0: "),
+                io.Float.Input("page_wait", default=PAGE_WAIT, min=10.0, max=3600.0, step=10.0, optional=True,
+                               tooltip="Seconds a live session waits while no play page is open (before the "
+                                       "first chunk, or after its page closed) before it ends with what it "
+                                       "played: a forgotten session does not hold ComfyUI's queue."),
             ],
             outputs=[io.Image.Output("frames"), io.String.Output("action_log"), ActionsType.Output("schedule")],
             hidden=[io.Hidden.unique_id],
@@ -103,9 +119,11 @@ class WorldPlay(io.ComfyNode):
 
     @classmethod
     def execute(cls, world, seed, max_seconds, cache=None, actions=None, image=None, observe=12,
-                clip_vision_output=None, start=None, width=WIDTH, height=HEIGHT) -> io.NodeOutput:
+                clip_vision_output=None, start=None, vae=None, width=WIDTH, height=HEIGHT,
+                page_wait=PAGE_WAIT) -> io.NodeOutput:
         with in_words(NODE):
             check_widget(cls, "max_seconds", max_seconds)
+            check_widget(cls, "page_wait", page_wait)
             check_size(cls, width, height)
             rows = None
             if is_matrix_game(world):
@@ -118,6 +136,10 @@ class WorldPlay(io.ComfyNode):
             else:
                 raise FastARError(f"the world input is {type(world).__name__}: connect FAST-AR World Model or FAST-AR "
                                   f"Matrix-Game 2.0 Loader")
+            if vae is not None and not is_matrix_game(world):
+                raise FastARError("vae decodes Matrix-Game 2.0's frames; the pack's world decodes with its own "
+                                  "decoder: disconnect vae")
+            client = _client() if actions is None else None  # refused before any work
             first = observe if not is_matrix_game(world) else 0
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
             chunks = played = max(1, round(max_seconds * worlds.FPS) // CHUNK)
@@ -126,33 +148,52 @@ class WorldPlay(io.ComfyNode):
                 played = -(-max(len(rows) - first, 1) // CHUNK)
                 chunks = max(chunks, played)
             with torch.inference_mode():
-                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width))
+                player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width), vae)
                           if is_matrix_game(world)
                           else PackWorld(world, image, observe, chunks, rows))
             session = Session(spec)
-            return _play(cls, player, session, cache, int(seed), played, live=actions is None)
+            return _play(cls, player, session, cache, int(seed), played, client, page_wait=float(page_wait))
 
 
-def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bool) -> io.NodeOutput:
-    """The rollout's first ``chunks`` chunks: before each, the action held (live) or the schedule's is
-    written into the model's action rows; after each, its frames are decoded and sent."""
-    server, unique = prompt_server(), node_id(cls)
-    live_end = None
-    if live:
-        if server is None:
-            raise FastARError("a live session needs ComfyUI's server: connect an Action Schedule to play one offline")
-        hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
-                 "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks}
-        live_end = Live(session, hello, server.loop)
-        sessions[session.id] = live_end
-        url = f"/fastar/play/{session.id}?token={session.token}"
-        send_event(PLAY_EVENT, {"node": unique, "session": session.id, "url": url, "world": player.name})
-        logging.info("%s: a session of %s is open: play it at %s", NODE, player.name, url)
+def _client() -> tuple:
+    """ComfyUI's server and the client that queued this prompt: a live session's page goes to it alone."""
+    server = prompt_server()
+    if server is None:
+        raise FastARError("a live session needs ComfyUI's server: connect an Action Schedule to play one offline")
+    client = getattr(server, "client_id", None)
+    if client is None:
+        raise FastARError("a live session's page goes to the client that queued it, and this prompt names none: "
+                          "queue it from ComfyUI's page, or pass client_id with /prompt (and listen on /ws with "
+                          "that clientId); or connect an Action Schedule to play offline")
+    return server, client
+
+
+def _open(player, session: Session, chunks: int, unique, server, client) -> Live:
+    """A live session's routes and its page's address, sent to the client that queued it only (its
+    token is the session's one key: never in the log, never to other clients)."""
+    hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
+             "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks}
+    live = Live(session, hello, server.loop)
+    sessions[session.id] = live
+    url = f"/fastar/play/{session.id}?token={session.token}"
+    server.send_sync(PLAY_EVENT, {"node": unique, "session": session.id, "url": url, "world": player.name}, client)
+    logging.info("%s: session %s of %s is open; its page's address went to the client that queued it (the "
+                 "node's button)", NODE, session.id, player.name)
+    return live
+
+
+def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: tuple | None,
+          page_wait: float = PAGE_WAIT) -> io.NodeOutput:
+    """The rollout's first ``chunks`` chunks: before each, the action held (live, for ``client``: the server
+    and the client that queued it) or the schedule's is written into the model's action rows; after each,
+    its frames are decoded and sent."""
+    unique, live = node_id(cls), client is not None
+    link = _open(player, session, chunks, unique, *client) if live else None
     played = [player.observed_frames()]  # the frames shown first, then each chunk's
     events = CacheEvents(unique)
     events.sampling(3, player.sampling.timesteps, player.sampling.shift, f"as {player.name} samples")
     pbar = comfy.utils.ProgressBar(chunks)
-    reason = "done"
+    end = {"type": "end", "reason": "done"}
 
     def take(c: int) -> dict:
         if not live:
@@ -162,9 +203,18 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
         return {"type": "chunk", "chunk": c, "seq": taken.seq, "taken": taken.taken, "received": taken.received}
 
     def wait_for_page():
-        """No chunk is played unseen: the session waits while no page is open (Cancel still ends it)."""
-        while not live_end.connected.wait(0.05):
+        """No chunk is played unseen: the session waits while no page is open, at most ``page_wait``
+        seconds (Cancel still ends it)."""
+        if link.connected.is_set():
+            return
+        logging.info("%s: session %s waits for its page (it ends after %g s without one)", NODE, session.id,
+                     page_wait)
+        since = time.monotonic()
+        while not link.connected.wait(0.05):
             comfy.model_management.throw_exception_if_processing_interrupted()
+            if time.monotonic() - since > page_wait:
+                logging.warning("%s: session %s ends: no page open for %g s", NODE, session.id, page_wait)
+                raise Stopped("no page")
 
     def on_chunk(report):
         nonlocal info
@@ -174,19 +224,21 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
         events(report)
         pbar.update_absolute(report.chunk + 1, chunks)
         if live:
-            live_end.send(json.dumps({**info, "frames": [first, len(frames)], "latency_s": report.latency_s,
-                                      "cache": events.last}))
+            link.send(json.dumps({**info, "frames": [first, len(frames)], "latency_s": report.latency_s,
+                                  "cache": events.last}))
             for i, f in enumerate(_uint8(frames)):
-                live_end.send(struct.pack(">I", first + i) + _jpeg(f))
+                link.send(struct.pack(">I", first + i) + _jpeg(f))
         comfy.model_management.throw_exception_if_processing_interrupted()
         if session.stopping.is_set():
-            raise Stopped
+            raise Stopped("stopped")
         if session.restarting.is_set():
             raise Restart
-        if live:
-            wait_for_page()
         if report.chunk + 1 == chunks:
-            raise Stopped
+            raise Stopped("done")
+        if live:
+            if len(_log(player, len(played) - 1)) > worlds.MAX_TEXT - LOG_MARGIN:
+                raise Stopped("log full")  # one more chunk could make a log no Action Schedule reads
+            wait_for_page()
         info = take(report.chunk + 1)
 
     try:
@@ -204,21 +256,20 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, live: bo
                     session.restarting.clear()
                     player.reset()
                     played = [player.observed_frames()]
-                    live_end.send(json.dumps({"type": "restart"}))
-    except Stopped:
-        reason = "stopped" if session.stopping.is_set() else "done"
+                    link.send(json.dumps({"type": "restart"}))
+    except Stopped as stop:
+        end["reason"] = stop.reason
     except BaseException:
+        end["reason"] = "cancelled"
         events.finish("stopped")
-        if live:
-            live_end.send(json.dumps({"type": "end", "reason": "cancelled", "log": _log(player, len(played) - 1)}))
         raise
     finally:
         if live:
             sessions.pop(session.id, None)
+            link.send(json.dumps({**end, "log": _log(player, len(played) - 1)}))
+            link.close()
     events.finish("done")
     log = _log(player, len(played) - 1)
-    if live:
-        live_end.send(json.dumps({"type": "end", "reason": reason, "log": log}))
     frames = torch.cat(played)
     return io.NodeOutput(frames, log, Actions(log), ui=ui.PreviewText(log))
 

@@ -10,7 +10,7 @@ import torch
 from ..fastar import FastARError, worlds
 from .matrix_game_nodes import context_tokens, split_rows, start_latent
 from .play_routes import NODE
-from .video import ChunkDecoder
+from .video import chunk_decoder
 from .world_nodes import CHUNK, photo_of
 
 
@@ -72,10 +72,11 @@ class PackWorld:
 
 
 class MatrixGame:
-    """Matrix-Game 2.0 from a start image: chunks of 12 video frames' actions (the first makes 9 frames)."""
+    """Matrix-Game 2.0 from a start image: chunks of 12 video frames' actions (the first makes 9 frames),
+    decoded by ``vae`` (a fast decoder, or Wan's VAE; None: the start image's)."""
 
     def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None,
-                 size: tuple[int, int]):
+                 size: tuple[int, int], vae=None):
         if clip_vision_output is None or start is None:
             raise FastARError("a Matrix-Game 2.0 world starts from an image: connect clip_vision_output (CLIP Vision "
                               "Encode, crop none) and start (FAST-AR Start Image)")
@@ -90,14 +91,14 @@ class MatrixGame:
         device = next(model.parameters()).device
         self.context = context_tokens(clip_vision_output, model).to(device, model.dtype)
         self.condition = start_latent(start, frames, size[1], size[0], NODE).to(device)
-        self.vae, self.format = start.vae, comfy.latent_formats.Wan21()
-        self.decoder = ChunkDecoder(self.vae, NODE)
+        self.vae, self.format = start.vae if vae is None else vae, comfy.latent_formats.Wan21()
+        self.decoder = chunk_decoder(self.vae, NODE)
         self.frames = frames
 
     def reset(self) -> None:
         """Every action back to idle, the decoder's cache empty: the session from its start."""
         self.write(0, len(self.table), worlds.parse_actions("idle", self.spec, 1)[0])
-        self.decoder = ChunkDecoder(self.vae, NODE)
+        self.decoder = chunk_decoder(self.vae, NODE)
 
     def rollout(self, cache, seed):
         from ..fastar import Rollout

@@ -1,6 +1,7 @@
-"""Frames on disk while sampling: each finished chunk decoded by the Wan VAE (its causal decoder's cache
-carried from chunk to chunk, ``video.ChunkDecoder``) and appended to a video file per video of the batch
-(``video.VideoWriter``), so a long run can be watched, and kept after a cancel, while it goes on."""
+"""Frames on disk while sampling: each finished chunk decoded by the Wan VAE or a fast decoder (the
+decoder's memory of past frames carried from chunk to chunk, ``video.chunk_decoder``) and appended to a
+video file per video of the batch (``video.VideoWriter``), so a long run can be watched, and kept after a
+cancel, while it goes on."""
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ class ChunkStream:
         self.keep_latent = settings.keep_latent
         folder, self.subfolder, self.filenames = video.output_files(settings.filename_prefix, width, height,
                                                                     settings.format, batch)
-        self.decode = video.ChunkDecoder(settings.vae, node)
+        self.decode = video.chunk_decoder(settings.vae, node)
         self.writers = []
         try:
             for filename in self.filenames:

@@ -88,6 +88,6 @@ class VideoStream(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, fps, filename_prefix, keep_latent) -> io.NodeOutput:
-        video._wan_vae(vae, "FAST-AR Video Stream")  # a VAE that is no Wan's fails here, not mid-run
+        video.chunk_decoder(vae, "FAST-AR Video Stream")  # a VAE it cannot decode with fails here, not mid-run
         return io.NodeOutput(StreamSettings(vae=vae, fps=float(fps), filename_prefix=filename_prefix,
                                             keep_latent=bool(keep_latent)))

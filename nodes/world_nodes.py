@@ -77,36 +77,36 @@ def _vocabularies() -> dict[str, worlds.ActionSpec]:
             **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
 
 
-def _names(items) -> list[str]:
-    return [name.strip() for names, _, _ in items for name in names.split("+")]
-
-
-def vocabulary_check(text: str) -> list[tuple[str, str, str]]:
-    """The text's items (``worlds.action_items``), or refused where no world can read it: unreadable, or a
-    name no world knows (which keys the loaded world has is its sampler's check)."""
-    items = worlds.action_items(text)
+def vocabulary_check(text: str) -> set[str]:
+    """The names the text uses (``worlds.used_names``), or refused where no world can read it: unreadable,
+    or a name no world knows (which keys the loaded world has is its sampler's check). Runs at queue time,
+    on ComfyUI's event loop: C-level passes over the text only."""
+    names = worlds.used_names(text)
     specs = _vocabularies().values()
-    for name in _names(items):
+    for name in sorted(names):
         if not any(worlds.knows(spec, name) for spec in specs):
-            raise FastARError(f"unknown action {name!r}: no world knows it (the node's description lists "
+            raise FastARError(f"unknown action {name[:40]!r}: no world knows it (the node's description lists "
                               f"each world's keys)")
-    return items
+    return names
 
 
 def timeline(text: str, fps: float, shown: int = 12) -> str:
     """What the schedule holds, for a person: its items in seconds, its length, and which worlds know
     all its keys."""
-    items = vocabulary_check(text)
+    names = vocabulary_check(text)
     lines, n = [], 0
-    for names, count, unit in items:
-        frames = worlds.frame_count(names, count, unit, CHUNK, fps)
+    for keys, count, unit in worlds.action_items(text):
+        frames = worlds.frame_count(keys, count, unit, CHUNK, fps)
         if len(lines) < shown:
-            lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {'+'.join(s.strip() for s in names.split('+'))}")
+            lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {keys}")
         elif len(lines) == shown:
             lines.append("...")
         n += frames
+        if n > worlds.MAX_FRAMES:
+            raise FastARError(f"the actions hold more than {worlds.MAX_FRAMES} video frames; at most "
+                              f"{worlds.MAX_FRAMES} are played")
     lines.append(f"{n} video frames = {-(-n // CHUNK)} chunks of {CHUNK} = {n / fps:.1f} s at {fps:g} fps")
-    whole = [name for name, spec in _vocabularies().items() if all(worlds.knows(spec, k) for k in _names(items))]
+    whole = [name for name, spec in _vocabularies().items() if all(worlds.knows(spec, k) for k in names)]
     lines.append("runs on: " + (", ".join(whole) or "no one world: its keys come from different worlds"))
     return "\n".join(lines)
 
@@ -126,7 +126,9 @@ class ActionSchedule(io.ComfyNode):
                         "works too.",
             inputs=[io.String.Input("actions", multiline=True, default=DEFAULT_ACTIONS,
                                     tooltip="e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle*1.5s; look(PITCH,YAW) "
-                                            "moves the mouse by that much a video frame."),
+                                            "moves the mouse by that much a video frame (within the world's range: "
+                                            f"±0.12 the pack's, ±0.1 Matrix-Game 2.0's). At most {worlds.MAX_TEXT} "
+                                            f"characters and {worlds.MAX_FRAMES} video frames."),
                     io.Float.Input("fps", default=worlds.FPS, min=1.0, max=120.0, step=1.0, optional=True,
                                    **ADVANCED, tooltip="Video frames a second, for counts in seconds (s).")],
             outputs=[ActionsType.Output()],

@@ -6,7 +6,7 @@ told otherwise, with empty stand-ins for the optional packages ComfyUI imports a
 models and nodes that are never run here (``stand_in_missing``). ``tiny_wan`` and ``write_wan`` make
 the smallest Wan 2.1 T2V model ComfyUI's detection builds and write it as ComfyUI's loaders read it,
 plain and with core ComfyUI's causal metadata; ``wan_vae_file`` writes a Wan 2.1 VAE with random
-weights, ``clip_vision_h_file`` a ViT-H/14 CLIP vision file with random weights that ComfyUI's CLIP
+weights, ``taehv_file`` a TAEHV-family fast decoder (taew2_1's layout) with random weights, ``clip_vision_h_file`` a ViT-H/14 CLIP vision file with random weights that ComfyUI's CLIP
 vision loader takes; ``comfy_server`` runs a ComfyUI server over a base directory, with ``run_prompt``,
 ``post_json``, ``get_json`` and ``fetch`` to talk to it. The rest are the checks the tests share: a prompt's features, the relative error, the
 engine a rollout picks, the frames of a video file.
@@ -177,6 +177,53 @@ def wan_vae_file(path, seed: int = 0, dim: int = 96) -> Path:
             fan_in = max(1, p[0].numel())
             state[name] = torch.randn(p.shape, generator=g) / fan_in ** 0.5
     save_file(state, str(path))
+    return Path(path)
+
+
+def taehv_weights(seed: int = 0, latent_channels: int = 16, dtype=None) -> dict:
+    """A TAEHV-family state dict (taew2_1, lighttaew2_1: madebyollin's ``TAEHV`` layout, which ComfyUI's
+    ``comfy/taesd/taehv.py`` loads) with random weights: written from the layout's table, so it needs no
+    ComfyUI; 3x3 convolutions but the 1x1 time pools and grows, scaled by fan-in so the frames vary."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+
+    def conv(name, n_in, n_out, k=3, bias=True):
+        state[f"{name}.weight"] = torch.randn(n_out, n_in, k, k, generator=g) / (n_in * k * k) ** 0.5
+        if bias:
+            state[f"{name}.bias"] = 0.1 * torch.randn(n_out, generator=g)
+
+    def stage(part, first, n):
+        for i in range(first, first + 3):  # three MemBlocks: conv(2n -> n), ReLU, conv, ReLU, conv
+            conv(f"{part}.{i}.conv.0", 2 * n, n)
+            conv(f"{part}.{i}.conv.2", n, n)
+            conv(f"{part}.{i}.conv.4", n, n)
+
+    # encoder: conv, ReLU, then per stage a TPool (2, 2, 1 frames into one), a stride-2 conv, three MemBlocks
+    conv("encoder.0", 3, 64)
+    for pool, stride in ((2, 2), (7, 2), (12, 1)):
+        conv(f"encoder.{pool}.conv", 64 * stride, 64, k=1, bias=False)
+        conv(f"encoder.{pool + 1}", 64, 64, bias=False)
+        stage("encoder", pool + 2, 64)
+    conv("encoder.17", 64, latent_channels)
+    # decoder: Clamp, conv, ReLU, then per stage three MemBlocks, an Upsample, a TGrow (1, 2, 2 frames out of
+    # one) and a conv to the next width; ReLU and the conv to RGB
+    widths = (256, 128, 64, 64)
+    conv("decoder.1", latent_channels, 256)
+    for s, (first, stride) in enumerate(((3, 1), (9, 2), (15, 2))):
+        stage("decoder", first, widths[s])
+        conv(f"decoder.{first + 4}.conv", widths[s], widths[s] * stride, k=1, bias=False)
+        conv(f"decoder.{first + 5}", widths[s], widths[s + 1], bias=False)
+    conv("decoder.22", 64, 3)
+    return {k: v.to(dtype) if dtype is not None else v for k, v in state.items()}
+
+
+def taehv_file(path, seed: int = 0, dtype=None) -> Path:
+    """``taehv_weights`` written as a safetensors file at ``path``."""
+    from safetensors.torch import save_file
+
+    save_file(taehv_weights(seed, dtype=dtype), str(path))
     return Path(path)
 
 

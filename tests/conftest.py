@@ -13,7 +13,8 @@ every test that uses it is marked ``comfyui``: ``.ci/comfy_tests.sh`` runs ``-m 
 tree (collection fails on a test that uses the fixture unmarked, so none can drop out of that run). The
 ``comfyui`` tests that need core ComfyUI's autoregressive path (``comfy/ldm/wan/ar_model.py``) are also
 marked ``core_ar``: skipped against a tree without it here, deselected there by the CI script, which
-fails unless some tree ran them.
+fails unless some tree ran them; likewise ``taehv`` for the tests that need core's TAEHV fast decoders
+(``comfy/taesd/taehv.py``).
 """
 import os
 from dataclasses import dataclass
@@ -80,8 +81,10 @@ def device() -> Device:
     return Device("cuda" if CUDA else "cpu")
 
 
-#: What a ComfyUI tree holds where it has core's autoregressive video path (the ``core_ar`` tests).
+#: What a ComfyUI tree holds where it has core's autoregressive video path (the ``core_ar`` tests), and where
+#: it has core's TAEHV fast decoders (the ``taehv`` tests).
 CORE_AR_FILE = "comfy/ldm/wan/ar_model.py"
+TAEHV_FILE = "comfy/taesd/taehv.py"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -89,19 +92,23 @@ def pytest_collection_modifyitems(config, items):
     with core's autoregressive path: skipped against one without it. A test that uses the ``comfy``
     fixture or is marked ``core_ar`` must be marked ``comfyui``: the run stops otherwise."""
     unmarked = [item.nodeid for item in items if not item.get_closest_marker("comfyui")
-                and ("comfy" in getattr(item, "fixturenames", ()) or item.get_closest_marker("core_ar"))]
+                and ("comfy" in getattr(item, "fixturenames", ()) or item.get_closest_marker("core_ar")
+                     or item.get_closest_marker("taehv"))]
     if unmarked:
         raise pytest.UsageError("these tests run against a ComfyUI tree but are not marked comfyui (what "
                                 ".ci/comfy_tests.sh selects by): " + ", ".join(unmarked))
     tree = os.environ.get("COMFYUI_PATH")
     core_ar = pytest.mark.skip(reason=f"the ComfyUI tree at COMFYUI_PATH has no {CORE_AR_FILE} (core's "
                                       "autoregressive path)")
+    taehv = pytest.mark.skip(reason=f"the ComfyUI tree at COMFYUI_PATH has no {TAEHV_FILE} (core's TAEHV)")
     cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("cuda") and not CUDA:
             item.add_marker(cuda)
         if item.get_closest_marker("core_ar") and tree and not Path(tree, CORE_AR_FILE).is_file():
             item.add_marker(core_ar)
+        if item.get_closest_marker("taehv") and tree and not Path(tree, TAEHV_FILE).is_file():
+            item.add_marker(taehv)
 
 
 # -- ComfyUI ---------------------------------------------------------------------------------------------

@@ -226,6 +226,9 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
     (["--revisit", "40"], "--revisit 40: a loop of whole chunks"),
     (["--world", "nope.jpg"], "cannot read the world photograph nope.jpg"),
     (["--actions", "D*40"], "more than the 576x384 photograph: pan less, or zoom in"),
+    (["--actions", "W" + " " * 70000], "--actions: the action text is 70001 characters; at most 65536 are read"),
+    (["--actions", "look(0.5,0)"], "--actions: look(0.5,0): the mouse moves [0.5, 0] a video frame; this world was "
+                                   "trained within ±0.12"),
 ])
 def test_the_world_refuses_bad_arguments_in_one_line(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path)]) == 2

@@ -222,7 +222,8 @@ def test_nodes(comfy, models, pack):
     expected = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
                 "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
                 "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler",
-                "FastARStartImage", "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay"}
+                "FastARStartImage", "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay",
+                "FastARLoadFastDecoder"}
     assert {n.define_schema().node_id for n in nodes} == expected
     for n in nodes:
         schema = n.define_schema()

@@ -117,6 +117,27 @@ def test_world_play_offline_is_the_samplers_video(parts):
     assert log == "W*12f, A+look_left*6f, S*3f, idle*3f" and schedule.text == log
 
 
+@pytest.mark.taehv
+def test_world_play_decodes_with_a_fast_decoder_as_core_decodes_the_whole_latent(parts, comfy, tmp_path):
+    """World Play's vae: lighttaew2_1 (random weights at its real layout, as core's Load VAE gives it) decodes
+    the frames chunk by chunk; they are core's decode of the sampler's whole LATENT with it."""
+    from comfyui_fastar.nodes.play_nodes import WorldPlay
+    from comfyui_fastar.nodes.sampler_nodes import StartImage
+    from comfyui_fastar.nodes.world_nodes import Actions
+
+    path = comfy_harness.taehv_file(tmp_path / "lighttaew2_1.safetensors")
+    fast = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
+    text = "W*1, A+look_left*6f, S*3f"
+    with torch.inference_mode():
+        whole = fast.decode(_sample(parts, text))[0]
+    clip = types.SimpleNamespace(penultimate_hidden_states=torch.randn(1, 257, 1280,
+                                                                       generator=torch.Generator().manual_seed(1)))
+    frames = WorldPlay.execute(parts.model, 0, 24 / 16, actions=Actions(text), clip_vision_output=clip,
+                               start=StartImage(parts.image, parts.vae), vae=fast, width=W, height=H).result[0]
+    assert frames.shape == whole.shape == (9 + 12, H, W, 3) and whole.std() > 0.05
+    assert ((frames - whole).norm() / whole.norm()).item() <= 1e-5
+
+
 def test_the_sampler_refuses_what_its_model_cannot_read_in_its_words(parts):
     from comfyui_fastar.fastar import FastARError
 
@@ -128,6 +149,10 @@ def test_the_sampler_refuses_what_its_model_cannot_read_in_its_words(parts):
         _sample(parts, "W", tokens=torch.zeros(1, 257, 1024))
     with pytest.raises(FastARError, match=r"^FAST-AR Matrix-Game Sampler: .*decreasing"):
         _sample(parts, "W", timesteps="1000,1000")
+    fast = types.SimpleNamespace(first_stage_model=type("TAEHV", (torch.nn.Module,), {})())
+    with pytest.raises(FastARError, match=r"^FAST-AR Matrix-Game Sampler: the start image's VAE is a TAEHV fast decoder; "
+                                          r"the start image is encoded with Wan 2.1's VAE"):
+        _sample(types.SimpleNamespace(model=parts.model, vae=fast, image=parts.image), "W")
     with pytest.raises(FastARError, match=r"^FAST-AR Matrix-Game Sampler: the world input is SimpleNamespace, not a "
                                           r"Matrix-Game 2.0 model: load one with FAST-AR Matrix-Game 2\.0 Loader"):
         _sample(types.SimpleNamespace(model=types.SimpleNamespace(), vae=parts.vae, image=parts.image), "W")
@@ -161,13 +186,14 @@ def server(comfy, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("comfy_mg")
     models = base / "models"
-    for folder in ("diffusion_models", "clip_vision", "vae"):
+    for folder in ("diffusion_models", "clip_vision", "vae", "vae_approx"):
         (models / folder).mkdir(parents=True)
     for variant in ("universal", "templerun"):
         _write_world(models / "diffusion_models", variant)
     comfy_harness.write_wan(comfy_harness.tiny_wan(), models / "diffusion_models", "fastar_tiny")  # no world model
     comfy_harness.clip_vision_h_file(models / "clip_vision" / "fastar_vit_h.safetensors")
     comfy_harness.wan_vae_file(models / "vae" / "fastar_tiny_vae.safetensors")
+    comfy_harness.taehv_file(models / "vae_approx" / "taew2_1.safetensors", dtype=torch.float16)
     (base / "input").mkdir()
     pixels = np.random.default_rng(0).integers(0, 255, (90, 120, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(base / "input" / "example.png")
@@ -290,6 +316,49 @@ def test_a_live_session_plays_matrix_game_and_replays_from_its_log(server):
                                                      _play_prompt(server, "universal", log), timeout=600))
     assert not [e for e in replay if e["type"] == "execution_error"]
     assert np.array_equal(play_client.saved(server["base"], replay, "99"), live)
+
+
+def test_a_fast_decoder_streams_and_plays_cores_frames_or_is_refused_in_one_line(server):
+    """FAST-AR Load Fast Decoder's taew2_1 (random weights at its real layout, float16 as released) on the
+    universal template's Video Stream and on World Play playing the same schedule: the file holds the
+    sampler's frames, and World Play's are core's decode of the sampler's whole LATENT (saved) with that
+    decoder. A ComfyUI without TAEHV (v0.3.64) answers at the loader, in one line."""
+    import safetensors.torch
+
+    from comfyui_fastar.nodes.fast_decoder_nodes import load_fast_decoder
+
+    text = "W*2, look_left*6f"
+    prompt, by_type = _template_prompt(server, "universal", text)
+    sampler = prompt[by_type["FastARMatrixGameSampler"]]["inputs"]
+    prefix = f"fast_{uuid.uuid4().hex[:8]}"
+    prompt["90"] = {"class_type": "FastARLoadFastDecoder", "inputs": {"decoder_name": "taew2_1.safetensors"}}
+    prompt[by_type["FastARVideoStream"]]["inputs"]["vae"] = ["90", 0]
+    prompt["91"] = {"class_type": "SaveLatent", "inputs": {"samples": [by_type["FastARMatrixGameSampler"], 0],
+                                                            "filename_prefix": f"latents/{prefix}"}}
+    prompt["92"] = {"class_type": "FastARWorldPlay", "inputs": {
+        **{k: sampler[k] for k in ("world", "clip_vision_output", "start", "cache", "seed", "actions")},
+        "vae": ["90", 0], "max_seconds": 30 / 16, "width": W, "height": H}}
+    prompt["93"] = {"class_type": "SaveImage", "inputs": {"images": ["92", 0], "filename_prefix": prefix}}
+    _, events = asyncio.run(comfy_harness.run_prompt(server["url"], server["port"], prompt, timeout=600))
+    errors = [e["data"] for e in events if e["type"] == "execution_error"]
+    if not Path(COMFYUI_PATH, "comfy", "taesd", "taehv.py").is_file():
+        (error,) = errors
+        assert error["node_id"] == "90" and "\n" not in error["exception_message"].strip()
+        assert error["exception_message"].startswith("FAST-AR Load Fast Decoder: this ComfyUI has no TAEHV")
+        return
+    assert not errors, errors[0]["exception_message"]
+    (latent_file,) = (server["base"] / "output" / "latents").glob(f"{prefix}_*.latent")
+    latent = safetensors.torch.load_file(str(latent_file))["latent_tensor"]
+    fast = load_fast_decoder(str(server["base"] / "models" / "vae_approx" / "taew2_1.safetensors"))
+    with torch.inference_mode():
+        whole = fast.decode(latent)[0].clamp(0, 1).numpy()
+    played = play_client.saved(server["base"], events, "93") / 255.0
+    assert played.shape == whole.shape == (1 + 4 * (9 - 1), H, W, 3) and whole.std() > 0.05
+    assert np.abs(played - whole).max() <= 1.01 / 255  # SaveImage's 8 bits: truncated, not rounded
+    shown = {e["data"]["node"]: e["data"]["output"] for e in events if e["type"] == "executed"}
+    (saved,) = shown[by_type["FastARMatrixGameSampler"]]["images"]
+    frames, _, _ = comfy_harness.read_video(server["base"] / "output" / saved["subfolder"] / saved["filename"])
+    assert len(frames) == len(whole) and np.abs(np.stack(frames) / 255.0 - whole).mean() < 0.1  # a lossy codec
 
 
 def test_the_loader_refuses_a_wan_text_to_video_file_in_its_words(server):

@@ -144,7 +144,7 @@ def test_the_play_template_is_the_live_graph_at_its_defaults(server):
     by_type = {n["class_type"]: n["inputs"] for n in prompt.values()}
     play = by_type["FastARWorldPlay"]
     assert {k: v for k, v in play.items() if not isinstance(v, list)} == {
-        "seed": 0, "max_seconds": 60.0, "observe": 12, "width": 640, "height": 352}
+        "seed": 0, "max_seconds": 60.0, "observe": 12, "width": 640, "height": 352, "page_wait": 300.0}
     assert set(k for k, v in play.items() if isinstance(v, list)) == {"world", "cache"}
     t = TempCacheConfig()
     assert by_type["FastARTempCacheSettings"] == {"enabled": t.enabled, "merge_threshold": t.merge_threshold,
@@ -239,20 +239,25 @@ def test_the_play_template_plays_in_the_frontend(server):
 
 
 @pytest.mark.slow
-def test_the_play_benchmark_times_a_live_session_and_its_replay(comfy, tmp_path):
+@pytest.mark.parametrize("decoder", ["wan", pytest.param("taehv", marks=pytest.mark.taehv)])
+def test_the_play_benchmark_times_a_live_session_and_its_replay(comfy, tmp_path, decoder):
     """bench/play_bench.py --smoke: a live session (the pack's routes, a player on its socket) and its log
-    played offline, each timed; the file names the device and the shapes."""
+    played offline, each timed, decoded by the Wan VAE or a fast decoder; the file names the device, the
+    shapes and the decoder."""
     import sys
 
     sys.path.insert(0, str(REPO / "bench"))
     import play_bench
 
     result = play_bench.main(["--comfyui", COMFYUI_PATH, "--smoke", "--chunks", "5", "--hold", "1", "--repeats", "1",
-                              "--out", str(tmp_path)])
-    assert json.loads((tmp_path / "play_bench_smoke.json").read_text())["summary"] == result["summary"]
+                              "--decoder", decoder, "--out", str(tmp_path)])
+    name = "play_bench_taehv_smoke.json" if decoder == "taehv" else "play_bench_smoke.json"
+    assert json.loads((tmp_path / name).read_text())["summary"] == result["summary"]
+    assert result["settings"]["decoder"].startswith("the Wan 2.1 VAE" if decoder == "wan" else "a TAEHV")
     live, offline = result["summary"]["live"], result["summary"]["offline"]
     assert live["frames"] == 9 + 12 * 4 and live["posts_timed"] >= 2
     assert 0 < live["key_to_frame_ms"] <= live["key_to_frame_max_ms"]
     assert live["fps"] > 0 and offline["fps"] > 0 and live["rollout_ms"] > 0 and offline["rollout_ms"] > 0
+    assert 0 < live["decode_ms"] < live["period_ms"] and 0 < offline["decode_ms"] < offline["period_ms"]
     assert result["shape"] == {"height": 48, "width": 64, "model": "tiny"}
     assert result["summary"]["replay_max_abs"] == [0.0]  # the CPU replays its session bit for bit

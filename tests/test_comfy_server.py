@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 NODES = {"FastARPatchModel", "FastARTempCacheSettings", "FastARWindowCache", "FastARAnnSparsity",
          "FastARAutoregressiveSampler", "FastARARVideo", "FastARPromptSchedule", "FastARSaveVideo",
          "FastARVideoStream", "FastARWorldModel", "FastARActionSchedule", "FastARWorldSampler",
-         "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay"}
+         "FastARMatrixGameLoader", "FastARMatrixGameSampler", "FastARWorldPlay",
+         "FastARLoadFastDecoder"}
 
 TEST_NODE = '''
 import torch

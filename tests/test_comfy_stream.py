@@ -81,6 +81,29 @@ def test_the_file_grows_chunk_by_chunk_while_the_run_goes_on(model, vae, output,
     assert err.abs().mean() < 0.1
 
 
+@pytest.mark.taehv
+def test_a_fast_decoder_streams_cores_frames_of_the_whole_latent(model, comfy, output, tmp_path, monkeypatch):
+    """lighttaew2_1 (random weights at its real layout) as core's Load VAE gives it: the frames written,
+    chunk by chunk while the run goes on, are core's decode of the whole LATENT with it."""
+    from comfyui_fastar.nodes import video
+    from comfyui_fastar.nodes.video_nodes import VideoStream
+    from comfyui_fastar.testing.comfy_harness import taehv_file
+
+    path = taehv_file(tmp_path / "lighttaew2_1.safetensors")
+    fast = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
+    written = []
+    real_write = video.VideoWriter.write
+    monkeypatch.setattr(video.VideoWriter, "write", lambda self, frame: (written.append(frame), real_write(self, frame)))
+    out = _sample(model, VideoStream.execute(fast, 16.0, "video/fast", True).result[0])
+    with torch.inference_mode():
+        stock = fast.decode(out.result[0]["samples"])[0]
+    written = torch.stack(written)
+    assert written.shape == stock.shape == (LENGTH, H, W, 3) and stock.std() > 0.05
+    assert ((written - stock).norm() / stock.norm()).item() <= 1e-5
+    (saved,) = out.ui.as_dict()["images"]
+    assert len(read_video(output / "video" / saved["filename"])[0]) == LENGTH
+
+
 def test_without_the_latent_kept_the_output_is_the_last_chunk_and_the_file_whole(model, vae, output):
     from comfyui_fastar.nodes.video_nodes import VideoStream
 
@@ -117,12 +140,12 @@ def test_a_cancel_keeps_a_playable_file_of_the_chunks_made(model, vae, output, m
     assert len(read_video(path)[0]) == 1 + 4 + 4  # three chunks of one latent frame, closed whole
 
 
-def test_the_stream_refuses_a_vae_that_is_not_wans(comfy):
+def test_the_stream_refuses_a_vae_it_cannot_decode_with(comfy):
     from comfyui_fastar.fastar import FastARError
     from comfyui_fastar.nodes.video_nodes import VideoStream
 
     class NotWan:
         first_stage_model = torch.nn.Linear(1, 1)
 
-    with pytest.raises(FastARError, match="^FAST-AR Video Stream: the VAE is Linear, not Wan 2.1's"):
+    with pytest.raises(FastARError, match="^FAST-AR Video Stream: vae is Linear, neither Wan 2.1's VAE nor a TAEHV"):
         VideoStream.execute(NotWan(), 16.0, "video/x", True)

@@ -81,7 +81,7 @@ def test_the_node_saves_to_the_output_folder_and_refuses_bad_input(vae, tmp_path
     assert saved["subfolder"] == "video" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
     assert len(read_video(tmp_path / "video" / saved["filename"])[0]) == 9
 
-    with pytest.raises(FastARError, match="FAST-AR Save Video: the VAE is Linear, not Wan 2.1's"):
+    with pytest.raises(FastARError, match="^FAST-AR Save Video: vae is Linear, neither Wan 2.1's VAE nor a TAEHV"):
         video_nodes.SaveVideo.execute({"samples": _latent(3)}, SimpleNamespace(first_stage_model=torch.nn.Linear(1, 1)),
                                        16.0, "video/x", "mp4")
     with pytest.raises(FastARError, match=r"samples must be a video latent \[B, C, T, h, w\], got \[1, 16, 4, 4\]"):

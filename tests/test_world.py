@@ -96,9 +96,9 @@ def test_parse_actions_counts_units_and_json():
 
 
 def test_parse_actions_reads_seconds_and_exact_looks():
-    a = worlds.parse_actions("W*1.5s, look(0.25, -0.5)+A*2f", SPEC, 12, fps=8.0)
+    a = worlds.parse_actions("W*1.5s, look(0.05, -0.1)+A*2f", SPEC, 12, fps=8.0)
     assert len(a) == 12 + 2 and (a[:12, SPEC.keys.index("W")] == 1).all()
-    assert (a[12:, SPEC.keys.index("A")] == 1).all() and np.allclose(a[12:, -2:], [0.25, -0.5])
+    assert (a[12:, SPEC.keys.index("A")] == 1).all() and np.allclose(a[12:, -2:], [0.05, -0.1])
     assert len(worlds.parse_actions("W*1.5s", SPEC, 12)) == 24  # 16 fps by default
     with pytest.raises(FastARError, match=r"whole number \(seconds take s: \*1\.5s\)"):
         worlds.parse_actions("W*1.5f", SPEC, 12)
@@ -108,9 +108,11 @@ def test_actions_text_reads_back_to_the_same_rows():
     """The action log a live session returns: its text replays the exact rows, odd mouse moves included."""
     rng = np.random.default_rng(3)
     rows = worlds.parse_actions("W*5f, W+D*7f, look_left*3f, idle*2f", SPEC, 12)
-    rows[10:13, -2:] = rng.normal(size=(3, 2)).astype(np.float32)  # a mouse no named look matches
+    rows[10:13, -2:] = rng.uniform(-0.12, 0.12, size=(3, 2)).astype(np.float32)  # a mouse no named look matches
+    rows[13] = worlds.parse_actions("look(0.03,-0.07)", SPEC, 1)[0]
     text = worlds.actions_text(rows, SPEC)
     assert "look(" in text and text.startswith("W*5f, W+D*5f")
+    assert "look(0.03,-0.07)*1f" in text  # the shortest decimals that read back, not float32's noise
     assert np.array_equal(worlds.parse_actions(text, SPEC, 12), rows)
 
 

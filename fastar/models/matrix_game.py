@@ -79,8 +79,8 @@ class Variant:
     @property
     def actions(self) -> ActionSpec:
         """Its action text's vocabulary (``fastar.worlds.parse_actions``): the keys, and with a mouse the
-        looks (pitch / yaw 0.1 a video frame, as it was trained around)."""
-        return ActionSpec(keys=self.keys, mouse=self.mouse, idle=self.idle, aliases=self.aliases)
+        looks (pitch / yaw 0.1 a video frame, as it was trained around, and no more)."""
+        return ActionSpec(keys=self.keys, mouse=self.mouse, idle=self.idle, aliases=self.aliases, mouse_limit=0.1)
 
     def cache(self, chunk_frames: int = 3) -> CacheConfig:
         """Its own self-attention cache: a rolling window of ``local_frames`` latent frames, the open chunk
