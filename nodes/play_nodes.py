@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from comfy_api.latest import io, ui
 
-from ..fastar import FastARError, worlds
+from ..fastar import FastARError
+from ..fastar.actions import FPS, MAX_TEXT, actions_text, parse_actions
 from ..fastar.play import Session
 from .matrix_game_nodes import HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
 from .play_routes import NODE, Live, register_routes, sessions
@@ -60,7 +61,7 @@ def _uint8(frames: torch.Tensor) -> np.ndarray:
 
 def _log(player, chunks: int) -> str:
     """The rows the first ``chunks`` chunks played (and the frames shown first) as action text."""
-    return worlds.actions_text(player.table[:player.first + chunks * CHUNK], player.spec)
+    return actions_text(player.table[:player.first + chunks * CHUNK], player.spec)
 
 
 class WorldPlay(io.ComfyNode):
@@ -142,9 +143,9 @@ class WorldPlay(io.ComfyNode):
             client = _client() if actions is None else None  # refused before any work
             first = observe if not is_matrix_game(world) else 0
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
-            chunks = played = max(1, round(max_seconds * worlds.FPS) // CHUNK)
+            chunks = played = max(1, round(max_seconds * FPS) // CHUNK)
             if actions is not None:
-                rows = worlds.parse_actions(actions.text, spec, CHUNK, actions.fps)
+                rows = parse_actions(actions.text, spec, CHUNK, actions.fps)
                 played = -(-max(len(rows) - first, 1) // CHUNK)
                 chunks = max(chunks, played)
             with torch.inference_mode():
@@ -172,7 +173,7 @@ def _open(player, session: Session, chunks: int, unique, server, client) -> Live
     """A live session's routes and its page's address, sent to the client that queued it only (its
     token is the session's one key: never in the log, never to other clients)."""
     hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
-             "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks}
+             "fps": FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks}
     live = Live(session, hello, server.loop)
     sessions[session.id] = live
     url = f"/fastar/play/{session.id}?token={session.token}"
@@ -236,7 +237,7 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: 
         if report.chunk + 1 == chunks:
             raise Stopped("done")
         if live:
-            if len(_log(player, len(played) - 1)) > worlds.MAX_TEXT - LOG_MARGIN:
+            if len(_log(player, len(played) - 1)) > MAX_TEXT - LOG_MARGIN:
                 raise Stopped("log full")  # one more chunk could make a log no Action Schedule reads
             wait_for_page()
         info = take(report.chunk + 1)

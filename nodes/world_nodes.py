@@ -1,6 +1,6 @@
 """The world-model nodes: FAST-AR World Model (the pack's trained world, no download), FAST-AR Action
 Schedule (a route a person writes) and FAST-AR World Sampler (the world flown along it under a KV cache),
-over ``fastar.worlds`` and ``fastar.models.world``."""
+over ``fastar.actions``, ``fastar.photo_world`` and ``fastar.models.world``."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,9 @@ import numpy as np
 import torch
 from comfy_api.latest import io, ui
 
-from ..fastar import FastARError, worlds
+from ..fastar import FastARError, photo_world
+from ..fastar.actions import (FPS, MAX_FRAMES, MAX_TEXT, ActionSpec, action_items, frame_count, knows, parse_actions,
+                              used_names)
 from .schema import ADVANCED, CacheType, check_widget, schema
 from .words import in_words
 
@@ -33,7 +35,7 @@ def _load(name: str):
     device = comfy.model_management.get_torch_device()
     key = f"{name}@{device}"
     if key not in _cache:
-        path = worlds.WEIGHTS
+        path = photo_world.WEIGHTS
         model = load_wan(path, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
         if not isinstance(model, WorldModel):
             raise FastARError(f"FAST-AR World Model: {os.path.basename(path)} is not a world model")
@@ -66,25 +68,25 @@ class Actions:
     """FAST-AR Action Schedule's output: its text, read by the sampler against its world's keys, and the
     frame rate its seconds count at."""
     text: str
-    fps: float = worlds.FPS
+    fps: float = FPS
 
 
-def _vocabularies() -> dict[str, worlds.ActionSpec]:
+def _vocabularies() -> dict[str, ActionSpec]:
     """Every world the schedule can drive, by name: the pack's and Matrix-Game 2.0's variants."""
     from ..fastar.models.matrix_game import VARIANTS
 
-    return {"the pack's world": worlds.ActionSpec(),
+    return {"the pack's world": ActionSpec(),
             **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
 
 
 def vocabulary_check(text: str) -> set[str]:
-    """The names the text uses (``worlds.used_names``), or refused where no world can read it: unreadable,
+    """The names the text uses (``fastar.actions.used_names``), or refused where no world can read it: unreadable,
     or a name no world knows (which keys the loaded world has is its sampler's check). Runs at queue time,
     on ComfyUI's event loop: C-level passes over the text only."""
-    names = worlds.used_names(text)
+    names = used_names(text)
     specs = _vocabularies().values()
     for name in sorted(names):
-        if not any(worlds.knows(spec, name) for spec in specs):
+        if not any(knows(spec, name) for spec in specs):
             raise FastARError(f"unknown action {name[:40]!r}: no world knows it (the node's description lists "
                               f"each world's keys)")
     return names
@@ -95,18 +97,18 @@ def timeline(text: str, fps: float, shown: int = 12) -> str:
     all its keys."""
     names = vocabulary_check(text)
     lines, n = [], 0
-    for keys, count, unit in worlds.action_items(text):
-        frames = worlds.frame_count(keys, count, unit, CHUNK, fps)
+    for keys, count, unit in action_items(text):
+        frames = frame_count(keys, count, unit, CHUNK, fps)
         if len(lines) < shown:
             lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {keys}")
         elif len(lines) == shown:
             lines.append("...")
         n += frames
-        if n > worlds.MAX_FRAMES:
-            raise FastARError(f"the actions hold more than {worlds.MAX_FRAMES} video frames; at most "
-                              f"{worlds.MAX_FRAMES} are played")
+        if n > MAX_FRAMES:
+            raise FastARError(f"the actions hold more than {MAX_FRAMES} video frames; at most "
+                              f"{MAX_FRAMES} are played")
     lines.append(f"{n} video frames = {-(-n // CHUNK)} chunks of {CHUNK} = {n / fps:.1f} s at {fps:g} fps")
-    whole = [name for name, spec in _vocabularies().items() if all(worlds.knows(spec, k) for k in names)]
+    whole = [name for name, spec in _vocabularies().items() if all(knows(spec, k) for k in names)]
     lines.append("runs on: " + (", ".join(whole) or "no one world: its keys come from different worlds"))
     return "\n".join(lines)
 
@@ -127,9 +129,9 @@ class ActionSchedule(io.ComfyNode):
             inputs=[io.String.Input("actions", multiline=True, default=DEFAULT_ACTIONS,
                                     tooltip="e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle*1.5s; look(PITCH,YAW) "
                                             "moves the mouse by that much a video frame (within the world's range: "
-                                            f"±0.12 the pack's, ±0.1 Matrix-Game 2.0's). At most {worlds.MAX_TEXT} "
-                                            f"characters and {worlds.MAX_FRAMES} video frames."),
-                    io.Float.Input("fps", default=worlds.FPS, min=1.0, max=120.0, step=1.0, optional=True,
+                                            f"±0.12 the pack's, ±0.1 Matrix-Game 2.0's). At most {MAX_TEXT} "
+                                            f"characters and {MAX_FRAMES} video frames."),
+                    io.Float.Input("fps", default=FPS, min=1.0, max=120.0, step=1.0, optional=True,
                                    **ADVANCED, tooltip="Video frames a second, for counts in seconds (s).")],
             outputs=[ActionsType.Output()],
         )
@@ -144,7 +146,7 @@ class ActionSchedule(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, actions, fps=worlds.FPS) -> io.NodeOutput:
+    def execute(cls, actions, fps=FPS) -> io.NodeOutput:
         with in_words("FAST-AR Action Schedule"):
             text = timeline(actions, fps)
         return io.NodeOutput(Actions(actions, float(fps)), ui=ui.PreviewText(text))
@@ -153,7 +155,7 @@ class ActionSchedule(io.ComfyNode):
 def photo_of(image) -> torch.Tensor:
     """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one."""
     if image is None:
-        return worlds.load_photo(worlds.DEMO_PHOTO)
+        return photo_world.load_photo(photo_world.DEMO_PHOTO)
     return image[0, ..., :3].permute(2, 0, 1).float().clamp(0, 1).cpu()
 
 
@@ -204,7 +206,7 @@ class WorldSampler(io.ComfyNode):
                 raise FastARError(f"the world input is {type(world).__name__}, not the pack's world model: a "
                                   f"Matrix-Game 2.0 model runs in FAST-AR Matrix-Game Sampler")
             spec = world.spec
-            route = worlds.parse_actions(actions.text, spec.actions, CHUNK, actions.fps)
+            route = parse_actions(actions.text, spec.actions, CHUNK, actions.fps)
             route = np.concatenate([route, np.zeros((-len(route) % CHUNK, route.shape[1]), np.float32)])
             if observe >= len(route):
                 raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "
@@ -214,7 +216,7 @@ class WorldSampler(io.ComfyNode):
                 raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                                   f"{spec.view} px, the image must be at least that on each side")
             photo = photo.to(next(world.parameters()).device)
-            flight = worlds.flight(photo, route, spec.view, observe, np.random.default_rng(seed), None, spec.actions)
+            flight = photo_world.flight(photo, route, spec.view, observe, np.random.default_rng(seed), None, spec.actions)
             chunks = (len(route) - observe) // CHUNK
             pbar = comfy.utils.ProgressBar(chunks)
 
@@ -223,6 +225,6 @@ class WorldSampler(io.ComfyNode):
                 comfy.model_management.throw_exception_if_processing_interrupted()
 
             with torch.inference_mode():
-                video = worlds.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
+                video = photo_world.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
         as_image = lambda v: ((v[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).float().cpu()  # noqa: E731
         return io.NodeOutput(as_image(video), as_image(flight.truth))

@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import CacheConfig
 from ..errors import FastARError
-from ..worlds import ActionSpec
+from ..actions import ActionSpec
 from .checkpoints import Sampling
 from .wan import WanConfig, WanModel
 
@@ -78,16 +77,9 @@ class Variant:
 
     @property
     def actions(self) -> ActionSpec:
-        """Its action text's vocabulary (``fastar.worlds.parse_actions``): the keys, and with a mouse the
+        """Its action text's vocabulary (``fastar.actions.parse_actions``): the keys, and with a mouse the
         looks (pitch / yaw 0.1 a video frame, as it was trained around, and no more)."""
         return ActionSpec(keys=self.keys, mouse=self.mouse, idle=self.idle, aliases=self.aliases, mouse_limit=0.1)
-
-    def cache(self, chunk_frames: int = 3) -> CacheConfig:
-        """Its own self-attention cache: a rolling window of ``local_frames`` latent frames, the open chunk
-        among them (no sink); every frame for the foundation model."""
-        if self.local_frames is None:
-            return CacheConfig("unbounded")
-        return CacheConfig("window", sink_frames=0, window_frames=self.local_frames - chunk_frames)
 
 
 _STEPS3, _STEPS4 = (1000.0, 666.0, 333.0), (1000.0, 750.0, 500.0, 250.0)

@@ -5,7 +5,7 @@ an action module in its first blocks where Matrix-Game 2.0 puts its own (after t
 before the FFN), and a fixed latent (``WorldSpec``: each latent frame is ``frames_per_latent`` video
 frames pixel-unshuffled, no autoencoder). The rollout's ``context`` is the actions, one row per latent
 frame (its video frames' actions side by side); the model integrates them into camera poses
-(``fastar.worlds.integrate``, the rule the ground truth follows) and gives each token the RoPE of
+(``fastar.actions.integrate``, the rule the ground truth follows) and gives each token the RoPE of
 where it lies in the world (x, y over the photograph) rather than on the screen, as pose-aware memory
 models place their frames: a place seen before is found again by where it is, whatever route led back.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FastARError
-from ..worlds import ActionSpec, integrate
+from ..actions import ActionSpec, integrate
 from .checkpoints import CONFIG_METADATA_KEY, SAMPLING_METADATA_KEY, Sampling
 from .rope import rope_at
 from .wan import WanConfig, WanModel
@@ -201,20 +201,6 @@ class WorldModel(WanModel):
         freqs = self.world_rope(poses[0], frames, grid[1:])
         out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, action=condition)
         return out if fill_cache else self.unpatchify(out, grid)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> "WorldModel":
-        """Weights to train from: Wan's random init, with every residual branch's last layer and the
-        modulations at zero, so the untrained model starts as the identity on its input."""
-        self.init_random(seed)
-        for block in self.blocks:
-            block.modulation.zero_()
-            if block.action_model is not None:
-                block.action_model.mlp[2].weight.zero_()
-            block.ffn[2].weight.zero_()
-            block.self_attn.o.weight.zero_()
-        self.head.modulation.zero_()
-        return self
 
 
 def save_world(model: WorldModel, path, sampling, *, training: dict | None = None,
