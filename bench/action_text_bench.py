@@ -22,21 +22,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
 
 
-def texts(worlds) -> dict[str, str]:
+def texts(actions) -> dict[str, str]:
     """The adversarial texts at the limit, and a session's log of as many runs as fit in it."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from test_action_text import adversarial
 
-    spec = worlds.ActionSpec()
+    spec = actions.ActionSpec()
     rng = np.random.default_rng(0)
     rows = np.zeros((12 * 1200, spec.width), np.float32)
     for c in range(1200):  # a new action every chunk: keys and a look the page could send
         rows[12 * c:12 * c + 12, :len(spec.keys)] = rng.random(len(spec.keys)) < 0.3
         rows[12 * c:12 * c + 12, len(spec.keys):] = np.round(rng.uniform(-0.1, 0.1, 2), 2)
-    log = worlds.actions_text(rows, spec)
-    while len(log) > worlds.MAX_TEXT:
+    log = actions.actions_text(rows, spec)
+    while len(log) > actions.MAX_TEXT:
         rows = rows[:-12]
-        log = worlds.actions_text(rows, spec)
+        log = actions.actions_text(rows, spec)
     return {**adversarial(), "session_log": log}
 
 
@@ -56,34 +56,34 @@ def main(argv=None):
     p = parser(__doc__, smoke=True)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
-    from comfyui_fastar.fastar import worlds
+    from comfyui_fastar.fastar import actions
     from comfyui_fastar.fastar.play import Session
 
     from comfyui_fastar.fastar.models.matrix_game import VARIANTS
 
-    spec = worlds.ActionSpec()
+    spec = actions.ActionSpec()
     specs = [spec] + [v.actions for v in VARIANTS.values()]
-    known = worlds.vocabulary(n for s in specs for n in worlds.action_names(s))
+    known = actions.vocabulary(n for s in specs for n in actions.action_names(s))
 
     def queue_check(text):  # as world_nodes.vocabulary_check
-        if text.lstrip().startswith("[") or not known.fullmatch(worlds.compact(text)):
-            for name in worlds.used_names(text):
-                any(worlds.knows(s, name) for s in specs)
+        if text.lstrip().startswith("[") or not known.fullmatch(actions.compact(text)):
+            for name in actions.used_names(text):
+                any(actions.knows(s, name) for s in specs)
 
     repeats = 2 if args.smoke else args.repeats
     rows = {}
-    for name, text in texts(worlds).items():
+    for name, text in texts(actions).items():
         session = Session(spec)
         rows[name] = {
             "characters": len(text),
             "queue_check_ms": cpu_ms(lambda: queue_check(text), repeats),
-            "parse_ms": cpu_ms(lambda: worlds.parse_actions(text, spec, 12), repeats),
+            "parse_ms": cpu_ms(lambda: actions.parse_actions(text, spec, 12), repeats),
             "live_post_ms": cpu_ms(lambda: session.post(text[:60000]), repeats),
         }
         print(f"{name:20} check {rows[name]['queue_check_ms']:7.2f} ms  parse {rows[name]['parse_ms']:8.2f} ms  "
               f"live {rows[name]['live_post_ms']:6.3f} ms", flush=True)
     worst = {k: max(r[k] for r in rows.values()) for k in ("queue_check_ms", "parse_ms", "live_post_ms")}
-    result = {**header(torch.device("cpu"), argv), "limit_characters": worlds.MAX_TEXT,
+    result = {**header(torch.device("cpu"), argv), "limit_characters": actions.MAX_TEXT,
               "repeats": repeats, "worst": worst, "texts": rows}
     print("worst", worst)
     print("wrote", write_json(args.out, "action_text_bench" + ("_smoke" if args.smoke else "") + ".json", result))

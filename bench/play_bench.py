@@ -36,7 +36,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
+from common import fastar, header, parser, window_cache, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
 from common.comfyui import harness  # noqa: E402
 
 ACTIONS = ("W", "W+look(0,0.05)", "A", "S+look(0.03,0)", "D", "idle")
@@ -274,7 +274,7 @@ def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, t
 
     size = dict(width=64, height=48) if args.smoke else dict(width=640, height=352)
     seconds = args.chunks * 12 / 16
-    cache = world.variant.cache() if args.cache == "window" else None
+    cache = window_cache(world.variant) if args.cache == "window" else None
     base = dict(world=world, seed=0, max_seconds=seconds, clip_vision_output=tokens, start=start, cache=cache,
                 vae=decoder, **size)
 

@@ -2,7 +2,7 @@
 
 Data: the training photographs in ``assets/worlds/train`` (``bench/world_photos.py`` makes them; the
 held-out ones never enter), a random one (randomly mirrored) per trajectory; trajectories of random walks
-and rectangle loops (``fastar.worlds.training_actions``), so the camera often comes back to what it saw
+and rectangle loops (``trajectories.training_actions``), so the camera often comes back to what it saw
 many chunks earlier; ground truth rendered on the device. Reproducible from ``--seed``: step s draws its
 trajectories and noise from (seed, s) alone, so a resumed run sees what an unbroken one would.
 
@@ -28,6 +28,7 @@ sampling and training record in the metadata).
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import math
 import os
@@ -40,17 +41,34 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, device_name, fastar, parser, provenance  # noqa: E402
+from common import trajectories  # noqa: E402
+importlib.import_module(f"{fastar.__name__}.photo_world")  # fastar.photo_world: the package leaves it out
 
 PHOTOS = os.path.join(ROOT, "assets", "worlds")
 SAMPLING = fastar.models.world.WORLD_SAMPLING
 SAMPLER, SHIFT, CHUNK = SAMPLING.timesteps, SAMPLING.shift, SAMPLING.frames_per_block
 
 
+@torch.no_grad()
+def init_weights(model, seed: int = 0):
+    """Weights to train from: Wan's random init, with every residual branch's last layer and the
+    modulations at zero, so the untrained model starts as the identity on its input."""
+    model.init_random(seed)
+    for block in model.blocks:
+        block.modulation.zero_()
+        if block.action_model is not None:
+            block.action_model.mlp[2].weight.zero_()
+        block.ffn[2].weight.zero_()
+        block.self_attn.o.weight.zero_()
+    model.head.modulation.zero_()
+    return model
+
+
 def photos(split: str, device) -> list[torch.Tensor]:
     paths = sorted(glob.glob(os.path.join(PHOTOS, split, "*.jpg")))
     if not paths:
         raise SystemExit(f"no photographs in {PHOTOS}/{split}: run bench/world_photos.py first")
-    return [fastar.worlds.load_photo(p, device) for p in paths]
+    return [fastar.photo_world.load_photo(p, device) for p in paths]
 
 
 def batch(spec, worlds, step: int, seed: int, sequences: int, latent_frames: int, device):
@@ -66,12 +84,12 @@ def batch(spec, worlds, step: int, seed: int, sequences: int, latent_frames: int
             photo = photo.flip(-2)
         if rng.random() < 0.3:
             photo = photo[torch.from_numpy(rng.permutation(3))]
-        a = fastar.worlds.training_actions(spec.actions, n, rng)
-        poses = fastar.worlds.place(fastar.worlds.integrate(torch.from_numpy(a), spec.actions),
+        a = trajectories.training_actions(spec.actions, n, rng)
+        poses = fastar.photo_world.place(fastar.actions.integrate(torch.from_numpy(a), spec.actions),
                                     tuple(photo.shape[1:]), spec.view, rng)
         if poses is None:
             continue
-        frames.append(fastar.worlds.render(photo, poses.to(device), spec.view).transpose(0, 1))
+        frames.append(fastar.photo_world.render(photo, poses.to(device), spec.view).transpose(0, 1))
         actions.append(torch.from_numpy(a))
     return torch.stack(frames), torch.stack(actions).to(device)
 
@@ -235,7 +253,7 @@ def main(argv=None):
     spec = fastar.models.world.WorldSpec()
     size = dict(dim=32, ffn_dim=64, num_heads=2, num_layers=2, action_layers=1) if args.smoke else {}
     model = fastar.models.world.WorldModel(fastar.models.world.world_config(spec, **size), spec)
-    model = model.init_weights(args.seed).to(device).train().requires_grad_(True)
+    model = init_weights(model, args.seed).to(device).train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
     state = {"step": 0, "steps": args.steps or 10 ** 9, "seed": args.seed, "sequences": args.sequences,
              "latent_frames": args.latent_frames, "lr": args.lr, "loss": [], "runs": [],

@@ -11,10 +11,10 @@ from .config import CACHE_MODES, AnnConfig, CacheConfig, ShortHistory, TempCache
 from .errors import FastARError
 from .frames import latent_frames, video_frames
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
-from .rollout import Rollout, make_cache, pad_context, rollout
+from .rollout import Rollout, pad_context, rollout
 from .schedule import FlowMatchSchedule
 from .backend import attend
-from .tempcache import TempCache
+from .tempcache import TempCache, make_cache
 
 __all__ = [
     "AnnCA", "AnnConfig", "AnnSA", "CACHE_MODES", "CacheConfig", "CacheStats", "ChunkModel", "ChunkReport",

@@ -42,6 +42,10 @@ class Torch:
     name = "torch"
     key_pad = 0  # channels the key storage adds after each key's D
 
+    def side_stream(self, device: torch.device, role: str) -> torch.cuda.Stream:
+        """The side stream of ``role`` its calls and its cache's history writes run beside the main one on."""
+        return side_stream(device, role)
+
     # -- storage ---------------------------------------------------------------------------
     def new_keys(self, shape: tuple, *, chunk_tokens: int, biased: bool, dtype, device) -> torch.Tensor:
         """Zeroed key rows ``shape`` = [layers, B, rows, H, D] for a cache (zeros: a masked row must

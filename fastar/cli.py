@@ -27,7 +27,7 @@ from .frames import video_frames
 from .parallel import group_size, init_group
 from .models import (KNOWN_CHECKPOINTS, WAN_CONFIGS, Sampling, build_model, checkpoint_sampling,
                      convert_checkpoint, fp8_linears, load_wan)
-from .models.loading import MATRIX_GAME_PRESET
+from .models.convert import MATRIX_GAME_PRESET
 from .plot import plot_rollout
 from .rollout import Rollout, pad_context
 from .schedule import FlowMatchSchedule

@@ -58,7 +58,7 @@ class TempCacheConfig:
     frames of token slots where a new token whose key's cosine with its best match among the
     whole tokens (all heads concatenated) clears ``merge_threshold`` merges into that group.
     ``enabled=False`` keeps the same budget with eviction only (no merging): the baseline
-    TempCache is measured against.
+    TempCache is measured against, which is why it stays (``bench/tempcache_bench.py``'s evict-only).
 
     Why 12 frames: within the time of LongLive's sink 3 + window 12 cache (which holds 15), it keeps
     more of the past; a longer budget keeps more at more time per chunk. Why 0.8: on a trained model's
@@ -101,10 +101,11 @@ class AnnConfig:
     AnnSA: each block of ``block_q`` consecutive queries reads the sink, its own chunk and its
     best ``keep_fraction`` of the bucket-sorted history's key blocks, and more while they hold
     less than ``keep_mass`` of its estimated attention mass (``keep_mass=0``: the fixed share
-    alone). ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
+    alone, which top-p replaced; it stays as what ``bench/ann_bench.py`` and ``ann_bound.py`` sweep).
+    ``bits``: LSH hyperplanes the history is sorted by (2**bits buckets).
     AnnCA (off by default: over Wan's 512 prompt tokens dense cross-attention costs less than
-    selecting tokens does) keeps per frame the prompt tokens that
-    share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
+    selecting tokens does; it stays as FAST-AR's third part, measured in docs/results.md) keeps per
+    frame the prompt tokens that share an LSH bucket with one of its queries, ``probes`` of a query's least certain bits
     flipped, at least ``min_tokens``. Both run dense for the first ``dense_steps_fraction`` of
     the denoising steps (the clean pass counts as the step after the last) and in ``dense_layers``.
     """

@@ -1,26 +1,23 @@
 """The clean latents a rollout keeps: every frame, or only those a later prompt switch re-encodes."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from .errors import FastARError
 
-if TYPE_CHECKING:
-    from .rollout import Rollout
-
 
 class History:
     """The clean latents a rollout has made, as far as it keeps them: every frame (``keep``, in one
-    [B, C, frames, h, w] tensor, ``out``), else only those a later prompt switch re-encodes: the start
-    frames, the sink's chunks and the most recent chunks the cache reaches (``Rollout.recache_chunks``),
-    none once no switch is left."""
+    [B, C, frames, h, w] tensor, ``out``), else only those a later prompt switch re-encodes, which
+    ``needed(stop)`` names once the frames before ``stop`` are made: the first frames of the latents to
+    hold (the start frames, the sink's chunks and the most recent chunks the cache reaches:
+    ``Rollout.held_for_switches``), or None once no switch is left."""
 
-    def __init__(self, rollout: Rollout, keep: bool):
-        self.rollout, self.keep = rollout, keep
-        b, ch, _, h, w = rollout.chunk_shape
-        self.out = torch.empty(b, ch, rollout.frames, h, w, device=rollout.device) if keep else None
+    def __init__(self, shape: tuple[int, ...], device, keep: bool, needed: Callable[[int], set[int] | None]):
+        self.keep, self.needed = keep, needed
+        self.out = torch.empty(shape, device=device) if keep else None
         self.held: dict[int, torch.Tensor] = {}  # first frame -> latents, without ``keep``
 
     def add(self, start: int, x0: torch.Tensor) -> None:
@@ -29,14 +26,11 @@ class History:
             self.out[:, :, start:stop] = x0
             return
         self.held[start] = x0
-        r = self.rollout
-        later = [c for c in r.switches if r.chunk_start(c) >= stop]
-        if not later:
+        needed = self.needed(stop)
+        if needed is None:
             self.held.clear()
             return
-        sink, recent = r.recache_chunks(stop)  # a later switch reaches no further back than one now
-        needed = {r.chunk_start(i) for i in (*sink, *range(recent.start, r.num_chunks))}
-        for first in [f for f in self.held if f >= r.first_frame and f not in needed]:
+        for first in [f for f in self.held if f not in needed]:
             del self.held[first]
 
     def frames(self, a: int, b: int) -> torch.Tensor:

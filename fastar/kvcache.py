@@ -191,7 +191,7 @@ class KVCache:
         """Run ``write()`` (a layer's history writes) on the side stream, after the work queued so far (the
         layer's K/V of this pass); ``join_writes`` ends it. ``q``, the only per-call tensor the writes may
         read, is kept alive for that stream."""
-        side = backends.side_stream(q.device, "writes")
+        side = self.backend.side_stream(q.device, "writes")
         side.wait_stream(torch.cuda.current_stream(q.device))
         q.record_stream(side)
         self.write_stream = side

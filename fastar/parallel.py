@@ -37,8 +37,7 @@ from ..kernels.rows import gather_rows_auto
 from .attention import FastARAttention
 from .errors import FastARError
 from .kvcache import KVCache
-from .rollout import make_cache
-from .tempcache import TempCache
+from .tempcache import TempCache, make_cache
 
 #: Seconds a collective waits for the other ranks before it fails (``init_group``'s default).
 TIMEOUT_S = 120.0

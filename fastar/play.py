@@ -1,6 +1,6 @@
 """Live play: a world model steered while it runs. The player's latest action is held (sticky) until the
 next arrives; each chunk takes the one held when it starts and its frames go back to the player. The rows
-the chunks took, as action text (``worlds.actions_text``), are the session's log: it replays the session."""
+the chunks took, as action text (``fastar.actions.actions_text``), are the session's log: it replays the session."""
 from __future__ import annotations
 
 import secrets
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FastARError
-from .worlds import FPS, MAX_LIVE_TEXT, ActionSpec, action_items, parse_actions
+from .actions import FPS, MAX_LIVE_TEXT, ActionSpec, action_items, parse_actions
 
 
 @dataclass(frozen=True)

@@ -30,21 +30,10 @@ from .chunk_model import ChunkModel, ChunkReport, check_prompts, check_rollout, 
 from .config import AnnConfig, CacheConfig, TempCacheConfig
 from .errors import FastARError
 from .history import History
-from .kvcache import FrameCache, KVCache
-from .replay import CleanPasses, ReplayGraph
+from .kvcache import KVCache
+from .replay import ReplayGraph
 from .schedule import FlowMatchSchedule
-from .tempcache import TempCache
-
-
-def make_cache(config: CacheConfig | TempCacheConfig, *, tempcache=TempCache, **geometry) -> KVCache:
-    """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
-    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype, backend (the
-    attention backend; None: ``fastar.backend.choose``'s)); ``tempcache``: the class a TempCache config
-    makes (head parallelism's, which decides on whole tokens across ranks)."""
-    if isinstance(config, TempCacheConfig):
-        geometry.pop("max_frames", None)
-        return tempcache(config, **geometry)
-    return FrameCache(config, **geometry)
+from .tempcache import make_cache
 
 
 class OneProcess:
@@ -218,6 +207,16 @@ class Rollout:
         sink = min(max(0, -(-(self.cache.config.sink_frames - first) // c)), chunks)
         return range(sink), range(max(sink, (frames_done - recent - first) // c), chunks)
 
+    def held_for_switches(self, frames_done: int) -> set[int] | None:
+        """The first frames of the clean latents a later prompt switch re-encodes, once ``frames_done``
+        frames are made (``History``'s ``needed``): the start latent's, and the chunks ``recache_chunks``
+        names (a later switch reaches no further back than one now); None where no switch is left."""
+        if not any(self.chunk_start(c) >= frames_done for c in self.switches):
+            return None
+        sink, recent = self.recache_chunks(frames_done)
+        start = {0} if self.first_frame else set()
+        return start | {self.chunk_start(i) for i in (*sink, *range(recent.start, self.num_chunks))}
+
     def switch_prompt(self, context: torch.Tensor, frames_done: int,
                       frames: Callable[[int, int], torch.Tensor]) -> None:
         """From the next chunk on, condition on ``context``; first re-encode the history with it through
@@ -249,7 +248,8 @@ class Rollout:
         video's clean latents; ``keep=False`` (the frames go to the caller as they come): only the last
         chunk's, and the rollout holds just the frames a later prompt switch re-encodes (``History``), so
         its memory does not grow with the video (but for the unbounded cache's)."""
-        history, self.out = History(self, keep), None
+        b, ch, _, h, w = self.chunk_shape
+        history, self.out = History((b, ch, self.frames, h, w), self.device, keep, self.held_for_switches), None
         if self.start is not None:
             history.add(0, self.start)
             CleanPasses(self).run(self.start)
@@ -276,6 +276,38 @@ class Rollout:
             if on_chunk is not None:
                 on_chunk(report)
         return self.out
+
+
+class CleanPasses:
+    """Clean passes of given clean latents into a rollout's cache, chunk by chunk: a history re-encoded
+    under a new prompt (``Rollout.switch_prompt``), or real video cached (the benchmarks' testbed). On CUDA
+    the passes replay from one graph once the attention state's key repeats, as chunks do; successive
+    ``run`` calls continue one another."""
+
+    def __init__(self, rollout: Rollout):
+        self.rollout, self.last, self.graph = rollout, None, ReplayGraph()
+
+    def _pass(self, x0, offset):
+        self.rollout.fill_cache(x0, offset)
+        self.rollout.cache.join_writes()
+
+    def run(self, latents: torch.Tensor, start: int = 0) -> None:
+        """latents [B, C, F, h, w]: chunks (the last may be short: a start latent), the first one's first
+        frame ``start``."""
+        r = self.rollout
+        r.attention.num_steps = len(r.sigmas)
+        for i in range(0, latents.shape[2], r.chunk_frames):
+            x0, frame = latents[:, :, i:i + r.chunk_frames], start + i
+            r.cache.begin_chunk(frame, x0.shape[2])
+            key = r.attention.graph_key() if r.cuda_graphs and r.attention.graph_safe else None
+            r.attention.begin_clean_pass()
+            if key is None or key != self.last:
+                self.last = key
+                self._pass(x0, frame)
+            else:
+                self.graph.run(key, lambda: (torch.empty_like(x0), torch.zeros((), dtype=torch.float64, device=r.device)),
+                               self._pass, lambda buf, offset: (buf.copy_(x0), offset.fill_(frame)))
+            r.cache.commit()
 
 
 def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:

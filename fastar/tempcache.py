@@ -26,8 +26,8 @@ from ..kernels.pair_cosine import pair_cosine_auto
 from ..kernels.row_argmax import row_argmax_auto
 from ..kernels.rows import gather_rows_auto, scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
-from .config import TempCacheConfig, check_settings
-from .kvcache import CacheStats, KVCache, Layout
+from .config import CacheConfig, TempCacheConfig, check_settings
+from .kvcache import CacheStats, FrameCache, KVCache, Layout
 
 
 def _fp8_gemm(device: torch.device) -> bool:
@@ -257,3 +257,14 @@ class TempCache(KVCache):
             merged=round(self._merged.sum().item() / per_head),
             evicted=round(self._evicted.sum().item() / per_head),
         )
+
+
+def make_cache(config: CacheConfig | TempCacheConfig, *, tempcache=TempCache, **geometry) -> KVCache:
+    """The cache a config names, over ``geometry`` (num_layers, batch, num_heads, head_dim,
+    tokens_per_frame, chunk_frames, max_frames (the unbounded cache's size), device, dtype, backend (the
+    attention backend; None: ``fastar.backend.choose``'s)); ``tempcache``: the class a TempCache config
+    makes (head parallelism's, which decides on whole tokens across ranks)."""
+    if isinstance(config, TempCacheConfig):
+        geometry.pop("max_frames", None)
+        return tempcache(config, **geometry)
+    return FrameCache(config, **geometry)

@@ -1,7 +1,7 @@
 """``fastar`` with no arguments: the pack's trained world model flies over a photograph it never saw in
 training, once with the sink + window cache and once with TempCache, and writes what each remembers.
 
-The camera's route comes from ``--actions`` (action text, ``fastar.worlds.parse_actions``) or, by default,
+The camera's route comes from ``--actions`` (action text, ``fastar.actions.parse_actions``) or, by default,
 an out-and-back: a lead-in, a loop of ``--revisit`` video frames that takes a place out of view, and the
 way back over it. The model is shown the ground truth up to the loop (``observed``) and makes the rest.
 The window holds its sink and its last frames, so the place is gone when the camera returns; TempCache
@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from . import worlds
+from . import photo_world
+from .actions import MAX_TEXT, parse_actions
 from .config import CacheConfig, TempCacheConfig
 from .errors import FastARError
 from .plot import plot_rollout
@@ -35,12 +36,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="fastar rollout --help: long rollouts of Wan 2.1 models (random weights or a "
                                        "--checkpoint); fastar convert --help: checkpoints for ComfyUI")
-    p.add_argument("--world", default=worlds.DEMO_PHOTO,
+    p.add_argument("--world", default=photo_world.DEMO_PHOTO,
                    help="the photograph to fly over (default: a held-out one shipped with the pack); at least "
                         "64 px a side, and large enough for the route")
     p.add_argument("--actions", help="the route as action text, e.g. 'D*4, W+D*2, look_left*6f, zoom_in, idle' "
                                      "(counts in chunks of 12 video frames, or frames with f; keys W S A D zoom_in "
-                                     f"zoom_out, look_up/down/left/right, idle; at most {worlds.MAX_TEXT} characters). "
+                                     f"zoom_out, look_up/down/left/right, idle; at most {MAX_TEXT} characters). "
                                      "Default: an out-and-back of --revisit frames")
     p.add_argument("--revisit", type=int, default=96,
                    help="the default route: video frames between leaving a place and coming back, a multiple of 12 "
@@ -57,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the window cache's recent frames beside its sink of {CacheConfig.sink_frames} (default "
                         f"{CacheConfig.window_frames}: LongLive's, the window TempCache's default costs as much as "
                         f"at Wan 2.1 1.3B's shapes)")
-    p.add_argument("--model", default=worlds.WEIGHTS, help="a world model file (default: the pack's)")
+    p.add_argument("--model", default=photo_world.WEIGHTS, help="a world model file (default: the pack's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="torch device (default cuda when available, else cpu)")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
@@ -90,12 +91,12 @@ def route(args, spec, photo) -> tuple[np.ndarray, int, range | None]:
         if args.revisit < 36 or args.revisit % chunk:
             raise FastARError(f"--revisit {args.revisit}: a loop of whole chunks ({chunk} video frames each) and at "
                               f"least 36 frames, so that the way back retraces its first leg")
-        r = worlds.revisit_actions(spec.actions, args.revisit, tuple(photo.shape[1:]), spec.view,
+        r = photo_world.revisit_actions(spec.actions, args.revisit, tuple(photo.shape[1:]), spec.view,
                                    np.random.default_rng(args.seed))
         actions, observed, revisit = r.actions, r.lead_in + chunk, r.revisit
     else:
         try:
-            actions, observed, revisit = worlds.parse_actions(args.actions, spec.actions, chunk), chunk, None
+            actions, observed, revisit = parse_actions(args.actions, spec.actions, chunk), chunk, None
         except FastARError as exc:
             raise FastARError(f"--actions: {exc}") from None
         pad = -len(actions) % chunk
@@ -180,18 +181,18 @@ def run(argv) -> dict:
         raise FastARError(f"--model {args.model}: a Wan video model, not a world model (fastar rollout "
                           f"--checkpoint runs those)")
     spec = model.spec
-    photo = worlds.load_photo(args.world, device)
+    photo = photo_world.load_photo(args.world, device)
     if min(photo.shape[1:]) < spec.view:
         raise FastARError(f"--world {args.world}: {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                           f"{spec.view} px, the photograph must be at least that on each side")
     actions, observed, revisit = route(args, spec, photo)
-    shipped = os.path.dirname(os.path.dirname(os.path.abspath(args.world))) == worlds.PHOTOS
-    if args.model == worlds.WEIGHTS and not shipped:
-        trained_on = len(os.listdir(os.path.join(worlds.PHOTOS, "train")))
+    shipped = os.path.dirname(os.path.dirname(os.path.abspath(args.world))) == photo_world.PHOTOS
+    if args.model == photo_world.WEIGHTS and not shipped:
+        trained_on = len(os.listdir(os.path.join(photo_world.PHOTOS, "train")))
         print(f"fastar: the pack's world model ({model_size(model)} parameters) was trained on {trained_on} "
               f"photographs: over one of your own it drifts to texture within a few chunks (the held-out ones in "
-              f"{os.path.join(worlds.PHOTOS, 'heldout')} show what it remembers)", flush=True)
-    flight = worlds.flight(photo, actions, spec.view, observed, np.random.default_rng(args.seed + 1), revisit,
+              f"{os.path.join(photo_world.PHOTOS, 'heldout')} show what it remembers)", flush=True)
+    flight = photo_world.flight(photo, actions, spec.view, observed, np.random.default_rng(args.seed + 1), revisit,
                            spec.actions)
     caches = {f"window (sink 3 + {args.window_frames})": CacheConfig("window", window_frames=args.window_frames),
               f"TempCache {args.max_cache_frames}": TempCacheConfig(merge_threshold=args.merge_threshold,
@@ -214,7 +215,7 @@ def run(argv) -> dict:
             bar.update()
 
         with torch.inference_mode():
-            videos[name] = worlds.fly(model, flight, cache=cache, seed=args.seed, on_chunk=on_chunk)
+            videos[name] = photo_world.fly(model, flight, cache=cache, seed=args.seed, on_chunk=on_chunk)
     bar.close()
     os.makedirs(args.out, exist_ok=True)
     summary = {"model": os.path.basename(args.model), "world": os.path.basename(args.world), "device": str(device),

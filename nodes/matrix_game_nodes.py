@@ -12,7 +12,8 @@ import comfy.utils
 import torch
 from comfy_api.latest import io, ui
 
-from ..fastar import FastARError, FlowMatchSchedule, worlds
+from ..fastar import FastARError, FlowMatchSchedule
+from ..fastar.actions import parse_actions
 from .progress import CacheEvents, comfy_module
 from .schema import ADVANCED, CacheType, StartType, check_widget, node_id, schema, stream_input
 from .stream import ChunkStream
@@ -185,7 +186,7 @@ class MatrixGameSampler(io.ComfyNode):
                 raise FastARError(f"the {variant.name} model records no sampling: give its timesteps")
             else:
                 schedule, source = variant.sampling.schedule(), f"as Matrix-Game 2.0 {variant.name} is distilled"
-            rows = worlds.parse_actions(actions.text, variant.actions, CHUNK, actions.fps, first_chunk=FIRST_CHUNK)
+            rows = parse_actions(actions.text, variant.actions, CHUNK, actions.fps, first_chunk=FIRST_CHUNK)
             lead = CHUNK - FIRST_CHUNK
             chunks = -(-(len(rows) + lead) // CHUNK)
             rows = torch.from_numpy(rows)

@@ -14,7 +14,8 @@ import comfy.utils
 import torch
 from comfy_api.latest import io, ui
 
-from ..fastar import FastARError, worlds
+from ..fastar import FastARError
+from ..fastar.actions import FPS, MAX_TEXT, actions_text, parse_actions
 from ..fastar.play import Session
 from .matrix_game_nodes import FIRST_CHUNK, HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
 from .play_routes import NODE, Live, Shown, register_routes, sessions
@@ -32,7 +33,7 @@ PIPELINED = True  # chunk k shown while chunk k + 1 samples (False: one after th
 
 def _log(player, chunks: int) -> str:
     """The rows the first ``chunks`` chunks played (and the frames shown first) as action text."""
-    return worlds.actions_text(player.table[:player.rows_played(chunks)], player.spec)
+    return actions_text(player.table[:player.rows_played(chunks)], player.spec)
 
 
 def _gpu() -> dict | None:
@@ -124,9 +125,9 @@ class WorldPlay(io.ComfyNode):
             # where chunks lie in the video (play_worlds.Layout): after the frames shown first, Matrix-Game's first short
             first, lead = (0, CHUNK - FIRST_CHUNK) if is_matrix_game(world) else (observe, 0)
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
-            chunks = played = max(1, round(max_seconds * worlds.FPS) // CHUNK)
+            chunks = played = max(1, round(max_seconds * FPS) // CHUNK)
             if actions is not None:
-                rows = worlds.parse_actions(actions.text, spec, CHUNK, actions.fps, first_chunk=CHUNK - lead)
+                rows = parse_actions(actions.text, spec, CHUNK, actions.fps, first_chunk=CHUNK - lead)
                 played = max(1, -(-(len(rows) - first + lead) // CHUNK))
                 chunks = max(chunks, played)
             with torch.inference_mode():
@@ -154,7 +155,7 @@ def _open(player, session: Session, chunks: int, unique, server, client) -> Live
     """A live session's routes and its page's address, sent to the client that queued it only (its
     token is the session's one key: never in the log, never to other clients)."""
     hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
-             "fps": worlds.FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks,
+             "fps": FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks,
              "first": player.first}
     live = Live(session, hello, server.loop)
     sessions[session.id] = live
@@ -213,7 +214,7 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: 
             return "restart"
         if c == chunks:
             return "done"
-        if live and c and len(_log(player, c)) > worlds.MAX_TEXT - LOG_MARGIN:
+        if live and c and len(_log(player, c)) > MAX_TEXT - LOG_MARGIN:
             return "log full"  # one more chunk could make a log no Action Schedule reads
         return wait() if live else None
 

@@ -8,7 +8,8 @@ import comfy.latent_formats
 import numpy as np
 import torch
 
-from ..fastar import FastARError, worlds
+from ..fastar import FastARError, photo_world
+from ..fastar.actions import ActionSpec, integrate, parse_actions
 from .matrix_game_nodes import FIRST_CHUNK, context_tokens, split_rows, start_latent
 from .play_routes import NODE
 from .video import chunk_decoder
@@ -44,9 +45,9 @@ class Layout:
         self.write(start, end - start, row)
 
 
-def action_table(spec: worlds.ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
+def action_table(spec: ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
     """A session's action rows [n, width]: a schedule's (``rows``, the rest idle), or idle to be written live."""
-    table = np.repeat(worlds.parse_actions("idle", spec, 1), n, 0)
+    table = np.repeat(parse_actions("idle", spec, 1), n, 0)
     if rows is not None:
         table[:min(n, len(rows))] = rows[:n]
     return table
@@ -70,8 +71,8 @@ class PackWorld(Layout):
         self.table = action_table(spec.actions, n, rows)
         self.rows = torch.from_numpy(self.table)[None].to(device, model.dtype)  # the context's rows, written live
         centre = torch.tensor([photo.shape[2] / 2, photo.shape[1] / 2, 0.0])
-        poses = worlds.integrate(torch.from_numpy(self.table[:observe]), spec.actions, centre)
-        truth = worlds.render(photo.to(device), poses.to(device), spec.view).transpose(0, 1)[None]
+        poses = integrate(torch.from_numpy(self.table[:observe]), spec.actions, centre)
+        truth = photo_world.render(photo.to(device), poses.to(device), spec.view).transpose(0, 1)[None]
         self.first = observe
         self.observed = truth
         self.model, self.world = model, spec
@@ -81,7 +82,7 @@ class PackWorld(Layout):
 
     def reset(self) -> None:
         """Every action after the frames shown first back to idle: the session from its start."""
-        self.write(self.first, len(self.table) - self.first, worlds.parse_actions("idle", self.spec, 1)[0])
+        self.write(self.first, len(self.table) - self.first, parse_actions("idle", self.spec, 1)[0])
 
     def rollout(self, cache, seed):
         from ..fastar import Rollout
@@ -127,7 +128,7 @@ class MatrixGame(Layout):
 
     def reset(self) -> None:
         """Every action back to idle, the decoder's cache empty: the session from its start."""
-        self.write(0, len(self.table), worlds.parse_actions("idle", self.spec, 1)[0])
+        self.write(0, len(self.table), parse_actions("idle", self.spec, 1)[0])
         self.decoder = chunk_decoder(self.vae, NODE)
 
     def rollout(self, cache, seed):
@@ -151,7 +152,7 @@ class MatrixGame(Layout):
         return torch.cat(list(self.decoder(self.format.process_out(x0.float()))))
 
 
-def legend(spec: worlds.ActionSpec) -> list[list[str]]:
+def legend(spec: ActionSpec) -> list[list[str]]:
     """The page's keys: (what to press, the action it sends)."""
     keyboard = {"W": "W", "S": "S", "A": "A", "D": "D", "forward": "W", "back": "S", "jump": "Space",
                 "slide": "C", "turnleft": "Q", "turnright": "E", "leftside": "A", "rightside": "D",

@@ -147,6 +147,7 @@ class AnnSparsity(io.ComfyNode):
             inputs=[
                 io.Boolean.Input("annsa", default=d.annsa,
                                  tooltip="Sparse self-attention over the cached history: the speed-up on long videos."),
+                # stays though measured not to pay at Wan's shapes: saved workflows carry its widget value
                 io.Boolean.Input("annca", default=d.annca, **ADVANCED,
                                  tooltip="Sparse cross-attention over the prompt. Off by default: over Wan's 512 "
                                          "prompt tokens dense cross-attention is already ~0.1 ms a call, less than "

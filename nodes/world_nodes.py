@@ -1,6 +1,6 @@
 """The world-model nodes: FAST-AR World Model (the pack's trained world, no download), FAST-AR Action
 Schedule (a route a person writes) and FAST-AR World Sampler (the world flown along it under a KV cache),
-over ``fastar.worlds`` and ``fastar.models.world``."""
+over ``fastar.actions``, ``fastar.photo_world`` and ``fastar.models.world``."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,9 @@ import numpy as np
 import torch
 from comfy_api.latest import io, ui
 
-from ..fastar import FastARError, worlds
+from ..fastar import FastARError, photo_world
+from ..fastar.actions import (FPS, MAX_FRAMES, MAX_TEXT, ActionSpec, action_items, action_names, compact,
+                              frame_count, knows, parse_actions, used_names, vocabulary)
 from ..fastar.models.world import WORLD_SAMPLING
 from .progress import CacheEvents
 from .schema import ADVANCED, CacheType, check_widget, node_id, schema
@@ -26,7 +28,7 @@ CHUNK = 12  # video frames a chunk of 3 latent frames makes
 # and the loop's first leg again
 DEFAULT_ACTIONS = "A+S*2, D*38f, W*10f, A*38f, S*10f, D*1"
 _cache: dict[str, object] = {}
-_known = None  # worlds.vocabulary of every world's names, made once
+_known = None  # actions.vocabulary of every world's names, made once
 
 
 def _load(name: str):
@@ -36,7 +38,7 @@ def _load(name: str):
     device = comfy.model_management.get_torch_device()
     key = f"{name}@{device}"
     if key not in _cache:
-        path = worlds.WEIGHTS
+        path = photo_world.WEIGHTS
         model = load_wan(path, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
         if not isinstance(model, WorldModel):
             raise FastARError(f"FAST-AR World Model: {os.path.basename(path)} is not a world model")
@@ -69,14 +71,14 @@ class Actions:
     """FAST-AR Action Schedule's output: its text, read by the sampler against its world's keys, and the
     frame rate its seconds count at."""
     text: str
-    fps: float = worlds.FPS
+    fps: float = FPS
 
 
-def _vocabularies() -> dict[str, worlds.ActionSpec]:
+def _vocabularies() -> dict[str, ActionSpec]:
     """Every world the schedule can drive, by name: the pack's and Matrix-Game 2.0's variants."""
     from ..fastar.models.matrix_game import VARIANTS
 
-    return {"the pack's world": worlds.ActionSpec(),
+    return {"the pack's world": ActionSpec(),
             **{f"Matrix-Game 2.0 {v.name}": v.actions for v in VARIANTS.values()}}
 
 
@@ -86,12 +88,12 @@ def vocabulary_check(text: str) -> None:
     only, one where every name is known."""
     global _known
     if _known is None:
-        _known = worlds.vocabulary(n for spec in _vocabularies().values() for n in worlds.action_names(spec))
-    if not text.lstrip().startswith("[") and _known.fullmatch(worlds.compact(text)):
+        _known = vocabulary(n for spec in _vocabularies().values() for n in action_names(spec))
+    if not text.lstrip().startswith("[") and _known.fullmatch(compact(text)):
         return
     specs = _vocabularies().values()
-    for name in sorted(worlds.used_names(text)):  # an unreadable text is refused here, by its item
-        if not any(worlds.knows(spec, name) for spec in specs):
+    for name in sorted(used_names(text)):  # an unreadable text is refused here, by its item
+        if not any(knows(spec, name) for spec in specs):
             raise FastARError(f"unknown action {name[:40]!r}: no world knows it (the node's description lists "
                               f"each world's keys)")
 
@@ -100,20 +102,20 @@ def timeline(text: str, fps: float, shown: int = 12) -> str:
     """What the schedule holds, for a person: its items in seconds, its length, and which worlds know
     all its keys."""
     vocabulary_check(text)
-    names = worlds.used_names(text)
+    names = used_names(text)
     lines, n = [], 0
-    for keys, count, unit in worlds.action_items(text):
-        frames = worlds.frame_count(keys, count, unit, CHUNK, fps)
+    for keys, count, unit in action_items(text):
+        frames = frame_count(keys, count, unit, CHUNK, fps)
         if len(lines) < shown:
             lines.append(f"{n / fps:6.2f}-{(n + frames) / fps:6.2f} s  {keys}")
         elif len(lines) == shown:
             lines.append("...")
         n += frames
-        if n > worlds.MAX_FRAMES:
-            raise FastARError(f"the actions hold more than {worlds.MAX_FRAMES} video frames; at most "
-                              f"{worlds.MAX_FRAMES} are played")
+        if n > MAX_FRAMES:
+            raise FastARError(f"the actions hold more than {MAX_FRAMES} video frames; at most "
+                              f"{MAX_FRAMES} are played")
     lines.append(f"{n} video frames = {-(-n // CHUNK)} chunks of {CHUNK} = {n / fps:.1f} s at {fps:g} fps")
-    whole = [name for name, spec in _vocabularies().items() if all(worlds.knows(spec, k) for k in names)]
+    whole = [name for name, spec in _vocabularies().items() if all(knows(spec, k) for k in names)]
     lines.append("runs on: " + (", ".join(whole) or "no one world: its keys come from different worlds"))
     return "\n".join(lines)
 
@@ -134,9 +136,9 @@ class ActionSchedule(io.ComfyNode):
             inputs=[io.String.Input("actions", multiline=True, default=DEFAULT_ACTIONS,
                                     tooltip="e.g. D*4, W+D*2, look_left*6f, zoom_in*2, idle*1.5s; look(PITCH,YAW) "
                                             "moves the mouse by that much a video frame (within the world's range: "
-                                            f"±0.12 the pack's, ±0.1 Matrix-Game 2.0's). At most {worlds.MAX_TEXT} "
-                                            f"characters and {worlds.MAX_FRAMES} video frames."),
-                    io.Float.Input("fps", default=worlds.FPS, min=1.0, max=120.0, step=1.0, optional=True,
+                                            f"±0.12 the pack's, ±0.1 Matrix-Game 2.0's). At most {MAX_TEXT} "
+                                            f"characters and {MAX_FRAMES} video frames."),
+                    io.Float.Input("fps", default=FPS, min=1.0, max=120.0, step=1.0, optional=True,
                                    **ADVANCED, tooltip="Video frames a second, for counts in seconds (s).")],
             outputs=[ActionsType.Output()],
         )
@@ -151,7 +153,7 @@ class ActionSchedule(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, actions, fps=worlds.FPS) -> io.NodeOutput:
+    def execute(cls, actions, fps=FPS) -> io.NodeOutput:
         with in_words("FAST-AR Action Schedule"):
             text = timeline(actions, fps)
         return io.NodeOutput(Actions(actions, float(fps)), ui=ui.PreviewText(text))
@@ -160,7 +162,7 @@ class ActionSchedule(io.ComfyNode):
 def photo_of(image) -> torch.Tensor:
     """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one."""
     if image is None:
-        return worlds.load_photo(worlds.DEMO_PHOTO)
+        return photo_world.load_photo(photo_world.DEMO_PHOTO)
     return image[0, ..., :3].permute(2, 0, 1).float().clamp(0, 1).cpu()
 
 
@@ -217,7 +219,7 @@ class WorldSampler(io.ComfyNode):
                 raise FastARError(f"the world input is {type(world).__name__}, not the pack's world model: a "
                                   f"Matrix-Game 2.0 model runs in FAST-AR Matrix-Game Sampler")
             spec = world.spec
-            route = worlds.parse_actions(actions.text, spec.actions, CHUNK, actions.fps)
+            route = parse_actions(actions.text, spec.actions, CHUNK, actions.fps)
             route = np.concatenate([route, np.zeros((-len(route) % CHUNK, route.shape[1]), np.float32)])
             if observe >= len(route):
                 raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "
@@ -227,7 +229,7 @@ class WorldSampler(io.ComfyNode):
                 raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
                                   f"{spec.view} px, the image must be at least that on each side")
             photo = photo.to(next(world.parameters()).device)
-            flight = worlds.flight(photo, route, spec.view, observe, np.random.default_rng(route_seed), None,
+            flight = photo_world.flight(photo, route, spec.view, observe, np.random.default_rng(route_seed), None,
                                    spec.actions)
             chunks = (len(route) - observe) // CHUNK
             pbar = comfy.utils.ProgressBar(chunks)
@@ -243,7 +245,7 @@ class WorldSampler(io.ComfyNode):
 
             try:
                 with torch.inference_mode():
-                    video = worlds.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
+                    video = photo_world.fly(world, flight, cache=cache, seed=seed, on_chunk=on_chunk)
             except BaseException:
                 events.finish("stopped")
                 raise

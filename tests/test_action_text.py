@@ -7,11 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from comfyui_fastar.fastar import FastARError, worlds
+from comfyui_fastar.fastar import FastARError
+from comfyui_fastar.fastar.actions import ActionSpec, LOOK_ANY, MAX_FRAMES, MAX_LIVE_TEXT, MAX_TEXT, action_items, actions_text, parse_actions, used_names
 from comfyui_fastar.fastar.play import Session
 
-SPEC = worlds.ActionSpec()
-L = worlds.MAX_TEXT
+SPEC = ActionSpec()
+L = MAX_TEXT
 
 
 def adversarial() -> dict[str, str]:
@@ -33,7 +34,7 @@ def adversarial() -> dict[str, str]:
 def test_adversarial_text_is_read_or_refused_at_once(name):
     text = adversarial()[name]
     assert len(text) == L
-    for read in (lambda: worlds.parse_actions(text, SPEC, 12), lambda: worlds.used_names(text)):
+    for read in (lambda: parse_actions(text, SPEC, 12), lambda: used_names(text)):
         t0 = time.perf_counter()
         try:
             read()
@@ -44,16 +45,16 @@ def test_adversarial_text_is_read_or_refused_at_once(name):
 
 def test_the_limits_are_enforced_and_stated():
     with pytest.raises(FastARError, match=f"is {L + 1} characters; at most {L} are read"):
-        worlds.parse_actions("W," * (L // 2) + "W", SPEC, 12)
+        parse_actions("W," * (L // 2) + "W", SPEC, 12)
     with pytest.raises(FastARError, match=f"at most {L} are read"):
-        worlds.used_names("[" + " " * L + "]")
-    with pytest.raises(FastARError, match=f"at most {worlds.MAX_FRAMES} are played"):
-        worlds.parse_actions(f"W*{worlds.MAX_FRAMES}f, D*1f", SPEC, 12)
-    assert len(worlds.parse_actions(f"W*{worlds.MAX_FRAMES}f", SPEC, 12)) == worlds.MAX_FRAMES
+        used_names("[" + " " * L + "]")
+    with pytest.raises(FastARError, match=f"at most {MAX_FRAMES} are played"):
+        parse_actions(f"W*{MAX_FRAMES}f, D*1f", SPEC, 12)
+    assert len(parse_actions(f"W*{MAX_FRAMES}f", SPEC, 12)) == MAX_FRAMES
     with pytest.raises(FastARError, match="more than 12 digits"):
-        worlds.parse_actions("W*" + "9" * 13, SPEC, 12)
+        parse_actions("W*" + "9" * 13, SPEC, 12)
     s = Session(SPEC)
-    with pytest.raises(FastARError, match=f"at most {worlds.MAX_LIVE_TEXT} are read"):
+    with pytest.raises(FastARError, match=f"at most {MAX_LIVE_TEXT} are read"):
         s.post("W+" * 200 + "W")
 
 
@@ -64,18 +65,18 @@ def test_the_limits_are_enforced_and_stated():
 ])
 def test_unreadable_text_is_named_as_typed(text, says):
     with pytest.raises(FastARError, match=says):
-        worlds.parse_actions(text, SPEC, 12)
+        parse_actions(text, SPEC, 12)
 
 
 @pytest.mark.parametrize("text", ["look(1" + "0" * 40 + ",0)", "look(0.13,0)", "look(0,-0.2)", "look_left+look(0,-0.05)"])
 def test_the_mouse_beyond_the_worlds_range_is_refused_by_name(text):
     with pytest.raises(FastARError, match="trained within ±0.12 on each axis"):
-        worlds.parse_actions(text, SPEC, 12)
+        parse_actions(text, SPEC, 12)
     with pytest.raises(FastARError, match="trained within"):
         Session(SPEC).post(text)
-    mg = worlds.ActionSpec(keys=("W", "S", "A", "D"), mouse_limit=0.1)
+    mg = ActionSpec(keys=("W", "S", "A", "D"), mouse_limit=0.1)
     with pytest.raises(FastARError, match="trained within ±0.1 on each axis"):
-        worlds.parse_actions("look(0.11,0)", mg, 12)
+        parse_actions("look(0.11,0)", mg, 12)
 
 
 def test_a_log_of_any_readable_rows_reads_back_exactly_in_short_decimals():
@@ -83,15 +84,15 @@ def test_a_log_of_any_readable_rows_reads_back_exactly_in_short_decimals():
     rows = np.zeros((200, SPEC.width), np.float32)
     rows[:, :len(SPEC.keys)] = rng.random((200, len(SPEC.keys))) < 0.3
     rows[:, len(SPEC.keys):] = rng.uniform(-0.12, 0.12, (200, 2)).astype(np.float32)
-    text = worlds.actions_text(rows, SPEC)
-    assert np.array_equal(worlds.parse_actions(text, SPEC, 12), rows)
+    text = actions_text(rows, SPEC)
+    assert np.array_equal(parse_actions(text, SPEC, 12), rows)
     numbers = [n for t in text.split("look(")[1:] for n in t.split(")")[0].split(",")]
     assert numbers and max(len(n) for n in numbers) <= 13  # float32's 9 digits at most, not float64's 17
 
 
 def test_used_names_are_what_the_items_hold():
     text = "W+D*2f, look(0.01, -0.02)*3, idle*1.5s, Zoom_In"
-    assert worlds.used_names(text) == {"W", "D", worlds.LOOK_ANY, "idle", "Zoom_In"}
-    assert worlds.used_names('[["W+D", 2], ["jump", 1]]') == {"W", "D", "jump"}
-    assert {n for k, _, _ in worlds.action_items(text) for n in k.split("+")} - {"look(0.01,-0.02)"} \
-        == worlds.used_names(text) - {worlds.LOOK_ANY}
+    assert used_names(text) == {"W", "D", LOOK_ANY, "idle", "Zoom_In"}
+    assert used_names('[["W+D", 2], ["jump", 1]]') == {"W", "D", "jump"}
+    assert {n for k, _, _ in action_items(text) for n in k.split("+")} - {"look(0.01,-0.02)"} \
+        == used_names(text) - {LOOK_ANY}

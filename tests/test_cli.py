@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from comfyui_fastar.fastar import worlds
+from comfyui_fastar.fastar import photo_world
 from comfyui_fastar.fastar.cli import main
 
 
@@ -170,7 +170,7 @@ def test_cli_eager_reaches_the_engine(tmp_path, capsys, monkeypatch):
 
 def test_cli_fp8_linears_reach_the_model_and_need_a_16_bit_dtype(tmp_path, capsys, monkeypatch):
     from comfyui_fastar.fastar import cli
-    from comfyui_fastar.fastar.models.wan import Fp8Linear
+    from comfyui_fastar.fastar.models import Fp8Linear
 
     seen = []
 
@@ -224,7 +224,7 @@ def test_the_world_flies_action_text_over_any_photograph(tmp_path, capsys):
     (said,) = [line for line in out.splitlines() if "trained on" in line]
     assert said == ("fastar: the pack's world model (7.5 M parameters) was trained on 12 photographs: over one of "
                     "your own it drifts to texture within a few chunks (the held-out ones in "
-                    f"{os.path.join(worlds.PHOTOS, 'heldout')} show what it remembers)")
+                    f"{os.path.join(photo_world.PHOTOS, 'heldout')} show what it remembers)")
     assert out.index(said) < out.index("flies")
 
 

@@ -83,7 +83,8 @@ def test_the_world_template_flies_the_demos_route_with_tempcache_and_the_window(
     one sampler on TempCache at its defaults and one on LongLive's sink 3 + window 12."""
     import torch
 
-    from comfyui_fastar.fastar import CacheConfig, TempCacheConfig, worlds
+    from comfyui_fastar.fastar import CacheConfig, TempCacheConfig
+    from comfyui_fastar.fastar.actions import ActionSpec, integrate, parse_actions
 
     wf = json.loads((REPO / "example_workflows" / f"{WORLD}.json").read_text())
     nodes = {n["id"]: n for n in wf["nodes"]}
@@ -91,8 +92,8 @@ def test_the_world_template_flies_the_demos_route_with_tempcache_and_the_window(
     for n in nodes.values():
         by_type.setdefault(n["type"], []).append(n)
     (schedule,) = by_type["FastARActionSchedule"]
-    text = worlds.parse_actions(schedule["widgets_values"][0], worlds.ActionSpec(), 12)
-    poses = worlds.integrate(torch.from_numpy(text), worlds.ActionSpec())
+    text = parse_actions(schedule["widgets_values"][0], ActionSpec(), 12)
+    poses = integrate(torch.from_numpy(text), ActionSpec())
     assert len(text) == 24 + 96 + 12  # a lead-in, the loop, the way back over its start
     assert all(torch.allclose(poses[f], poses[f - 96]) for f in range(120, 132))
     assert (poses[24:120, 0] - poses[23, 0]).abs().max() > 64  # the loop takes the place out of view

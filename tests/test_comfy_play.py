@@ -221,14 +221,14 @@ def test_the_play_template_plays_in_the_frontend(server):
     # stand still while nothing was: a latent frame's worth (4 video frames) at a time
     (before, before_pixels), (after, after_pixels) = idle, moved
     assert after > before and before_pixels != after_pixels
-    from comfyui_fastar.fastar import worlds
+    from comfyui_fastar.fastar.actions import ActionSpec, parse_actions
 
-    rows = worlds.parse_actions(end["log"], worlds.ActionSpec(), 12)
+    rows = parse_actions(end["log"], ActionSpec(), 12)
     frames = _webp_frames(max((server["base"] / "output" / "fastar").glob("world_play*.webp"), key=os.path.getmtime))
     assert len(frames) == len(rows)
     pans = {}
     for held in ("D", "idle"):
-        row = worlds.parse_actions(held, worlds.ActionSpec(), 1)[0]
+        row = parse_actions(held, ActionSpec(), 1)[0]
         pans[held] = [_shift(frames[i], frames[i + 4]) for i in range(12, len(rows) - 4, 4)
                       if (rows[i:i + 5] == row).all()]
     assert pans["D"] and np.mean(pans["D"]) >= 6 and pans["idle"] and abs(np.mean(pans["idle"])) <= 2, pans

@@ -12,12 +12,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from comfyui_fastar.fastar import worlds
+from comfyui_fastar.fastar.actions import MAX_LIVE_TEXT, MAX_TEXT
 from comfyui_fastar.testing import comfy_harness, play_client
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.comfyui
-L = worlds.MAX_TEXT
+L = MAX_TEXT
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_adversarial_action_text_stalls_nothing(server):
     for name in ADVERSARIAL:
         assert "cannot read" in refused[name] or "unknown action" in refused[name], (name, refused[name][:300])
     errors = [a["message"] for a in answers if a["type"] == "error"]
-    assert len(errors) == len(ADVERSARIAL) and all(f"at most {worlds.MAX_LIVE_TEXT} are read" in e for e in errors)
+    assert len(errors) == len(ADVERSARIAL) and all(f"at most {MAX_LIVE_TEXT} are read" in e for e in errors)
     assert answers[-1]["type"] == "ack" and answers[-1]["id"] == 1  # the socket stayed open and in use
 
 

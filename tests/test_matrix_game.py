@@ -3,6 +3,8 @@ the action module equals the paper's equations written out in plain torch (windo
 action, the mouse's temporal attention per position, the keyboard tokens every video token attends, the
 rolling window of latent frames), and a rollout steered by actions runs causally under FAST-AR's caches."""
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from safetensors.torch import save_file
 
 from comfyui_fastar.fastar import CacheConfig, FastARError, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import MatrixGameModel, convert_checkpoint, load_wan
-from comfyui_fastar.fastar.models.matrix_game import (HEAD_DIM, ActionCaches, ActionConfig, ActionModule, ActionStep,
+from comfyui_fastar.fastar.models.matrix_game import (HEAD_DIM, ActionCaches, ActionConfig, ActionStep,
+                                                      MatrixGameActionModule,
                                                       _windows, detect, rope_tables)
 from comfyui_fastar.testing.checkpoints import MATRIX_GAME_FILES, converted, matrix_game_weights
 
@@ -118,7 +121,7 @@ def test_the_action_module_is_the_papers_equations(mouse, local):
     torch.manual_seed(0)
     cfg = ActionConfig(keyboard_dim=4, mouse_dim=2 if mouse else 0, blocks=1, hidden=128, keyboard_hidden=16,
                        local_frames=local)
-    module = ActionModule(32, cfg, 0)
+    module = MatrixGameActionModule(32, cfg, 0)
     for p in module.parameters():
         p.normal_(0, 0.2)
     b, t, s, chunk = 1, 9, 5, 3
@@ -221,7 +224,7 @@ def test_action_text_reads_each_variants_keys():
     forward / back and A / D as steering (yaw), Temple Run's one-hot keys with "nomove" for idle; a key
     the variant lacks is refused by name."""
     from comfyui_fastar.fastar.models.matrix_game import VARIANTS
-    from comfyui_fastar.fastar.worlds import parse_actions
+    from comfyui_fastar.fastar.actions import parse_actions
 
     universal = parse_actions("W+D*1f, look_left*1f", VARIANTS["universal"].actions, 12)
     assert universal.tolist() == [[1, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, pytest.approx(-0.1)]]
@@ -232,4 +235,14 @@ def test_action_text_reads_each_variants_keys():
     assert parse_actions("idle", VARIANTS["templerun"].actions, 12).shape == (12, 7)  # a chunk by default
     with pytest.raises(FastARError, match="unknown action 'look_up'; this world knows nomove, jump"):
         parse_actions("look_up", VARIANTS["templerun"].actions, 12)
-    assert VARIANTS["gta"].cache().window_frames == 1 and VARIANTS["universal"].cache().window_frames == 3
+
+
+def test_each_variant_plays_under_its_own_window():
+    """The play benchmark's window cache per variant: its local frames, the open chunk among them."""
+    from comfyui_fastar.fastar.models.matrix_game import VARIANTS
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from common import window_cache
+
+    assert window_cache(VARIANTS["gta"]).window_frames == 1 and window_cache(VARIANTS["universal"]).window_frames == 3
+    assert window_cache(VARIANTS["foundation"]).mode == "unbounded"

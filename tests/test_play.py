@@ -5,10 +5,11 @@ import threading
 import numpy as np
 import pytest
 
-from comfyui_fastar.fastar import FastARError, worlds
+from comfyui_fastar.fastar import FastARError
+from comfyui_fastar.fastar.actions import ActionSpec, parse_actions
 from comfyui_fastar.fastar.play import Session
 
-SPEC = worlds.ActionSpec()
+SPEC = ActionSpec()
 
 
 def test_the_latest_action_is_held_until_the_next():
@@ -18,7 +19,7 @@ def test_the_latest_action_is_held_until_the_next():
     assert s.post("W+D")[0] == 1
     assert s.post("look_left")[0] == 2
     taken = s.take()
-    assert taken.seq == 2 and np.array_equal(taken.row, worlds.parse_actions("look_left", SPEC, 1)[0])
+    assert taken.seq == 2 and np.array_equal(taken.row, parse_actions("look_left", SPEC, 1)[0])
     again = s.take()  # sticky: nothing new posted
     assert again.seq == 2 and np.array_equal(again.row, taken.row) and again.taken >= taken.taken >= taken.received
     taken.row[:] = 7  # a taken row is the chunk's own

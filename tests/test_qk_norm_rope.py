@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_fastar.fastar.models.wan import rope_frequencies
+from comfyui_fastar.fastar.models.rope import rope_frequencies
 from comfyui_fastar.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_auto, qk_norm_rope_torch
 
 

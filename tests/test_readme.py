@@ -46,15 +46,15 @@ def test_the_readme_names_its_first_runs():
 
 @pytest.mark.slow
 def test_the_readmes_first_runs_run_as_pasted(tmp_path):
-    from comfyui_fastar.fastar import worlds
+    from comfyui_fastar.fastar import photo_world
 
-    shutil.copy(os.path.join(worlds.PHOTOS, "heldout", "mate_ladybird.jpg"), tmp_path / "my_photo.jpg")
+    shutil.copy(os.path.join(photo_world.PHOTOS, "heldout", "mate_ladybird.jpg"), tmp_path / "my_photo.jpg")
     for command in _fastar_commands():
         run = _run(command, tmp_path)
         assert run.returncode == 0, (command, run.stderr[-2000:])
         summary = json.loads((tmp_path / "fastar_world" / "world.json").read_text())
         assert set(summary["caches"]) == {"window (sink 3 + 12)", "TempCache 12"}
-        assert summary["world"] == ("my_photo.jpg" if "--world" in command else os.path.basename(worlds.DEMO_PHOTO))
+        assert summary["world"] == ("my_photo.jpg" if "--world" in command else os.path.basename(photo_world.DEMO_PHOTO))
         assert (tmp_path / "fastar_world" / "world.gif").stat().st_size > 0
 
 

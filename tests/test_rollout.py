@@ -6,7 +6,7 @@ import torch
 from comfyui_fastar.fastar import (AnnConfig, CacheConfig, FastARAttention, FastARError, FlowMatchSchedule, Rollout,
                                    TempCacheConfig, rollout)
 from comfyui_fastar.fastar.history import History
-from comfyui_fastar.fastar.replay import CleanPasses
+from comfyui_fastar.fastar.rollout import CleanPasses
 from comfyui_fastar.fastar.rollout import pad_context
 from comfyui_fastar.fastar.models import build_model
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_fastar.fastar import worlds
+from comfyui_fastar.fastar import photo_world
+from comfyui_fastar.fastar.actions import ActionSpec, actions_text, integrate, parse_actions
 from comfyui_fastar.fastar.config import CacheConfig
 from comfyui_fastar.fastar.errors import FastARError
 from comfyui_fastar.fastar.models import checkpoint_sampling, load_wan
@@ -17,7 +18,9 @@ from comfyui_fastar.fastar.models.world import WorldModel, WorldSpec, save_world
 from comfyui_fastar.fastar.rollout import Rollout
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-SPEC = worlds.ActionSpec()
+sys.path.insert(0, BENCH)
+from common import trajectories  # noqa: E402
+SPEC = ActionSpec()
 # the scripts' smoke runs on the torch twins: Triton's interpreter would only make them slow
 TWINS = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
@@ -35,37 +38,37 @@ def test_action_encoding_is_matrix_games_layout():
     # multi-hot keys in the spec's order, then [pitch, yaw]: what Matrix-Game 2.0's keyboard and mouse
     # conditions hold per video frame
     assert SPEC.width == 8 and SPEC.keys == ("W", "S", "A", "D", "zoom_in", "zoom_out")
-    a = worlds.parse_actions("W+D*2f, look_left*1f", SPEC, 12)
+    a = parse_actions("W+D*2f, look_left*1f", SPEC, 12)
     assert a.tolist() == [[1, 0, 0, 1, 0, 0, 0, 0]] * 2 + [[0, 0, 0, 0, 0, 0, 0, np.float32(-0.1)]]
 
 
 def test_integrate_moves_the_camera_as_documented():
     start = torch.tensor([100.0, 80.0, 0.0])
-    poses = worlds.integrate(torch.cat([frames("D", n=3), frames("W", n=2), frames(mouse=(0.1, 0.05))]), SPEC, start)
+    poses = integrate(torch.cat([frames("D", n=3), frames("W", n=2), frames(mouse=(0.1, 0.05))]), SPEC, start)
     assert poses[2].tolist() == pytest.approx([100 + 3 * SPEC.pan, 80, 0])           # D pans right
     assert poses[4].tolist() == pytest.approx([112, 80 - 2 * SPEC.pan, 0])         # W pans up
     assert poses[5].tolist() == pytest.approx([112 + 0.05 * SPEC.mouse_pan, 72 - 0.1 * SPEC.mouse_pan, 0])
-    zoomed = worlds.integrate(torch.cat([frames("zoom_out", n=2), frames("D")]), SPEC)
+    zoomed = integrate(torch.cat([frames("zoom_out", n=2), frames("D")]), SPEC)
     s = SPEC.zoom ** 2
     assert zoomed[-1].tolist() == pytest.approx([SPEC.pan * s, 0, np.log(s)], rel=1e-5)  # a pan is the view's share
-    assert worlds.integrate(frames("zoom_in", "zoom_out", "W", "S"), SPEC)[0].tolist() == [0, 0, 0]
+    assert integrate(frames("zoom_in", "zoom_out", "W", "S"), SPEC)[0].tolist() == [0, 0, 0]
 
 
 def test_render_is_the_photographs_crop():
     photo = torch.rand(3, 160, 200)
-    frame = worlds.render(photo, torch.tensor([[100.0, 80.0, 0.0]]), 64)[0]
+    frame = photo_world.render(photo, torch.tensor([[100.0, 80.0, 0.0]]), 64)[0]
     assert torch.allclose(frame, photo[:, 48:112, 68:132] * 2 - 1, atol=1e-4)
-    moved = worlds.render(photo, torch.tensor([[104.0, 80.0, 0.0]]), 64)[0]
+    moved = photo_world.render(photo, torch.tensor([[104.0, 80.0, 0.0]]), 64)[0]
     assert torch.allclose(moved[:, :, :-4], frame[:, :, 4:], atol=1e-4)             # 4 px right: the view slid
-    outside = worlds.render(photo, torch.tensor([[-100.0, 80.0, 0.0]]), 64)[0]
+    outside = photo_world.render(photo, torch.tensor([[-100.0, 80.0, 0.0]]), 64)[0]
     assert (outside == -1).all()                                                     # black off the photo
 
 
 @pytest.mark.parametrize("n", [48, 96, 192, 384])
 def test_revisit_returns_to_a_place_by_another_route(n):
     spec = WorldSpec()
-    r = worlds.revisit_actions(spec.actions, n, (384, 614), spec.view, np.random.default_rng(n))
-    poses = worlds.integrate(torch.from_numpy(r.actions), spec.actions)
+    r = photo_world.revisit_actions(spec.actions, n, (384, 614), spec.view, np.random.default_rng(n))
+    poses = integrate(torch.from_numpy(r.actions), spec.actions)
     assert len(r.actions) == r.lead_in + n + r.frames_after and len(r.actions) % 12 == 0
     assert len(r.revisit) == r.frames_after
     for f in r.revisit:  # the revisited frames stand where the camera stood n frames before ...
@@ -73,56 +76,56 @@ def test_revisit_returns_to_a_place_by_another_route(n):
     # ... by a loop that took it out of view of the place and back along another row
     away = (poses[r.lead_in:r.lead_in + n] - poses[r.lead_in - 1]).abs()
     assert away[:, 0].max() > spec.view and away[n // 2, 1] > 0
-    assert worlds.place(poses, (384, 614), spec.view, np.random.default_rng(0)) is not None  # it fits the photo
+    assert photo_world.place(poses, (384, 614), spec.view, np.random.default_rng(0)) is not None  # it fits the photo
 
 
 def test_loop_and_training_trajectories():
     rng = np.random.default_rng(0)
-    a = worlds.loop(SPEC, 50, rng)
-    assert len(a) == 50 and worlds.integrate(torch.from_numpy(a), SPEC)[-1].tolist() == pytest.approx([0, 0, 0])
-    t = worlds.training_actions(SPEC, 192, np.random.default_rng(1))
+    a = trajectories.loop(SPEC, 50, rng)
+    assert len(a) == 50 and integrate(torch.from_numpy(a), SPEC)[-1].tolist() == pytest.approx([0, 0, 0])
+    t = trajectories.training_actions(SPEC, 192, np.random.default_rng(1))
     assert t.shape == (192, SPEC.width) and t.dtype == np.float32
-    logs = worlds.integrate(torch.from_numpy(worlds.random_walk(SPEC, 400, np.random.default_rng(2))), SPEC)[:, 2]
+    logs = integrate(torch.from_numpy(trajectories.random_walk(SPEC, 400, np.random.default_rng(2))), SPEC)[:, 2]
     assert np.log(0.7) - 1e-5 <= logs.min() and logs.max() <= np.log(1.4) + 1e-5      # zoom kept in range
-    assert np.array_equal(t, worlds.training_actions(SPEC, 192, np.random.default_rng(1)))  # from the seed alone
+    assert np.array_equal(t, trajectories.training_actions(SPEC, 192, np.random.default_rng(1)))  # from the seed alone
 
 
 def test_parse_actions_counts_units_and_json():
-    a = worlds.parse_actions("D*2, idle, zoom_in*3f", SPEC, 12)
+    a = parse_actions("D*2, idle, zoom_in*3f", SPEC, 12)
     assert len(a) == 2 * 12 + 12 + 3
     assert (a[:24, SPEC.keys.index("D")] == 1).all() and not a[24:36].any() and (a[36:, 4] == 1).all()
-    assert np.array_equal(worlds.parse_actions('[["D", 2], ["idle", 1]]', SPEC, 12), a[:36])
-    assert np.array_equal(worlds.parse_actions("d * 2 , IDLE", SPEC, 12), a[:36])  # case and spaces
+    assert np.array_equal(parse_actions('[["D", 2], ["idle", 1]]', SPEC, 12), a[:36])
+    assert np.array_equal(parse_actions("d * 2 , IDLE", SPEC, 12), a[:36])  # case and spaces
 
 
 def test_parse_actions_reads_seconds_and_exact_looks():
-    a = worlds.parse_actions("W*1.5s, look(0.05, -0.1)+A*2f", SPEC, 12, fps=8.0)
+    a = parse_actions("W*1.5s, look(0.05, -0.1)+A*2f", SPEC, 12, fps=8.0)
     assert len(a) == 12 + 2 and (a[:12, SPEC.keys.index("W")] == 1).all()
     assert (a[12:, SPEC.keys.index("A")] == 1).all() and np.allclose(a[12:, -2:], [0.05, -0.1])
-    assert len(worlds.parse_actions("W*1.5s", SPEC, 12)) == 24  # 16 fps by default
+    assert len(parse_actions("W*1.5s", SPEC, 12)) == 24  # 16 fps by default
     with pytest.raises(FastARError, match=r"whole number \(seconds take s: \*1\.5s\)"):
-        worlds.parse_actions("W*1.5f", SPEC, 12)
+        parse_actions("W*1.5f", SPEC, 12)
 
 
 def test_actions_text_reads_back_to_the_same_rows():
     """The action log a live session returns: its text replays the exact rows, odd mouse moves included."""
     rng = np.random.default_rng(3)
-    rows = worlds.parse_actions("W*5f, W+D*7f, look_left*3f, idle*2f", SPEC, 12)
+    rows = parse_actions("W*5f, W+D*7f, look_left*3f, idle*2f", SPEC, 12)
     rows[10:13, -2:] = rng.uniform(-0.12, 0.12, size=(3, 2)).astype(np.float32)  # a mouse no named look matches
-    rows[13] = worlds.parse_actions("look(0.03,-0.07)", SPEC, 1)[0]
-    text = worlds.actions_text(rows, SPEC)
+    rows[13] = parse_actions("look(0.03,-0.07)", SPEC, 1)[0]
+    text = actions_text(rows, SPEC)
     assert "look(" in text and text.startswith("W*5f, W+D*5f")
     assert "look(0.03,-0.07)*1f" in text  # the shortest decimals that read back, not float32's noise
-    assert np.array_equal(worlds.parse_actions(text, SPEC, 12), rows)
+    assert np.array_equal(parse_actions(text, SPEC, 12), rows)
 
 
 @pytest.mark.parametrize("text, says", [("W, jump*2", "'jump'"), ("W*x", "'W*x'"), ("", "no action"),
                                         ("[[1, 2", "JSON"), ("W*0", "holds no frame")])
 def test_parse_actions_names_the_bad_token(text, says):
     with pytest.raises(FastARError, match=says.replace("*", r"\*").replace("[", r"\[")):
-        worlds.parse_actions(text, SPEC, 12)
+        parse_actions(text, SPEC, 12)
     with pytest.raises(FastARError, match="knows W, S, A, D, zoom_in, zoom_out, idle$"):
-        worlds.parse_actions("look_up", worlds.ActionSpec(mouse=False), 12)
+        parse_actions("look_up", ActionSpec(mouse=False), 12)
 
 
 def test_world_latent_round_trips():
@@ -151,7 +154,7 @@ def test_teacher_forcing_is_the_rollouts_forward():
 
     model, spec = tiny_world(), WorldSpec()
     t, b = 9, 2
-    actions = torch.from_numpy(np.stack([worlds.training_actions(spec.actions, 4 * t, np.random.default_rng(i))
+    actions = torch.from_numpy(np.stack([trajectories.training_actions(spec.actions, 4 * t, np.random.default_rng(i))
                                          for i in range(b)]))
     g = torch.Generator().manual_seed(0)
     x0, xt = torch.randn(b, spec.channels, t, 16, 16, generator=g), torch.randn(b, spec.channels, t, 16, 16, generator=g)
@@ -194,25 +197,25 @@ def test_world_model_save_load_and_errors(tmp_path):
 
 def revisit_flight(spec, n):
     """An out-and-back of n frames over the held-out demo photograph, observed up to the loop's first leg."""
-    photo = worlds.load_photo(worlds.DEMO_PHOTO)
-    r = worlds.revisit_actions(spec.actions, n, tuple(photo.shape[1:]), spec.view, np.random.default_rng(0))
-    return worlds.flight(photo, r.actions, spec.view, r.lead_in + 12, np.random.default_rng(1), r.revisit)
+    photo = photo_world.load_photo(photo_world.DEMO_PHOTO)
+    r = photo_world.revisit_actions(spec.actions, n, tuple(photo.shape[1:]), spec.view, np.random.default_rng(0))
+    return photo_world.flight(photo, r.actions, spec.view, r.lead_in + 12, np.random.default_rng(1), r.revisit)
 
 
 def test_committed_world_model_loads_and_remembers():
     """The committed weights load through the pack's loader and sample chunks on the CPU that match the
     ground truth where the camera comes back, with the cache, far better than without history."""
-    model = load_wan(worlds.WEIGHTS, dtype=torch.float32)
-    assert isinstance(model, WorldModel) and checkpoint_sampling(worlds.WEIGHTS).frames_per_block == 3
-    meta = json.loads(__import__("safetensors").safe_open(worlds.WEIGHTS, "pt").metadata()["fastar.training"])
+    model = load_wan(photo_world.WEIGHTS, dtype=torch.float32)
+    assert isinstance(model, WorldModel) and checkpoint_sampling(photo_world.WEIGHTS).frames_per_block == 3
+    meta = json.loads(__import__("safetensors").safe_open(photo_world.WEIGHTS, "pt").metadata()["fastar.training"])
     assert meta["runs"] and meta["step"] > 0
-    sys.path.insert(0, BENCH)
     from world_eval import OwnChunk
+    from world_eval import fly as fly_with
 
     f = revisit_flight(model.spec, 48)
     with torch.no_grad():
         every = CacheConfig()  # every frame kept
-        video, alone = worlds.fly(model, f, cache=every), worlds.fly(model, f, cache=every, attention=OwnChunk)
+        video, alone = photo_world.fly(model, f, cache=every), fly_with(model, f, (every, None, OwnChunk))
     revisit = list(f.revisit)
 
     def psnr(video):

@@ -57,6 +57,15 @@ def __getattr__(name):
     return package
 
 
+def window_cache(variant, chunk_frames: int = 3):
+    """A Matrix-Game 2.0 variant's own self-attention cache: a rolling window of its ``local_frames`` latent
+    frames, the open chunk among them (no sink); every frame for the foundation model."""
+    config = __getattr__("fastar").config
+    if variant.local_frames is None:
+        return config.CacheConfig("unbounded")
+    return config.CacheConfig("window", sink_frames=0, window_frames=variant.local_frames - chunk_frames)
+
+
 # -- arguments -------------------------------------------------------------------------------------
 def parser(doc: str, smoke: bool = False) -> argparse.ArgumentParser:
     """An argument parser whose help is the script's docstring, with ``--out`` (the folder the result

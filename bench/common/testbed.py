@@ -178,7 +178,7 @@ def continue_real_video(run, prefix_frames: int, latents: torch.Tensor | None = 
 class RealVideoHistory:
     """``continue_real_video``'s teacher forcing in steps: ``to(frames)`` runs the clean passes of the real
     latents up to ``frames`` (the history a generation then continues), on a CUDA device replayed from one
-    graph once the attention state's key repeats (``fastar.replay.CleanPasses``, as a prompt switch
+    graph once the attention state's key repeats (``fastar.rollout.CleanPasses``, as a prompt switch
     re-encodes a history: a TempCache pass is ~7000 launches, host-bound when eager: bench/NOTES.md)."""
 
     def __init__(self, run, latents: torch.Tensor):

@@ -1,7 +1,8 @@
 from .checkpoints import KNOWN_CHECKPOINTS, SAMPLING_METADATA_KEY, KnownCheckpoint, Sampling, known_checkpoint
-from .loading import (Converted, build_model, checkpoint_sampling, convert_checkpoint, infer_config, load_wan,
-                      merge_lora, save_wan)
-from .wan import FP8_LINEARS, WAN_CONFIGS, Fp8Linear, WanConfig, WanModel, fp8_linears
+from .convert import Converted, convert_checkpoint, merge_lora
+from .loading import build_model, checkpoint_sampling, infer_config, load_wan, save_wan
+from .fp8 import FP8_LINEARS, Fp8Linear, fp8_linears
+from .wan import WAN_CONFIGS, WanConfig, WanModel
 from .matrix_game import MatrixGameModel, MatrixGameRun
 from .world import WorldModel, WorldSpec, save_world, world_config
 

@@ -15,6 +15,7 @@ from ..errors import FastARError
 from ..schedule import FlowMatchSchedule
 
 SAMPLING_METADATA_KEY = "fastar.sampling"
+CONFIG_METADATA_KEY = "fastar.wan_config"  # a converted or saved file's WanConfig, as JSON
 FOUR_STEPS = (1000.0, 750.0, 500.0, 250.0)
 
 

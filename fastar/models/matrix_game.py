@@ -7,7 +7,7 @@ Three things beside Wan 2.1 text-to-video, each read off a checkpoint's keys (``
   ``MatrixGameRun`` slices per chunk;
 - CLIP-vision tokens in place of text: ViT-H/14's 257 penultimate tokens through ``img_emb`` are the
   cross-attention's context (``WanConfig.image_context``);
-- an action module (``ActionModule``) in the first blocks, after the cross-attention and before the FFN.
+- an action module (``MatrixGameActionModule``) in the first blocks, after the cross-attention and before the FFN.
 
 The action module. Actions come per video frame (``1 + 4 (T - 1)`` rows for T latent frames); latent frame i
 reads the 12 rows ``[4i - 12, 4i)`` (``WINDOW`` latent frames of 4), the stream padded in front with copies
@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import CacheConfig
 from ..errors import FastARError
-from ..worlds import ActionSpec
+from ..actions import ActionSpec
 from .checkpoints import Sampling
 from .wan import WanConfig, WanModel
 
@@ -78,16 +77,9 @@ class Variant:
 
     @property
     def actions(self) -> ActionSpec:
-        """Its action text's vocabulary (``fastar.worlds.parse_actions``): the keys, and with a mouse the
+        """Its action text's vocabulary (``fastar.actions.parse_actions``): the keys, and with a mouse the
         looks (pitch / yaw 0.1 a video frame, as it was trained around, and no more)."""
         return ActionSpec(keys=self.keys, mouse=self.mouse, idle=self.idle, aliases=self.aliases, mouse_limit=0.1)
-
-    def cache(self, chunk_frames: int = 3) -> CacheConfig:
-        """Its own self-attention cache: a rolling window of ``local_frames`` latent frames, the open chunk
-        among them (no sink); every frame for the foundation model."""
-        if self.local_frames is None:
-            return CacheConfig("unbounded")
-        return CacheConfig("window", sink_frames=0, window_frames=self.local_frames - chunk_frames)
 
 
 _STEPS3, _STEPS4 = (1000.0, 666.0, 333.0), (1000.0, 750.0, 500.0, 250.0)
@@ -172,7 +164,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-class ActionModule(nn.Module):
+class MatrixGameActionModule(nn.Module):
     """A block's Matrix-Game 2.0 action module (the module docstring); the parameter names are the
     released checkpoints'. ``index``: which of the action blocks it is (its caches' row)."""
 
@@ -281,7 +273,8 @@ class MatrixGameModel(WanModel):
             raise FastARError("MatrixGameModel: the config must take CLIP-vision context (image_context), 36 input "
                               f"channels and at most {cfg.num_layers} action blocks")
         blocks = iter(range(actions.blocks))
-        super().__init__(cfg, lambda i: ActionModule(cfg.dim, actions, next(blocks)) if i < actions.blocks else None)
+        super().__init__(cfg, lambda i: MatrixGameActionModule(cfg.dim, actions, next(blocks)) if i < actions.blocks
+                         else None)
         self.actions, self.variant = actions, variant
 
     def bind(self, condition: torch.Tensor, keyboard: torch.Tensor, mouse: torch.Tensor | None = None, *,

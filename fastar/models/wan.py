@@ -8,8 +8,6 @@ an attention state (``fastar.attention.FastARAttention``), which owns the KV cac
 """
 from __future__ import annotations
 
-import copy
-import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -19,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.adaln import adaln_auto
-from ...kernels.fp8_linear import fp8_linear_auto, fp8_matmul_auto, quantize_rows_auto, quantize_weight
+from ...kernels.fp8_linear import quantize_rows_auto
 from ...kernels.qk_norm_rope import qk_norm_rope_auto
 from ..errors import FastARError
+from .fp8 import Fp8Linear
+from .rope import rope_frequencies, sinusoidal_embedding
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class WanConfig:
     eps: float = 1e-6
     text_len: int = 512  # umT5 tokens: Wan pads the prompt's features with zeros to this length
     cross_attn: bool = True  # False: no text branch (a world model conditioned on actions alone)
-    action_layers: int = 0   # the first blocks that carry an action module (``fastar.models.world``)
+    action_layers: int = 0   # the first blocks that carry an action module (``WorldModel``'s)
     action_dim: int = 0      # the action module's per-frame condition width
     image_context: bool = False  # the context is CLIP-vision tokens through ``img_emb`` (Matrix-Game 2.0), not text
 
@@ -68,46 +68,6 @@ WAN_CONFIGS = {
 }
 
 
-def sinusoidal_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
-    half = dim // 2
-    position = position.float()
-    freqs = torch.pow(10000, -torch.arange(half, device=position.device, dtype=torch.float32) / half)
-    angles = torch.outer(position, freqs)
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
-
-
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """Wan's split of a head into (time, height, width) RoPE channels."""
-    d = head_dim
-    return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
-
-
-def rope_at(head_dim: int, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """cos/sin tables [L, head_dim/2, 2] for tokens at (time, height, width) ``positions`` [L, 3]
-    (float64; any values, fractional too)."""
-    angles = []
-    for axis, dim in enumerate(rope_axes(head_dim)):
-        omega = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
-        angles.append(torch.outer(positions[:, axis], omega))
-    angles = torch.cat(angles, dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def rope_frequencies(head_dim: int, grid: tuple[int, int, int], frame_offset: int | torch.Tensor,
-                     device=None, theta: float = 10000.0) -> torch.Tensor:
-    """cos/sin tables [L, head_dim/2, 2] for tokens in (frame, row, col) order.
-
-    The temporal index of the chunk's first frame is ``frame_offset``: cached keys keep
-    the RoPE of the frame they were written at, as in the causal Wan models. A 0-d tensor
-    offset is read on the device, so a CUDA graph of a forward serves every chunk.
-    """
-    f, h, w = grid
-    axes = torch.meshgrid(torch.arange(f, device=device, dtype=torch.float64) + frame_offset,
-                          torch.arange(h, device=device, dtype=torch.float64),
-                          torch.arange(w, device=device, dtype=torch.float64), indexing="ij")
-    return rope_at(head_dim, torch.stack([a.flatten() for a in axes], -1), theta)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -116,49 +76,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-
-
-class Fp8Linear(nn.Module):
-    """A linear layer on fp8 tensor cores (``kernels.fp8_linear``): ``weight`` is float8 e4m3 [N, K]
-    with ``weight_scale`` [1, N] fp32 per output channel, and each input row is quantized to e4m3
-    with a scale of its own as the layer runs. The parameter names are nn.Linear's (``weight``,
-    ``bias``), so the layer sits under the checkpoint's names; the scale is a buffer beside them.
-    The bias stays in its own dtype and is read in the input's."""
-
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
-            raise FastARError(f"Fp8Linear: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
-                              f"{tuple(weight.shape)}")
-        self.out_features, self.in_features = weight.shape
-        as_param = (lambda t: t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
-        self.weight = as_param(weight)
-        self.register_parameter("bias", as_param(bias))
-        self.register_buffer("weight_scale", weight_scale)
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, scale: torch.Tensor | float | None = None) -> "Fp8Linear":
-        """The layer of ``linear``'s weight: an e4m3 weight taken as it is (its own tensor, with
-        ``scale``: 1 by default), any other quantized per output channel (``quantize_weight``); the
-        bias is ``linear``'s own tensor."""
-        weight = linear._parameters["weight"]
-        weight8, weight_scale = quantize_weight(weight, scale)
-        return cls(weight if weight8 is weight else weight8, weight_scale, linear._parameters.get("bias"))
-
-    def forward(self, x: torch.Tensor, *, gelu_input: bool = False, out: torch.Tensor | None = None,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype, into ``out`` where given. ``gelu_input``: x is the
-        pre-activation, put through tanh GELU as it is quantized. ``rows``: x's rows already quantized
-        (``quantize_rows_auto(x.reshape(-1, K))``), shared by layers that read the same x."""
-        if rows is None:
-            return fp8_linear_auto(x, self.weight, self.weight_scale, self.bias, gelu_input=gelu_input, out=out)
-        y = fp8_matmul_auto(*rows, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype,
-                            out=None if out is None else out.view(-1, self.out_features))
-        return out if out is not None else y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class WanAttention(nn.Module):
@@ -321,8 +238,8 @@ class WanModel(nn.Module):
     head_parallel = True
 
     def __init__(self, cfg: WanConfig, action_model: Callable[[int], nn.Module | None] | None = None):
-        """``action_model(i)``: block i's action module (None: none); by default the pack's world model's
-        in the first ``cfg.action_layers`` blocks."""
+        """``action_model(i)``: block i's action module (None: none), which the models steered by actions
+        give (``WorldModel``, ``MatrixGameModel``); plain Wan has none."""
         super().__init__()
         self.config = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
@@ -331,12 +248,7 @@ class WanModel(nn.Module):
         elif cfg.cross_attn:
             self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
                                                 nn.Linear(cfg.dim, cfg.dim))
-        if action_model is None:
-            def action_model(i):
-                if i >= cfg.action_layers:
-                    return None
-                from .world import ActionModule
-                return ActionModule(cfg.dim, cfg.action_dim, cfg.eps)
+        action_model = action_model or (lambda i: None)
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
         self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action_model(i)) for i in range(cfg.num_layers))
@@ -467,32 +379,3 @@ class WanModel(nn.Module):
         u = x.reshape(b, *grid, pt, ph, pw, c)
         u = torch.einsum("bfhwpqrc->bcfphqwr", u)
         return u.reshape(b, c, grid[0] * pt, grid[1] * ph, grid[2] * pw)
-
-
-#: The blocks' linear layers ``fp8_linears`` moves to fp8, by their names in a block. The cross-attention's
-#: k and v are not among them: they project the text once per rollout (``WanModel.cross_kv``), a cost that
-#: does not grow with the video, and fp8 there would only add its rounding to every step's attention.
-FP8_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o",
-               "ffn.0", "ffn.2")
-
-
-@torch.no_grad()
-def fp8_linears(model: WanModel, which: Callable[[str, nn.Linear], bool] | None = None) -> WanModel:
-    """``model`` with its blocks' linear layers (``FP8_LINEARS``, those ``which(name, linear)`` picks;
-    default all) as ``Fp8Linear``: per-token x per-channel scaled e4m3 matmuls, about twice the bf16
-    rate on Hopper, at an error of a few % of each layer's output. A new module tree over the same
-    tensors: every other parameter and buffer is ``model``'s own, e4m3 weights are taken as they are,
-    other weights are quantized (a byte a weight and a scale a channel: the only new tensors; the
-    originals stay ``model``'s alone), and ``model`` is left as it was. The quantized layers run on fp8 tensor cores
-    where ``torch._scaled_mm`` runs (CUDA, compute capability 8.9 on, bf16 / fp16), else through
-    ``kernels.fp8_linear``'s twins, which compute the same numbers slower."""
-    own = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    fp8 = copy.deepcopy(model, own)  # the modules copied; their tensors, found in the memo, shared
-    for block in fp8.blocks:
-        for name in FP8_LINEARS:
-            parent, _, attr = name.rpartition(".")
-            parent = getattr(block, parent)
-            linear = getattr(parent, attr, None)  # a block without cross-attention has none
-            if isinstance(linear, nn.Linear) and (which is None or which(name, linear)):
-                setattr(parent, attr, Fp8Linear.from_linear(linear))
-    return fp8

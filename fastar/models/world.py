@@ -5,7 +5,7 @@ an action module in its first blocks where Matrix-Game 2.0 puts its own (after t
 before the FFN), and a fixed latent (``WorldSpec``: each latent frame is ``frames_per_latent`` video
 frames pixel-unshuffled, no autoencoder). The rollout's ``context`` is the actions, one row per latent
 frame (its video frames' actions side by side); the model integrates them into camera poses
-(``fastar.worlds.integrate``, the rule the ground truth follows) and gives each token the RoPE of
+(``fastar.actions.integrate``, the rule the ground truth follows) and gives each token the RoPE of
 where it lies in the world (x, y over the photograph) rather than on the screen, as pose-aware memory
 models place their frames: a place seen before is found again by where it is, whatever route led back.
 """
@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FastARError
-from ..worlds import ActionSpec, integrate
-from .checkpoints import Sampling
-from .wan import WanConfig, WanModel, rope_at
+from ..actions import ActionSpec, integrate
+from .checkpoints import CONFIG_METADATA_KEY, SAMPLING_METADATA_KEY, Sampling
+from .rope import rope_at
+from .wan import WanConfig, WanModel
 
 WORLD_METADATA_KEY = "fastar.world"
 # how the world model is trained to sample (Matrix-Game 2.0's chunks, steps and shift)
@@ -99,7 +100,7 @@ def world_config(spec: WorldSpec, *, dim: int = 256, ffn_dim: int = 1024, num_he
                      action_dim=spec.condition_dim)
 
 
-class ActionModule(nn.Module):
+class WorldActionModule(nn.Module):
     """A block's action input: every token's hidden state beside its frame's condition, through an MLP,
     added to the residual stream (the per-token path of Matrix-Game 2.0's action module)."""
 
@@ -123,7 +124,8 @@ class WorldModel(WanModel):
         if cfg.cross_attn or cfg.action_dim != spec.condition_dim or cfg.in_dim != spec.channels:
             raise FastARError("WorldModel: the config must have no cross-attention, in_dim = the world's latent "
                               f"channels ({spec.channels}) and action_dim = its condition ({spec.condition_dim})")
-        super().__init__(cfg)
+        super().__init__(cfg, lambda i: WorldActionModule(cfg.dim, cfg.action_dim, cfg.eps) if i < cfg.action_layers
+                         else None)
         self.spec = spec
 
     @property
@@ -200,20 +202,6 @@ class WorldModel(WanModel):
         out = self.run_blocks(tokens, e, e0, freqs, attention, fill_cache, action=condition)
         return out if fill_cache else self.unpatchify(out, grid)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> "WorldModel":
-        """Weights to train from: Wan's random init, with every residual branch's last layer and the
-        modulations at zero, so the untrained model starts as the identity on its input."""
-        self.init_random(seed)
-        for block in self.blocks:
-            block.modulation.zero_()
-            if block.action_model is not None:
-                block.action_model.mlp[2].weight.zero_()
-            block.ffn[2].weight.zero_()
-            block.self_attn.o.weight.zero_()
-        self.head.modulation.zero_()
-        return self
-
 
 def save_world(model: WorldModel, path, sampling, *, training: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> None:
@@ -222,8 +210,6 @@ def save_world(model: WorldModel, path, sampling, *, training: dict | None = Non
     trained, in the metadata."""
     from safetensors.torch import save_file
 
-    from .checkpoints import SAMPLING_METADATA_KEY
-    from .loading import CONFIG_METADATA_KEY
 
     metadata = {CONFIG_METADATA_KEY: json.dumps(model.config.to_dict()), WORLD_METADATA_KEY: model.spec.to_json(),
                 SAMPLING_METADATA_KEY: sampling.to_json()}

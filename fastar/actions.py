@@ -1,32 +1,24 @@
-"""Worlds with ground truth: a photograph is the world, the camera a square window onto it that actions
-move every video frame, so every frame a world model makes has a true frame to be judged against.
+"""Actions as Matrix-Game 2.0 encodes its own, and action text both ways.
 
-Actions are encoded as Matrix-Game 2.0 encodes its own: per video frame, a multi-hot keyboard vector
-(``ActionSpec.keys``) and a [pitch, yaw] mouse vector, so one action plumbing serves the pack's trained
-world and Matrix-Game's checkpoints. Here W/S/A/D pan the view up/down/left/right, ``zoom_in`` /
-``zoom_out`` shrink / grow it, and the mouse pans continuously (positive pitch up, positive yaw right,
-about ±0.1 a frame as Matrix-Game is trained). A camera pose is (x, y, log s): the view's centre in the
-photo's pixels and its side over ``view`` pixels; ``integrate`` turns actions into poses, the one rule
-the ground truth and the model share.
+Per video frame, a multi-hot keyboard vector (``ActionSpec.keys``) and a [pitch, yaw] mouse vector, so
+one action plumbing serves the pack's trained world and Matrix-Game's checkpoints. In the pack's world
+W/S/A/D pan the view up/down/left/right, ``zoom_in`` / ``zoom_out`` shrink / grow it, and the mouse pans
+continuously (positive pitch up, positive yaw right, about ±0.1 a frame as Matrix-Game is trained). A
+camera pose is (x, y, log s): the view's centre in the photo's pixels and its side over ``view`` pixels;
+``integrate`` turns actions into poses, the one rule the ground truth and the model share. Action text
+(``parse_actions``, ``actions_text``) is how a schedule, a session's log and the CLI write actions.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .errors import FastARError
-
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-PHOTOS = os.path.join(ASSETS, "worlds")                  # train/ and heldout/ photographs (assets/LICENSE.md)
-WEIGHTS = os.path.join(ASSETS, "world.safetensors")      # the pack's trained world model
-DEMO_PHOTO = os.path.join(PHOTOS, "heldout", "skimage_coffee.jpg")  # held out of training
 
 KEYS = ("W", "S", "A", "D", "zoom_in", "zoom_out")
 # named mouse moves for action text: [pitch, yaw] per video frame
@@ -85,162 +77,14 @@ def integrate(actions: torch.Tensor, spec: ActionSpec, start: torch.Tensor | Non
     return torch.stack([x, y, logs], -1)
 
 
-def load_photo(path, device=None) -> torch.Tensor:
-    """A photograph as a world: [3, H, W] float in [0, 1]."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            a = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as exc:
-        raise FastARError(f"cannot read the world photograph {path}: {exc}") from None
-    return torch.from_numpy(a.copy()).permute(2, 0, 1).float().div(255).to(device)
-
-
-def render(photo: torch.Tensor, poses: torch.Tensor, view: int) -> torch.Tensor:
-    """The camera's frames [N, 3, view, view] in [-1, 1] at poses [N, 3] over ``photo`` [3, H, W] in
-    [0, 1]: bilinear, black outside the photograph."""
-    _, h, w = photo.shape
-    x, y, s = poses[:, 0], poses[:, 1], poses[:, 2].exp()
-    theta = torch.zeros(len(poses), 2, 3, device=photo.device)
-    theta[:, 0, 0] = s * view / w
-    theta[:, 1, 1] = s * view / h
-    theta[:, 0, 2] = 2 * x / w - 1
-    theta[:, 1, 2] = 2 * y / h - 1
-    grid = F.affine_grid(theta, [len(poses), 3, view, view], align_corners=False)
-    frames = F.grid_sample(photo[None].expand(len(poses), -1, -1, -1), grid.to(photo.dtype),
-                           mode="bilinear", padding_mode="zeros", align_corners=False)
-    return frames * 2 - 1
-
-
-def extent(poses: torch.Tensor, view: int) -> tuple[float, float, float, float]:
-    """(x0, y0, x1, y1): the photo area a trajectory's views cover."""
-    half = poses[:, 2].exp() * view / 2
-    return ((poses[:, 0] - half).min().item(), (poses[:, 1] - half).min().item(),
-            (poses[:, 0] + half).max().item(), (poses[:, 1] + half).max().item())
-
-
-def place(poses: torch.Tensor, hw: tuple[int, int], view: int, rng: np.random.Generator,
-          margin: float = 1.0) -> torch.Tensor | None:
-    """``poses`` (from the origin) moved so every view lies inside a photo of ``hw`` (a random spot where
-    there is room); None where the trajectory does not fit."""
-    x0, y0, x1, y1 = extent(poses, view)
-    room_x, room_y = hw[1] - 2 * margin - (x1 - x0), hw[0] - 2 * margin - (y1 - y0)
-    if room_x < 0 or room_y < 0:
-        return None
-    ox = margin - x0 + rng.uniform(0, room_x)
-    oy = margin - y0 + rng.uniform(0, room_y)
-    return poses + torch.tensor([ox, oy, 0.0], dtype=poses.dtype)
-
-
-# -- trajectories: actions per video frame ---------------------------------------------------------------
-
-def _frames(spec: ActionSpec, n: int, keys=(), mouse=(0.0, 0.0)) -> np.ndarray:
+def held_rows(spec: ActionSpec, n: int, keys=(), mouse=(0.0, 0.0)) -> np.ndarray:
+    """``n`` rows of actions [n, width] holding ``keys`` (none: the idle keys) and the mouse at ``mouse``."""
     a = np.zeros((n, spec.width), np.float32)
     for k in keys or spec.idle:
         a[:, spec.keys.index(k)] = 1
     if spec.mouse:
         a[:, len(spec.keys):] = mouse
     return a
-
-
-def random_walk(spec: ActionSpec, n: int, rng: np.random.Generator, log_zoom: float = 0.0) -> np.ndarray:
-    """Held actions of random lengths: key pans (diagonals too), mouse pans, pauses, zooms kept within
-    [0.7, 1.4] of the start's size (``log_zoom``: the walk's starting log size)."""
-    parts, left, logs = [], n, log_zoom
-    while left > 0:
-        m = int(min(left, rng.integers(4, 33)))
-        kind = rng.choice(["keys", "mouse", "idle", "zoom"], p=[0.5, 0.25, 0.08, 0.17])
-        if kind == "keys":
-            keys = [rng.choice(["W", "S"])] if rng.random() < 0.6 else []
-            keys += [rng.choice(["A", "D"])] if not keys or rng.random() < 0.5 else []
-            parts.append(_frames(spec, m, keys))
-        elif kind == "mouse" and spec.mouse:
-            parts.append(_frames(spec, m, (), tuple(rng.uniform(-0.12, 0.12, 2))))
-        elif kind == "zoom" and "zoom_in" in spec.keys:
-            step = math.log(spec.zoom)
-            key = "zoom_in" if logs + m * step > math.log(1.4) or (logs - m * step > math.log(0.7)
-                                                                     and rng.random() < 0.5) else "zoom_out"
-            m = int(min(m, max(1, (math.log(1.4) - logs) // step if key == "zoom_out"
-                               else (logs - math.log(0.7)) // step)))
-            logs += m * step * (1 if key == "zoom_out" else -1)
-            parts.append(_frames(spec, m, [key]))
-        else:
-            parts.append(_frames(spec, m))
-        left -= m
-    return np.concatenate(parts)[:n]
-
-
-def loop(spec: ActionSpec, n: int, rng: np.random.Generator, width_share: float | None = None) -> np.ndarray:
-    """A rectangle of ``n`` key-held frames that ends where it began: out along two sides, back along the
-    other two (another route). ``width_share``: the horizontal sides' share of the perimeter."""
-    share = rng.uniform(0.25, 0.75) if width_share is None else width_share
-    a = max(1, round(n * share / 2))
-    b = max(0, n // 2 - a)
-    h, v = ("D", "A") if rng.random() < 0.5 else ("A", "D")
-    u, d = ("S", "W") if rng.random() < 0.5 else ("W", "S")
-    legs = [(h, a), (u, b), (v, a), (d, b)] if rng.random() < 0.5 else [(u, b), (h, a), (d, b), (v, a)]
-    out = np.concatenate([_frames(spec, m, [k]) for k, m in legs if m])
-    return np.concatenate([out, _frames(spec, n - len(out))])  # an odd frame left idle
-
-
-def training_actions(spec: ActionSpec, n: int, rng: np.random.Generator) -> np.ndarray:
-    """A training trajectory of ``n`` frames: random walks and loops of every length up to the whole, so
-    that the camera often comes back to what it saw many chunks earlier."""
-    parts, left = [], n
-    while left > 0:
-        if rng.random() < 0.55 and left >= 24:
-            m = int(rng.integers(24, left + 1))
-            parts.append(loop(spec, m, rng))
-        else:
-            m = int(min(left, rng.integers(8, 49)))
-            parts.append(random_walk(spec, m, rng))
-        left -= m
-    return np.concatenate(parts)[:n]
-
-
-@dataclass(frozen=True)
-class Revisit:
-    """A scripted trajectory that comes back to a place seen ``n`` video frames earlier by another route:
-    a lead-in away from the start (so the sink does not hold the place), a loop of ``n`` frames, then
-    ``frames_after`` frames retracing the loop's first leg, which show what the loop's start showed."""
-    actions: np.ndarray
-    n: int
-    lead_in: int
-    frames_after: int
-
-    @property
-    def revisit(self) -> range:
-        """The video frames that revisit (seen exactly ``n`` frames before)."""
-        start = self.lead_in + self.n
-        return range(start, start + self.frames_after)
-
-
-def revisit_actions(spec: ActionSpec, n: int, hw: tuple[int, int], view: int, rng: np.random.Generator,
-                    lead_in: int = 24, frames_after: int = 12) -> Revisit:
-    """``Revisit`` over a photo of ``hw``: a lead-in down and to one side, a rectangle loop of ``n`` frames
-    (out to the other side and up, back across and down), then the loop's first leg again; key pans,
-    slowed with the mouse where the loop at full speed would not fit the photograph."""
-    first = str(rng.choice(["D", "A"]))
-    back = {"D": "A", "A": "D"}[first]
-    b = max(1, round(n * 0.1))  # a long, low rectangle: its far side takes the place out of view
-    a = n // 2 - b
-    legs = [((back, "S"), lead_in), ((first,), a), (("W",), b), ((back,), a), (("S",), b),
-            ((), n - 2 * a - 2 * b), ((first,), frames_after)]
-    actions = np.concatenate([_frames(spec, m, keys) for keys, m in legs if m])
-    x0, y0, x1, y1 = extent(integrate(torch.from_numpy(actions), spec), view)
-    # the views' extent is the route's plus a view: slow the route until it fits (place's margin of 1 px and a
-    # pixel to spare)
-    shrink = min(1.0, (hw[1] - 3 - view) / (x1 - x0 - view), (hw[0] - 3 - view) / (y1 - y0 - view))
-    if shrink < 1.0:
-        if not spec.mouse:
-            raise FastARError(f"a loop of {n} frames does not fit a {hw[1]}x{hw[0]} photograph")
-        # the same route at a slower pan: the pans become mouse moves
-        dx, dy, _ = spec.motion(torch.from_numpy(actions))
-        actions = np.zeros_like(actions)
-        actions[:, len(spec.keys)] = (-dy * shrink / spec.mouse_pan).numpy()
-        actions[:, len(spec.keys) + 1] = (dx * shrink / spec.mouse_pan).numpy()
-    return Revisit(actions.astype(np.float32), n, lead_in, frames_after)
 
 
 # -- action text -----------------------------------------------------------------------------------------
@@ -404,7 +248,7 @@ def _row(names: str, spec: ActionSpec) -> np.ndarray:
     if spec.mouse and not (np.abs(mouse) <= spec.mouse_limit).all():
         raise FastARError(f"{names[:60]}: the mouse moves [{_format(mouse[0])}, {_format(mouse[1])}] a video "
                           f"frame; this world was trained within ±{spec.mouse_limit:g} on each axis")
-    return _frames(spec, 1, keys, tuple(mouse))[0]
+    return held_rows(spec, 1, keys, tuple(mouse))[0]
 
 
 def parse_actions(text: str, spec: ActionSpec, chunk_video_frames: int, fps: float = FPS,
@@ -460,52 +304,3 @@ def actions_text(actions: np.ndarray, spec: ActionSpec) -> str:
     """Actions per video frame [N, width] as action text that ``parse_actions`` reads back to the same
     rows: their runs, counted in video frames."""
     return ", ".join(f"{held}*{end - start}f" for start, end, held in runs(actions, spec))
-
-
-# -- a flight: a trajectory over a photograph, its ground truth and the model's rollout -----------------
-
-@dataclass
-class Flight:
-    """A camera's trajectory over a photograph: its actions [N, width] per video frame, poses [N, 3],
-    ground truth [1, 3, N, view, view] in [-1, 1], how many of its first video frames the model is shown
-    (``observed``: the world's past, cached before the first chunk) and, for an out-and-back, the frames
-    that revisit a place (``revisit``)."""
-    actions: np.ndarray
-    poses: torch.Tensor
-    truth: torch.Tensor
-    observed: int
-    revisit: range | None = None
-
-
-def flight(photo: torch.Tensor, actions: np.ndarray, view: int, observed: int, rng: np.random.Generator,
-           revisit: range | None = None, spec: ActionSpec = ActionSpec()) -> Flight:
-    """The ``Flight`` of ``actions`` over ``photo`` [3, H, W], placed at a random spot where every view
-    fits (``FastARError`` where none does)."""
-    poses = place(integrate(torch.from_numpy(actions), spec), tuple(photo.shape[1:]), view, rng)
-    if poses is None:
-        x0, y0, x1, y1 = extent(integrate(torch.from_numpy(actions), spec), view)
-        raise FastARError(f"the actions' views span {x1 - x0:.0f}x{y1 - y0:.0f} px, more than the "
-                          f"{photo.shape[2]}x{photo.shape[1]} photograph: pan less, or zoom in")
-    truth = render(photo, poses.to(photo.device), view).transpose(0, 1)[None]
-    return Flight(actions, poses, truth, observed, revisit)
-
-
-def fly(model, flight: Flight, *, cache=None, ann=None, seed: int = 0, on_chunk=None, cuda_graphs: bool = True,
-        attention=None) -> torch.Tensor:
-    """The world model's video [1, 3, N, view, view] of a flight: its first ``observed`` frames are the
-    ground truth (cached by clean passes: what the world has shown), the rest sampled chunk by chunk,
-    steered by the flight's actions, under ``cache`` (a cache config; None: TempCache at its defaults) and ``ann``.
-    ``attention``: a ``FastARAttention`` subclass to run instead of the rollout's own (an experiment's
-    control)."""
-    from .models.world import WORLD_SAMPLING
-    from .rollout import Rollout
-
-    spec, device = model.spec, flight.truth.device
-    context = spec.context(torch.from_numpy(flight.actions)[None].to(device))
-    start = spec.encode(flight.truth[:, :, :flight.observed])
-    ro = Rollout(model, context.to(model.dtype), frames=context.shape[1], height=spec.view, width=spec.view,
-                 chunk_frames=WORLD_SAMPLING.frames_per_block, schedule=WORLD_SAMPLING.schedule(), cache=cache,
-                 ann=ann, seed=seed, cuda_graphs=cuda_graphs, start=start.to(model.dtype))
-    if attention is not None:
-        ro.attention = attention(ro.cache)
-    return spec.decode(ro.run(on_chunk).float()).clamp(-1, 1)
