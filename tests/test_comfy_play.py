@@ -269,7 +269,7 @@ def test_the_play_template_plays_in_the_frontend(server):
             video = _download(play, "#download-video")
             shown = play.evaluate(FIELDS)
             legend = play.text_content("#legend")
-            play.set_viewport_size({"width": 900, "height": 470})
+            play.set_viewport_size({"width": 860, "height": 520})
             comfy_frontend.screenshot(play, "world_play.png")
             play.click("#stop")
             play.wait_for_function("() => window.__fastar.end !== null", timeout=60000)
@@ -351,7 +351,7 @@ def test_the_play_page_pauses_and_a_gamepad_steers_in_the_frontend(server):
             play.wait_for_timeout(1000)  # the timer shows the rates every 0.25 s
             paused = play.evaluate(FIELDS), play.text_content("#status"), play.evaluate(
                 "() => window.__fastar.chunks.length")
-            play.set_viewport_size({"width": 900, "height": 470})
+            play.set_viewport_size({"width": 860, "height": 520})
             comfy_frontend.screenshot(play, "world_play_paused.png")
             play.keyboard.press("p")  # resume
             play.wait_for_function("() => window.__fastar.paused === false", timeout=30000)
