@@ -15,13 +15,13 @@ def chromium() -> str | None:
 
 
 # A stand-in for the Ace editor that the fork's (2026-02's) eval_python extension loads from a CDN at import
-# and awaits, loaded or not: offline, the request fails, that await never ends and the frontend never starts.
+# and awaits until it loads: offline the request fails, that await never ends and the frontend never starts.
 ACE_STAND_IN = "window.ace = {config: {set() {}}};"
 
 
 def frontend(p, url: str, sync_api, comfyui_path: str, init_script: str | None = None):
     """A page with ComfyUI's frontend and the pack's extension loaded; ``init_script`` runs first in it and in
-    every page it opens (the play page). CDN requests get stand-ins: this machine is offline."""
+    every page it opens (the play page). CDN requests get stand-ins: the tests run offline."""
     browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-gpu"])
     context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True)
     context.route("https://cdn.jsdelivr.net/**", lambda route: route.fulfill(
