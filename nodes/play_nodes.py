@@ -154,9 +154,9 @@ def _client() -> tuple:
 def _open(player, session: Session, chunks: int, unique, server, client) -> Live:
     """A live session's routes and its page's address, sent to the client that queued it only (its
     token is the session's one key: never in the log, never to other clients)."""
-    hello = {"type": "hello", "world": player.name, "keys": legend(player.spec), "mouse": player.spec.mouse,
-             "fps": FPS, "chunk": CHUNK, "size": list(player.size), "max_chunks": chunks,
-             "first": player.first}
+    hello = {"type": "hello", "world": player.name, "keys": legend(player.spec, player.words),
+             "mouse": player.spec.mouse, "fps": FPS, "chunk": CHUNK, "size": list(player.size),
+             "max_chunks": chunks, "first": player.first}
     live = Live(session, hello, server.loop)
     sessions[session.id] = live
     url = f"/fastar/play/{session.id}?token={session.token}"

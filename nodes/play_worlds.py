@@ -1,7 +1,7 @@
 """The worlds FAST-AR World Play plays, behind one face: the action rows its chunks read (``table``, and
 the model's copy written in place before each chunk: ``write_chunk``), where each chunk's rows lie in the
 video (``Layout``), its rollout, the frames it shows first and each chunk's decoded frames; and the play
-page's key legend."""
+page's key legend, with what each key does in that world."""
 from __future__ import annotations
 
 import comfy.latent_formats
@@ -62,6 +62,7 @@ class PackWorld(Layout):
 
         spec = model.spec
         self.spec, self.name, self.size = spec.actions, "the pack's world", (spec.view, spec.view)
+        self.words = PACK_WORDS
         photo = photo_of(image)
         if min(photo.shape[1:]) < spec.view:
             raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is {spec.view} "
@@ -115,6 +116,7 @@ class MatrixGame(Layout):
         if variant.sampling is None:
             raise FastARError(f"the {variant.name} model records no sampling: play a distilled variant")
         self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", size
+        self.words = MATRIX_GAME_WORDS.get(variant.name, {})
         self.model, self.sampling, self.first, self.lead = model, variant.sampling, 0, CHUNK - FIRST_CHUNK
         self.table = action_table(self.spec, chunks * CHUNK - self.lead, rows)
         self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
@@ -152,8 +154,21 @@ class MatrixGame(Layout):
         return torch.cat(list(self.decoder(self.format.process_out(x0.float()))))
 
 
-def legend(spec: ActionSpec) -> list[list[str]]:
-    """The page's keys: (what to press, the action it sends)."""
+# what each action does, in words, per world (the page's legend): the pack's world pans a camera over a photograph
+PACK_WORDS = {"W": "pan up", "S": "pan down", "A": "pan left", "D": "pan right", "zoom_in": "zoom in",
+              "zoom_out": "zoom out", "look": "look around (pans the view)"}
+WALK = {"W": "walk forward", "S": "walk back", "A": "walk left", "D": "walk right", "look": "look around"}
+MATRIX_GAME_WORDS = {
+    "universal": WALK, "foundation": WALK,
+    "gta": {"forward": "drive forward", "back": "drive back", "look_left": "steer left", "look_right": "steer right",
+            "look": "look around"},
+    "templerun": {"jump": "jump", "slide": "slide", "turnleft": "turn left", "turnright": "turn right",
+                  "leftside": "step left", "rightside": "step right"},
+}
+
+
+def legend(spec: ActionSpec, words: dict[str, str]) -> list[list[str]]:
+    """The page's keys: (what to press, the action it sends, what it does in this world's ``words``)."""
     keyboard = {"W": "W", "S": "S", "A": "A", "D": "D", "forward": "W", "back": "S", "jump": "Space",
                 "slide": "C", "turnleft": "Q", "turnright": "E", "leftside": "A", "rightside": "D",
                 "zoom_in": "Z", "zoom_out": "X"}
@@ -162,4 +177,4 @@ def legend(spec: ActionSpec) -> list[list[str]]:
     out += [[keyboard[a], target] for a, target in spec.aliases if keyboard.get(a) not in used | {None}]  # GTA's A / D
     if spec.mouse:
         out.append(["mouse", "look"])
-    return out
+    return [[key, action, words.get(action, action)] for key, action in out]

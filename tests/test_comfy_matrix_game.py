@@ -301,7 +301,8 @@ def test_a_live_session_plays_matrix_game_and_replays_from_its_log(server):
     got, events = asyncio.run(play_client.session(server["url"], server["port"], _play_prompt(server, "universal"),
                                                   plan))
     assert got["hello"]["world"] == "Matrix-Game 2.0 universal" and got["hello"]["size"] == [H, W]
-    assert ["W", "W"] in got["hello"]["keys"] and ["mouse", "look"] in got["hello"]["keys"]
+    keys = got["hello"]["keys"]
+    assert ["W", "W", "walk forward"] in keys and ["mouse", "look", "look around"] in keys
     assert got["end"]["reason"] == "stopped" and not got["errors"]
     chunks = got["chunks"]
     assert [c["frames"] for c in chunks] == [[0, 9]] + [[9 + 12 * i, 12] for i in range(len(chunks) - 1)]
@@ -373,18 +374,30 @@ def test_the_loader_refuses_a_wan_text_to_video_file_in_its_words(server):
 
 def test_the_play_pages_legend_maps_keys_to_each_variants_actions(comfy):
     """What the play page binds: the variant's keys (Temple Run's to keys a player reaches), GTA's steering on
-    A / D, the mouse where the model has one; every action one the session reads."""
+    A / D, the mouse where the model has one, each said in words of its world; every action one the session
+    reads, and every variant's described."""
     from comfyui_fastar.fastar.models.matrix_game import VARIANTS
     from comfyui_fastar.fastar.play import Session
-    from comfyui_fastar.nodes.play_worlds import legend
+    from comfyui_fastar.fastar.worlds import ActionSpec
+    from comfyui_fastar.nodes.play_worlds import MATRIX_GAME_WORDS, PACK_WORDS, legend
 
-    assert legend(VARIANTS["universal"].actions) == [["W", "W"], ["S", "S"], ["A", "A"], ["D", "D"], ["mouse", "look"]]
-    assert legend(VARIANTS["gta"].actions) == [["W", "forward"], ["S", "back"], ["A", "look_left"],
-                                               ["D", "look_right"], ["mouse", "look"]]
-    assert legend(VARIANTS["templerun"].actions) == [["Space", "jump"], ["C", "slide"], ["Q", "turnleft"],
-                                                     ["E", "turnright"], ["A", "leftside"], ["D", "rightside"]]
+    def words(name):
+        return legend(VARIANTS[name].actions, MATRIX_GAME_WORDS[name])
+
+    assert words("universal") == [["W", "W", "walk forward"], ["S", "S", "walk back"], ["A", "A", "walk left"],
+                                  ["D", "D", "walk right"], ["mouse", "look", "look around"]]
+    assert words("gta") == [["W", "forward", "drive forward"], ["S", "back", "drive back"],
+                            ["A", "look_left", "steer left"], ["D", "look_right", "steer right"],
+                            ["mouse", "look", "look around"]]
+    assert words("templerun") == [["Space", "jump", "jump"], ["C", "slide", "slide"], ["Q", "turnleft", "turn left"],
+                                  ["E", "turnright", "turn right"], ["A", "leftside", "step left"],
+                                  ["D", "rightside", "step right"]]
+    assert [row[2] for row in legend(ActionSpec(), PACK_WORDS)] == [
+        "pan up", "pan down", "pan left", "pan right", "zoom in", "zoom out", "look around (pans the view)"]
+    assert set(MATRIX_GAME_WORDS) == set(VARIANTS)
     for variant in VARIANTS.values():
         session = Session(variant.actions)
-        for _, action in legend(variant.actions):
+        for _, action, _ in legend(variant.actions, MATRIX_GAME_WORDS[variant.name]):
+            assert action in MATRIX_GAME_WORDS[variant.name], (variant.name, action)  # none falls back to its name
             if action != "look":
                 session.post(action)

@@ -59,7 +59,7 @@ def test_a_session_plays_the_actions_as_they_come_and_its_log_replays_it(server)
     got, events = asyncio.run(session(server, plan))
     assert got["refused"] == [403] * 5
     assert got["page"][0] == 200 and "FAST-AR World Play" in got["page"][1]
-    assert got["hello"]["world"] == "the pack's world" and ["W", "W"] in got["hello"]["keys"]
+    assert got["hello"]["world"] == "the pack's world" and ["W", "W", "pan up"] in got["hello"]["keys"]
     assert got["end"]["reason"] == "stopped"
     chunks = got["chunks"]
     # stopped after the chunk it arrived during (or, arriving between chunks, the one before)
@@ -171,71 +171,214 @@ def _shift(a: np.ndarray, b: np.ndarray, r: int = 20) -> int:
     return min(errs, key=errs.get)
 
 
+def _pans(server, log: str, held: str) -> list[int]:
+    """How far right the camera moved over each latent frame's worth (4 video frames) that ``held`` was held for
+    from start to end, in the frames the last session saved (the template's animated WEBP)."""
+    from comfyui_fastar.fastar import worlds
+
+    rows = worlds.parse_actions(log, worlds.ActionSpec(), 12)
+    frames = _webp_frames(max((server["base"] / "output" / "fastar").glob("world_play*.webp"), key=os.path.getmtime))
+    assert len(frames) == len(rows)
+    row = worlds.parse_actions(held, worlds.ActionSpec(), 1)[0]
+    return [_shift(frames[i], frames[i + 4]) for i in range(12, len(rows) - 4, 4) if (rows[i:i + 5] == row).all()]
+
+
+PLAY_NODE = "window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
+SNAP = ("() => [window.__fastar.shown, Array.from(document.getElementById('screen').getContext('2d')"
+        ".getImageData(0, 0, 64, 64).data)]")  # the frame shown's number and its pixels
+SAVED = "() => window.app.graph._nodes.find((n) => n.type === 'SaveAnimatedWEBP')?.imgs?.length > 0"
+FIELDS = "() => Object.fromEntries([...document.querySelectorAll('[data-field]')].map((e) => [e.dataset.field, " \
+         "e.textContent]))"
+# a gamepad the test moves: navigator.getGamepads() returns it, its axes and buttons set through window.__pad
+SCRIPTED_PAD = """(() => { const pad = { id: "scripted pad", index: 0, connected: true, mapping: "standard",
+    timestamp: 0, axes: [0, 0, 0, 0], buttons: Array.from({ length: 17 }, () => ({ pressed: false, value: 0 })) };
+  window.__pad = pad;
+  Object.defineProperty(navigator, "getGamepads", { value: () => [pad, null, null, null], configurable: true });
+})();"""
+
+
+def _load(page) -> None:
+    """The live template in the frontend, as a user loads it."""
+    page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(PLAY_WORKFLOW.read_text()))
+    page.wait_for_timeout(800)
+    page.evaluate(comfy_frontend.CLOSE_DIALOGS)
+
+
+def _open_play(page, errors: list):
+    """The loaded template queued from the frontend, its page opened by the node's button (its script's
+    errors into ``errors``)."""
+    page.evaluate("() => window.app.queuePrompt(0)")
+    page.wait_for_function(f"() => !!{PLAY_NODE}.fastarPlayUrl", timeout=120000)
+    with page.expect_popup() as popup:
+        page.evaluate(f"() => {PLAY_NODE}.fastarPlayButton.callback()")
+    popup.value.on("pageerror", lambda e: errors.append(str(e)))
+    return popup.value
+
+
+def _download(play, link: str) -> bytes:
+    """What the page's download link ``link`` gives, downloaded as a user does."""
+    with play.expect_download() as download:
+        play.click(link)
+    return Path(download.value.path()).read_bytes()
+
+
+def _size_widgets(page) -> dict:
+    """World Play's width / height widgets: hidden or not, and the node's height."""
+    return page.evaluate(f"""() => {{ const n = {PLAY_NODE};
+        return {{ hidden: n.widgets.filter((w) => ['width', 'height'].includes(w.name)).map((w) => !!w.hidden),
+                  height: n.size[1] }}; }}""")
+
+
 @pytest.mark.skipif(comfy_frontend.chromium() is None, reason="no Chromium here")
 def test_the_play_template_plays_in_the_frontend(server):
-    """The live template as a user plays it: queued from the frontend, the node's button opens the play page,
-    a key held moves the world (the trained world pans over its photograph), the legend and the numbers are
-    shown, and stop ends the session with the frames saved on the graph."""
+    """The live template as a user plays it: queued from the frontend, the node's button opens the play page;
+    the frames shown first appear at once while the page says it makes the first chunk; a key held moves the
+    world (the trained world pans over its photograph), the legend says what each key does, the numbers are
+    shown; a recording and the action log download; stop ends the session with the frames saved on the graph
+    and the node's button no longer opens the page. The size widgets show only for a world that uses them."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    snap = ("() => [window.__fastar.shown, Array.from(document.getElementById('screen').getContext('2d')"
-            ".getImageData(0, 0, 64, 64).data)]")  # the frame's number and its pixels
+    errors = []
     with sync_api.sync_playwright() as p:
         browser, page = comfy_frontend.frontend(p, server["url"], sync_api, COMFYUI_PATH)
         try:
-            page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(PLAY_WORKFLOW.read_text()))
-            page.wait_for_timeout(800)
-            page.evaluate(comfy_frontend.CLOSE_DIALOGS)
-            label = page.evaluate("() => window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
-                                  ".fastarPlayButton.label")
-            page.evaluate("() => window.app.queuePrompt(0)")
-            page.wait_for_function("() => !!window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
-                                   ".fastarPlayUrl", timeout=120000)
-            with page.expect_popup() as popup:
-                page.evaluate("() => window.app.graph._nodes.find((n) => n.type === 'FastARWorldPlay')"
-                              ".fastarPlayButton.callback()")
-            play = popup.value
-            play.wait_for_function("() => window.__fastar && window.__fastar.drawn >= 36", timeout=120000)
-            idle = play.evaluate(snap)
+            _load(page)
+            label = page.evaluate(f"() => {PLAY_NODE}.fastarPlayButton.label")
+            pack_world = _size_widgets(page)
+            play = _open_play(page, errors)
+            # the first frame drawn: a frame shown first, not black, while the first chunk is made
+            start = play.wait_for_function("""() => { const s = window.__fastar;
+                if (!s || s.drawn < 1) return null;
+                const px = document.getElementById('screen').getContext('2d').getImageData(0, 0, 64, 64).data;
+                return [s.status, s.shown, px.some((v, i) => i % 4 < 3 && v > 0)]; }""", timeout=120000).json_value()
+            play.wait_for_function("() => window.__fastar.drawn >= 36", timeout=120000)
+            statuses = play.evaluate("() => window.__fastar.statuses")
+            idle = play.evaluate(SNAP)
             play.keyboard.down("d")
             play.wait_for_function("""() => { const s = window.__fastar, c = s.chunks.find((c) => c.seq >= 1);
                                               return c && s.drawn >= c.frames[0] + c.frames[1] - 12 + 12; }""",
                                    timeout=60000)
-            moved = play.evaluate(snap)
+            moved = play.evaluate(SNAP)
             play.keyboard.up("d")
-            play.wait_for_function("() => window.__fastar.latencies.length > 0", timeout=60000)
-            shown = play.evaluate("""() => Object.fromEntries([...document.querySelectorAll('[data-field]')]
-                                     .map((e) => [e.dataset.field, e.textContent]))""")
+            play.wait_for_function("() => window.__fastar.latencies.length > 1", timeout=60000)
+            drawn = play.evaluate("() => window.__fastar.drawn")
+            play.click("#record")  # a second of frames recorded
+            play.wait_for_function(f"() => window.__fastar.recording && window.__fastar.drawn >= {drawn + 16}",
+                                   timeout=60000)
+            play.click("#record")
+            play.wait_for_selector("#download-video", timeout=30000)
+            video = _download(play, "#download-video")
+            shown = play.evaluate(FIELDS)
             legend = play.text_content("#legend")
-            play.set_viewport_size({"width": 860, "height": 430})
+            play.set_viewport_size({"width": 860, "height": 520})
             comfy_frontend.screenshot(play, "world_play.png")
             play.click("#stop")
             play.wait_for_function("() => window.__fastar.end !== null", timeout=60000)
             end = play.evaluate("() => window.__fastar.end")
-            page.wait_for_function("""() => { const n = window.app.graph._nodes.find((n) => n.type === 'SaveAnimatedWEBP');
-                                              return n && n.imgs && n.imgs.length > 0; }""", timeout=120000)
+            log = _download(play, "#download-log").decode()
+            page.wait_for_function(SAVED, timeout=120000)
+            page.wait_for_function(f"() => {PLAY_NODE}.fastarPlayButton.label.startsWith('session ended')",
+                                   timeout=30000)
+            ended = page.evaluate(f"""() => {{ const n = {PLAY_NODE}, open = window.open; let opened = 0;
+                window.open = () => {{ opened += 1; return null; }};
+                try {{ n.fastarPlayButton.callback(); }} finally {{ window.open = open; }}
+                return [n.fastarPlayButton.label, opened]; }}""")
+            # Matrix-Game 2.0's loader on the world input: its size widgets are shown again
+            page.evaluate(f"""() => {{ const n = {PLAY_NODE}, mg = LiteGraph.createNode('FastARMatrixGameLoader');
+                window.app.graph.add(mg); mg.connect(0, n, n.inputs.findIndex((i) => i.name === 'world')); }}""")
+            matrix_game = _size_widgets(page)
         finally:
             browser.close()
-    assert label == "open the play page (queue first)"
-    assert end["reason"] == "stopped" and "D*" in end["log"]
+    assert not errors and label == "open the play page (queue first)"
+    assert ended == ["session ended: queue again to play", 0]
+    assert pack_world["hidden"] == [True, True] and matrix_game["hidden"] == [False, False]
+    assert matrix_game["height"] > pack_world["height"] + 30, (pack_world, matrix_game)
+    status, first_shown, lit = start
+    assert status == "making the first chunk…" and first_shown < 12 and lit, start
+    # the page said it made the first chunk until the chunk's own frames were drawn, after the 12 shown first
+    texts = [s["text"] for s in statuses]
+    assert texts[:2] == ["connecting…", "making the first chunk…"] and statuses[1]["drawn"] == 0, statuses
+    playing = statuses[texts.index("playing")]
+    assert playing["shown"] >= 12 and playing["drawn"] >= 13, statuses
+    assert end["reason"] == "stopped" and "D*" in end["log"] and log == end["log"]
+    assert video[:4] == b"\x1a\x45\xdf\xa3" and len(video) > 1000  # a webm (EBML) file, not empty
     # what the page showed moved; the frames played (saved by the graph) pan right while D was held, and
     # stand still while nothing was: a latent frame's worth (4 video frames) at a time
     (before, before_pixels), (after, after_pixels) = idle, moved
     assert after > before and before_pixels != after_pixels
-    from comfyui_fastar.fastar.actions import ActionSpec, parse_actions
-
-    rows = parse_actions(end["log"], ActionSpec(), 12)
-    frames = _webp_frames(max((server["base"] / "output" / "fastar").glob("world_play*.webp"), key=os.path.getmtime))
-    assert len(frames) == len(rows)
-    pans = {}
-    for held in ("D", "idle"):
-        row = parse_actions(held, ActionSpec(), 1)[0]
-        pans[held] = [_shift(frames[i], frames[i + 4]) for i in range(12, len(rows) - 4, 4)
-                      if (rows[i:i + 5] == row).all()]
+    pans = {held: _pans(server, end["log"], held) for held in ("D", "idle")}
     assert pans["D"] and np.mean(pans["D"]) >= 6 and pans["idle"] and abs(np.mean(pans["idle"])) <= 2, pans
-    for key in ("W", "A", "S", "D", "zoom_in", "zoom_out", "mouse"):
-        assert key in legend, legend
-    assert float(shown["fps"]) > 0 and shown["latency"].endswith(" ms") and "tokens" in shown["cache"], shown
-    assert shown["dense"].endswith("tokens") and shown["action"] == "idle", shown
+    for said in ("pan up", "pan down", "pan left", "pan right", "zoom in", "zoom out", "look around", "pause"):
+        assert said in legend, legend
+    assert "W -> W" not in legend and "WW" not in legend, legend
+    assert float(shown["generated"]) > 0 and float(shown["drawn"]) > 0, shown
+    assert re.fullmatch(r"median \d+ ms, 95% \d+ ms \(\d+\)", shown["latency"]), shown
+    assert "tokens" in shown["cache"] and shown["dense"].endswith("tokens") and shown["gpu"] == "CPU", shown
+    assert shown["action"] == "idle", shown
+
+
+@pytest.mark.skipif(comfy_frontend.chromium() is None, reason="no Chromium here")
+def test_the_play_page_pauses_and_a_gamepad_steers_in_the_frontend(server):
+    """A gamepad steers the world: its left stick holds D (the world pans right), its right stick looks, its Y
+    button pauses: the session stops between chunks and both frames-a-second figures decay to 0; P resumes.
+    A page that falls behind drops its oldest frames beyond two chunks instead of lagging further."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    errors = []
+    with sync_api.sync_playwright() as p:
+        browser, page = comfy_frontend.frontend(p, server["url"], sync_api, COMFYUI_PATH, init_script=SCRIPTED_PAD)
+        try:
+            _load(page)
+            play = _open_play(page, errors)
+            play.wait_for_function("() => window.__fastar.drawn >= 24", timeout=120000)
+            before = play.evaluate(SNAP)
+            play.evaluate("() => { window.__pad.axes[0] = 1; }")  # the left stick to the right
+            play.wait_for_function("() => window.__fastar.action === 'D'", timeout=10000)
+            play.wait_for_function("""() => { const s = window.__fastar, a = s.acks[s.acks.length - 1];
+                const c = a && s.chunks.find((c) => c.seq >= a.seq);
+                return c && s.drawn >= c.frames[0] + c.frames[1] + 12; }""", timeout=60000)
+            after = play.evaluate(SNAP)
+            play.evaluate("() => { window.__pad.axes[0] = 0; window.__pad.axes[2] = 1; }")  # the right stick right
+            play.wait_for_function("() => window.__fastar.action === 'look(0,0.1)'", timeout=10000)
+            play.wait_for_function("""() => { const s = window.__fastar, a = s.acks[s.acks.length - 1];
+                return a && s.chunks.some((c) => c.seq >= a.seq); }""", timeout=60000)
+            play.evaluate("() => { window.__pad.axes[2] = 0; }")
+            play.wait_for_function("() => window.__fastar.action === 'idle'", timeout=10000)
+            play.evaluate("() => { window.__pad.buttons[3].pressed = true; }")  # Y: pause
+            play.wait_for_function("() => window.__fastar.paused === true", timeout=30000)
+            play.evaluate("() => { window.__pad.buttons[3].pressed = false; }")
+            paused_at = play.evaluate("() => window.__fastar.chunks.length")
+            play.wait_for_function("() => { const r = window.__fastar.rates(); return r.generated === 0 "
+                                   "&& r.drawn === 0; }", timeout=30000)
+            play.wait_for_timeout(1000)  # the timer shows the rates every 0.25 s
+            paused = play.evaluate(FIELDS), play.text_content("#status"), play.evaluate(
+                "() => window.__fastar.chunks.length")
+            play.keyboard.press("p")  # resume
+            play.wait_for_function("() => window.__fastar.paused === false", timeout=30000)
+            play.wait_for_function(f"() => window.__fastar.chunks.length >= {paused[2]} + 2", timeout=60000)
+            play.wait_for_function("() => { const r = window.__fastar.rates(); return r.generated > 0 "
+                                   "&& r.drawn > 0; }", timeout=30000)  # both figures up again
+            # the page stops drawing (its animation frames held back): frames pile up, the oldest beyond two
+            # chunks go; drawing again, it goes on from the newest
+            play.evaluate("() => { window.__raf = window.requestAnimationFrame; window.__held = [];"
+                          " window.requestAnimationFrame = (f) => window.__held.push(f); }")
+            play.wait_for_function("() => window.__fastar.dropped > 0", polling=250, timeout=60000)
+            behind = play.evaluate("() => [window.__fastar.queued(), window.__fastar.drawn]")
+            play.evaluate("() => { window.requestAnimationFrame = window.__raf; window.__held.forEach(__raf); }")
+            play.wait_for_function(f"() => window.__fastar.drawn > {behind[1]}", timeout=30000)
+            play.click("#stop")
+            play.wait_for_function("() => window.__fastar.end !== null", timeout=60000)
+            end = play.evaluate("() => window.__fastar.end")
+            page.wait_for_function(SAVED, timeout=120000)
+        finally:
+            browser.close()
+    assert not errors
+    fields, status, chunks_paused = paused
+    assert status == "paused (P resumes)" and chunks_paused <= paused_at + 1  # the chunk under way, at most
+    assert fields["generated"] == "0.0" and fields["drawn"] == "0.0", fields
+    assert before[0] < after[0] and before[1] != after[1]
+    assert behind[0] <= 24, behind  # two chunks at most wait to be drawn
+    assert end["reason"] == "stopped" and "D*" in end["log"] and "look_right*" in end["log"], end["log"]
+    pans = _pans(server, end["log"], "D")
+    assert pans and np.mean(pans) >= 6, pans
 
 
 @pytest.mark.slow
