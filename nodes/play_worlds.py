@@ -46,10 +46,12 @@ class Layout:
 
 
 def action_table(spec: ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
-    """A session's action rows [n, width]: a schedule's (``rows``, the rest idle), or idle to be written live."""
+    """A session's action rows [n, width]: a schedule's (``rows``, its last held to the end of its last chunk,
+    as the Matrix-Game sampler holds it), or idle to be written live."""
     table = np.repeat(parse_actions("idle", spec, 1), n, 0)
     if rows is not None:
         table[:min(n, len(rows))] = rows[:n]
+        table[len(rows):] = rows[-1]
     return table
 
 

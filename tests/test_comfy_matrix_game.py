@@ -98,23 +98,23 @@ def test_a_chunks_actions_steer_that_chunk_and_not_the_ones_before(parts):
 
 def test_world_play_offline_is_the_samplers_video(parts):
     """FAST-AR World Play with a schedule connected (a replay) plays Matrix-Game 2.0 as its sampler does: the
-    sampler's LATENT, decoded, frame for frame; its log is the schedule in frames, idle to the chunk's end
-    (rows the last chunk's frames do not read: the first chunk makes 9 frames from 12 rows)."""
+    sampler's LATENT, decoded, frame for frame; its log is the schedule in frames, its last action held to the
+    chunk's end (a chunk's action rows are its frames: the first chunk's 9, then 12 each)."""
     from comfyui_fastar.nodes.play_nodes import WorldPlay
     from comfyui_fastar.nodes.sampler_nodes import StartImage
-    from comfyui_fastar.nodes.video import ChunkDecoder
+    from comfyui_fastar.nodes.video import chunk_decoder
     from comfyui_fastar.nodes.world_nodes import Actions
 
-    text = "W*1, A+look_left*6f, S*3f"  # 21 frames: two chunks, the second held to its end
+    text = "W*1, A+look_left*6f, S*3f"  # 18 frames (the first chunk's 9): two chunks, S held to the second's end
     latent = _sample(parts, text)
-    decoded = torch.cat(list(ChunkDecoder(parts.vae)(latent)))
+    decoded = torch.cat(list(chunk_decoder(parts.vae)(latent)))
     clip = types.SimpleNamespace(penultimate_hidden_states=torch.randn(1, 257, 1280,
                                                                        generator=torch.Generator().manual_seed(1)))
     out = WorldPlay.execute(parts.model, 0, 24 / 16, actions=Actions(text), clip_vision_output=clip,
                             start=StartImage(parts.image, parts.vae), width=W, height=H)
     frames, log, schedule = out.result
     assert frames.shape == (9 + 12, H, W, 3) and torch.equal(frames, decoded)
-    assert log == "W*12f, A+look_left*6f, S*3f, idle*3f" and schedule.text == log
+    assert log == "W*9f, A+look_left*6f, S*6f" and schedule.text == log
 
 
 @pytest.mark.taehv
@@ -253,7 +253,7 @@ def test_the_universal_template_plays_to_a_video_with_the_cache_widget(server):
     assert shown[by_type["FastARActionSchedule"]]["text"][0].startswith("  0.00-  1.50 s  W\n")
     (saved,) = shown[by_type["FastARMatrixGameSampler"]]["images"]
     frames, rate, size = comfy_harness.read_video(server["base"] / "output" / saved["subfolder"] / saved["filename"])
-    assert (len(frames), rate, size) == (1 + 4 * (9 - 1), 12, (W, H))  # 30 action frames: 3 chunks, 9 latent frames
+    assert (len(frames), rate, size) == (1 + 4 * (9 - 1), 12, (W, H))  # 27 action frames: 3 chunks, 9 latent frames
     cache = [e["data"] for e in events if e["type"] == "fastar.cache"]
     assert cache[-1]["status"] == "done" and cache[-1]["chunks"] == 3 and cache[-1]["chunk"] == 3
     assert cache[-1]["sampling"]["timesteps"] == [1000.0, 666.0, 333.0]
