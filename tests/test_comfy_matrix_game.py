@@ -378,7 +378,7 @@ def test_the_play_pages_legend_maps_keys_to_each_variants_actions(comfy):
     reads, and every variant's described."""
     from comfyui_fastar.fastar.models.matrix_game import VARIANTS
     from comfyui_fastar.fastar.play import Session
-    from comfyui_fastar.fastar.worlds import ActionSpec
+    from comfyui_fastar.fastar.actions import ActionSpec
     from comfyui_fastar.nodes.play_worlds import MATRIX_GAME_WORDS, PACK_WORDS, legend
 
     def words(name):

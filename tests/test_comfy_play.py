@@ -174,12 +174,12 @@ def _shift(a: np.ndarray, b: np.ndarray, r: int = 20) -> int:
 def _pans(server, log: str, held: str) -> list[int]:
     """How far right the camera moved over each latent frame's worth (4 video frames) that ``held`` was held for
     from start to end, in the frames the last session saved (the template's animated WEBP)."""
-    from comfyui_fastar.fastar import worlds
+    from comfyui_fastar.fastar.actions import ActionSpec, parse_actions
 
-    rows = worlds.parse_actions(log, worlds.ActionSpec(), 12)
+    rows = parse_actions(log, ActionSpec(), 12)
     frames = _webp_frames(max((server["base"] / "output" / "fastar").glob("world_play*.webp"), key=os.path.getmtime))
     assert len(frames) == len(rows)
-    row = worlds.parse_actions(held, worlds.ActionSpec(), 1)[0]
+    row = parse_actions(held, ActionSpec(), 1)[0]
     return [_shift(frames[i], frames[i + 4]) for i in range(12, len(rows) - 4, 4) if (rows[i:i + 5] == row).all()]
 
 
