@@ -1,7 +1,7 @@
 """What reading action text costs at its limit: the Action Schedule's queue-time check (``world_nodes.
 vocabulary_check``'s passes: every name known in one match, else ``used_names``; on ComfyUI's event loop), the whole parse (``parse_actions``, at run time on the node's thread)
 and a live action's read (``Session.post``, on the event loop), on texts of ``MAX_TEXT`` characters built to
-make a backtracking reader try every split (tests/test_action_text.py's) and on a long session's log.
+make a backtracking reader try every split (``testing.action_text``) and on a long session's log.
 
 Times are the thread's CPU time (``time.thread_time``), the median of ``--repeats``: what the work costs on
 one core, which a busy machine stretches in wall time but not here.
@@ -24,8 +24,7 @@ from common import fastar, header, parser, write_json  # noqa: E402,F401  (fasta
 
 def texts(actions) -> dict[str, str]:
     """The adversarial texts at the limit, and a session's log of as many runs as fit in it."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from test_action_text import adversarial
+    from comfyui_fastar.testing.action_text import adversarial
 
     spec = actions.ActionSpec()
     rng = np.random.default_rng(0)

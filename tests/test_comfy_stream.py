@@ -49,6 +49,7 @@ def test_the_file_grows_chunk_by_chunk_while_the_run_goes_on(model, vae, output,
 
     def call(self, latents):
         real(self, latents)
+        self.handoff.drain()  # the chunk is written beside the sampling: read the file once it is
         (path,) = (output / "video").glob("stream_*.mp4")
         seen.append((self.frames_written, read_video(path)[0]))
 
