@@ -25,20 +25,11 @@ class Layout:
     first = 0
     lead = 0
 
-    @property
-    def first_chunk(self) -> int:
-        """Video frames the first chunk holds: what a count of 1 chunk is at a schedule's start."""
-        return CHUNK - self.lead
-
     def chunk_rows(self, c: int) -> tuple[int, int]:
         return max(self.first, self.first + c * CHUNK - self.lead), self.first + (c + 1) * CHUNK - self.lead
 
     def rows_played(self, chunks: int) -> int:
         return self.chunk_rows(chunks - 1)[1] if chunks else self.first
-
-    def chunks_for(self, rows: int) -> int:
-        """Chunks that play ``rows`` action rows (at least one)."""
-        return max(1, -(-(rows - self.first + self.lead) // CHUNK))
 
     def write_chunk(self, c: int, row: np.ndarray) -> None:
         start, end = self.chunk_rows(c)
