@@ -45,20 +45,32 @@ def _graph(actions: str | None = None, page_wait: float = 300.0) -> dict:
 
 
 class Poller:
-    """Asks ``/system_stats`` every 50 ms while it runs: the longest answer is how long the server stalled."""
+    """Asks ``/system_stats`` every 50 ms while it runs: the longest answer, an unanswered one included, is how
+    long the server stalled."""
 
     def __init__(self, http, url):
-        self.http, self.url, self.worst, self.count = http, url, 0.0, 0
+        self.http, self.url, self.worst, self.count, self.asked = http, url, 0.0, 0, None
 
     async def run(self):
         while True:
-            t0 = time.perf_counter()
+            self.asked = time.perf_counter()
             async with self.http.get(self.url + "/system_stats") as r:
                 assert r.status == 200
                 await r.read()
-            self.worst = max(self.worst, time.perf_counter() - t0)
+            self.worst, self.asked = max(self.worst, time.perf_counter() - self.asked), None
             self.count += 1
             await asyncio.sleep(0.05)
+
+    async def stop(self, polling):
+        """Lets one more answer come (a stalled server is caught even if the work ended first), then stops."""
+        done = self.count
+        for _ in range(200):
+            if self.count > done or (self.asked and time.perf_counter() - self.asked > 2.0):
+                break
+            await asyncio.sleep(0.05)
+        if self.asked:
+            self.worst = max(self.worst, time.perf_counter() - self.asked)
+        polling.cancel()
 
 
 async def _open(http, server, graph, client_id):
@@ -131,10 +143,10 @@ def test_adversarial_action_text_stalls_nothing(server):
                 await ws.send_str(json.dumps({"stop": True}))
                 await _until(ws, "end")
             await _finish(comfy, events)
-            polling.cancel()
+            await poller.stop(polling)
             return refused, answers, poller
     refused, answers, poller = asyncio.run(run())
-    assert poller.count >= 10 and poller.worst < 2.0, poller.worst  # a hang guard: a linear reader stalls ~ms
+    assert poller.count >= 2 and poller.worst < 2.0, poller.worst  # a hang guard: a linear reader stalls ~ms
     assert "at most 65536 are read" in refused["over"]
     for name in ADVERSARIAL:
         assert "cannot read" in refused[name] or "unknown action" in refused[name], (name, refused[name][:300])

@@ -215,7 +215,7 @@ def _stream_graph(prefix, length):
 
 def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps_it(server):
     """The file read back while the server samples: at each chunk's event it decodes to at least the frames
-    written but the newest, each the finished file's own, and it is read at least once before the end; the
+    written but the newest (the writer at most two chunks behind), each the finished file's own, and it is read at least once before the end; the
     finished file is the whole video. Cancelled after three chunks, the same graph leaves a playable file
     of the frames made, the start of the same video."""
     folder = server["base"] / "output" / "video"
@@ -235,7 +235,9 @@ def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps
     final, rate, size = comfy_harness.read_video(folder / saved["filename"])
     assert (len(final), size, rate) == (length, (32, 32), 16)
     assert [c for c, _, _ in reads] == list(range(1, 22))
-    assert [s for _, s, _ in reads] == [1 + 4 * (c - 1) for c in range(1, 22)]
+    saved_counts = [s for _, s, _ in reads]  # the writer trails the sampler by the chunk waiting and the one at work
+    assert saved_counts == sorted(saved_counts) and saved_counts[0] == 1
+    assert all(1 + 4 * (max(c - 2, 1) - 1) <= s <= 1 + 4 * (c - 1) for c, s, _ in reads), saved_counts
     for _, written, frames in reads:
         assert written - 1 <= len(frames) <= length
         assert all((a == b).all() for a, b in zip(frames, final))
@@ -256,7 +258,7 @@ def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps
     assert [e["type"] for e in events if e["type"] == "execution_interrupted"] == ["execution_interrupted"]
     (path,) = folder.glob(f"{prefix}_*.mp4")
     frames, rate, _ = comfy_harness.read_video(path)  # closed on the cancel: it plays
-    assert seen == [9] and 9 <= len(frames) < length and rate == 16
+    assert len(seen) == 1 and 1 <= seen[0] <= 9 and 9 <= len(frames) < length and rate == 16
     assert all((a == b).all() for a, b in zip(frames, final))
 
 

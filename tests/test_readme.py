@@ -64,3 +64,14 @@ def test_the_readme_is_a_page_a_user_reads_and_its_pictures_exist():
     pictures = re.findall(r"\]\(((?:docs|bench)/[^)\s]+\.(?:png|jpg|gif))\)", readme)
     assert "docs/world_template_result.png" in pictures and "docs/sampling_from_file.png" in pictures
     assert [p for p in pictures if not (REPO / p).is_file()] == []
+
+
+def test_the_readme_lists_every_template_by_its_file_name():
+    """Each template is listed by the name ComfyUI shows, its file's stem, and the count in words is right."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Templates.**", 1)[1].split("**Model files.**", 1)[0]
+    listed = set(re.findall(r"^- \*\*(FAST-AR - [^*]+)\*\*", section, re.M))
+    stems = {p.stem for p in (REPO / "example_workflows").glob("*.json")}
+    assert listed == stems, listed ^ stems
+    words = {9: "nine", 10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen"}
+    assert f"lists {words[len(stems)]} workflows" in section
