@@ -1,9 +1,14 @@
 """CUDA-graph replay of a rollout's chunks and clean passes (``ReplayGraph``)."""
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
+
+CAPTURE_LOCK = threading.Lock()
+"""Held while a graph captures. Work beside the sampling in another thread (a chunk decoded while the next
+samples) holds it too: the allocator freeing its cache, or a synchronizing call, breaks a capture under way."""
 
 
 class ReplayGraph:
@@ -20,8 +25,8 @@ class ReplayGraph:
             self.key = self.graph = self.inputs = self.out = None  # free the old graph's memory first
             inputs = make_inputs()
             graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph):  # records; the replay below computes
-                out = fn(*inputs)
+            with CAPTURE_LOCK, torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = fn(*inputs)  # records; the replay below computes
             self.key, self.graph, self.inputs, self.out = key, graph, inputs, out
         fill(*self.inputs)
         self.graph.replay()

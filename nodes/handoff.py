@@ -8,13 +8,17 @@ import threading
 
 import torch
 
+from ..fastar.replay import CAPTURE_LOCK
+
 
 class Handoff:
     """``work(*item)`` for each ``put(*item)``, in order, in a worker thread: one item waiting and one at
     work at most (``put`` blocks beyond that). Tensors handed over are the caller's no more: on CUDA the
     worker's stream waits for the work that made them. ``threaded=False`` runs ``work`` inline (the serial
     loop, which the benchmarks compare against). The worker's error surfaces in the caller's next ``put``,
-    ``drain`` or ``close``; after one, the remaining items are dropped."""
+    ``drain`` or ``close``; after one, the remaining items are dropped. A ComfyUI Cancel taken by the
+    worker's ops goes back to ComfyUI, for the caller to stop at its own check between chunks: what the
+    worker finished stays written."""
 
     def __init__(self, work, device: torch.device | str | None = None, threaded: bool = True,
                  name: str = "fastar-handoff"):
@@ -51,18 +55,23 @@ class Handoff:
                     if not self.failed:
                         self._run(*got)
                 except BaseException as exc:  # the caller re-raises it
-                    self.error, self.failed = exc, True
+                    self.failed = True
+                    if type(exc).__name__ == "InterruptProcessingException":
+                        _give_back_cancel()
+                    else:
+                        self.error = exc
                 finally:
                     self.queue.task_done()
 
     def _run(self, item, event) -> None:
-        if self.stream is None:
-            self.work(*item)
-            return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(event)
-            self.work(*item)
-        self.stream.synchronize()
+        with CAPTURE_LOCK:  # never while the sampling captures a CUDA graph
+            if self.stream is None:
+                self.work(*item)
+                return
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(event)
+                self.work(*item)
+            self.stream.synchronize()
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -83,3 +92,13 @@ class Handoff:
             self.thread.join()
         if raising:
             self._raise()
+
+
+def _give_back_cancel() -> None:
+    """ComfyUI's ops take (and clear) its Cancel wherever they run, this worker's decode included: set it
+    again for the sampling thread, which stops between chunks as it does without a worker."""
+    try:
+        import comfy.interruption as flag
+    except ImportError:  # ComfyUI before 2026
+        import comfy.model_management as flag
+    flag.interrupt_current_processing(True)

@@ -217,7 +217,7 @@ def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps
     """The file read back while the server samples: at each chunk's event it decodes to at least the frames
     written but the newest (the writer at most two chunks behind), each the finished file's own, and it is read at least once before the end; the
     finished file is the whole video. Cancelled after three chunks, the same graph leaves a playable file
-    of the frames made, the start of the same video."""
+    of the frames written (at least those written by then), the start of the same video."""
     folder = server["base"] / "output" / "video"
     prefix, length = f"grow_{uuid.uuid4().hex[:8]}", 81  # 21 chunks of 1 latent frame
     reads = []
@@ -258,7 +258,7 @@ def test_the_video_stream_grows_on_disk_while_the_run_goes_on_and_a_cancel_keeps
     assert [e["type"] for e in events if e["type"] == "execution_interrupted"] == ["execution_interrupted"]
     (path,) = folder.glob(f"{prefix}_*.mp4")
     frames, rate, _ = comfy_harness.read_video(path)  # closed on the cancel: it plays
-    assert len(seen) == 1 and 1 <= seen[0] <= 9 and 9 <= len(frames) < length and rate == 16
+    assert len(seen) == 1 and 1 <= seen[0] <= len(frames) < length and rate == 16  # what was written stays
     assert all((a == b).all() for a, b in zip(frames, final))
 
 

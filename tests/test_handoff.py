@@ -52,6 +52,32 @@ def test_the_workers_error_reaches_the_caller_and_later_items_are_dropped():
     assert done == [0]
 
 
+def test_a_cancel_the_workers_ops_take_goes_back_to_comfyui(monkeypatch):
+    """ComfyUI's ops raise (and clear) its Cancel in whichever thread runs them: the worker sets the flag
+    again for the sampling thread and drops what is left, raising nothing itself."""
+    import sys
+    import types
+
+    class InterruptProcessingException(Exception):
+        pass
+
+    flag = types.SimpleNamespace(set=[], interrupt_current_processing=lambda v=True: flag.set.append(v))
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.interruption", flag)
+    done = []
+
+    def work(i):
+        if i == 1:
+            raise InterruptProcessingException()
+        done.append(i)
+
+    h = Handoff(work)
+    for i in range(3):
+        h.put(i)
+    h.close()  # no error of its own
+    assert done == [0] and flag.set == [True]
+
+
 def test_inline_is_the_same_work_on_the_callers_thread():
     seen = []
     h = Handoff(lambda i: seen.append((i, threading.get_ident())), threaded=False)
@@ -68,3 +94,40 @@ def test_the_worker_keeps_the_callers_inference_mode():
     h.put()
     h.close()
     assert modes == [True]
+
+
+def test_the_worker_and_a_graph_capture_never_overlap():
+    """The worker holds the capture lock while it works, so a CUDA graph capture waits for it (and it for one)."""
+    from comfyui_fastar.fastar.replay import CAPTURE_LOCK
+    held, gate = [], threading.Event()
+    h = Handoff(lambda: (held.append(CAPTURE_LOCK.locked()), gate.wait(5)))
+    h.put()
+    time.sleep(0.05)
+    assert not CAPTURE_LOCK.acquire(timeout=0.1)  # the capture would wait
+    gate.set()
+    assert CAPTURE_LOCK.acquire(timeout=5)
+    CAPTURE_LOCK.release()
+    h.close()
+    assert held == [True]
+
+
+@pytest.mark.cuda
+def test_graphs_capture_while_a_worker_decodes_beside_them():
+    """A worker that allocates, frees the allocator's cache and synchronizes (as a VAE's decode through
+    ComfyUI does) while the caller captures a new CUDA graph every time: each capture holds and replays right."""
+    from comfyui_fastar.fastar.replay import ReplayGraph
+
+    def work(x):
+        for _ in range(4):
+            y = torch.randn(512, 512, device="cuda") @ x[:512, :512]
+            del y
+            torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+
+    h, graph = Handoff(work, "cuda"), ReplayGraph()
+    a = torch.randn(64, 64, device="cuda")
+    for key in range(24):
+        h.put(torch.randn(1024, 1024, device="cuda"))
+        out = graph.run(key, lambda: (torch.empty_like(a),), lambda b: b @ b + key, lambda b: b.copy_(a))
+        torch.testing.assert_close(out, a @ a + key)
+    h.close()
