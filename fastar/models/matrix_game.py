@@ -166,7 +166,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class MatrixGameActionModule(nn.Module):
     """A block's Matrix-Game 2.0 action module (the module docstring); the parameter names are the
-    released checkpoints'. ``index``: which of the action blocks it is (its caches' row)."""
+    released checkpoints'. ``index``: which of the action blocks it is (its caches' row). Its attention is
+    PyTorch's SDPA, not the rollout's backend: a masked read of a few action rows, which no kernel there takes."""
 
     def __init__(self, dim: int, cfg: ActionConfig, index: int):
         super().__init__()
