@@ -8,7 +8,8 @@ does) and a Wan 2.1 VAE at its real widths (random weights); the frames are deco
 released, loaded by FAST-AR Load Fast Decoder; it needs a ComfyUI with TAEHV). The node runs in a worker thread inside
 ``torch.inference_mode``, as ComfyUI's executor runs it; its session is served by the pack's own routes on a
 local aiohttp server (the routes ComfyUI's PromptServer mounts), and a player on the session's socket holds each
-of a round of actions for ``--hold`` chunks, then stops after ``--chunks``. The session's log is then played
+of a round of actions for ``--hold`` chunks (each posted at a moment drawn within a chunk period), then stops
+after ``--chunks``. The session's log is then played
 offline by the same node (no page). Rounds alternate live and offline (``--repeats``), after one untimed
 offline warm-up.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -173,16 +175,20 @@ def steady(times: list[float], per: int) -> dict:
 
 async def player(url: str, args) -> dict:
     """The page: posts each action for ``--hold`` chunks, stops after ``--chunks``; times every frame (the frames
-    shown first, which come before any chunk, are not a chunk's)."""
+    shown first, which come before any chunk, are not a chunk's). A post falls at a moment drawn uniformly
+    within a chunk period after the chunk that prompts it arrives, as a person's keys fall at any moment and
+    not on a chunk's arrival (which favours the loop that takes the action soonest after sending a chunk)."""
     import aiohttp
 
-    sent, frames, chunks, acks, end = {}, {}, [], {}, None
+    sent, frames, chunks, acks, end, later = {}, {}, [], {}, None, []
+    rng = random.Random(0)
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(url, max_msg_size=1 << 24) as ws:
             posts = 0
 
-            async def post():
+            async def post(delay: float = 0.0):
                 nonlocal posts
+                await asyncio.sleep(delay)
                 posts += 1
                 sent[posts] = time.perf_counter()
                 await ws.send_str(json.dumps({"action": ACTIONS[(posts - 1) % len(ACTIONS)], "id": posts}))
@@ -201,10 +207,13 @@ async def player(url: str, args) -> dict:
                     if m["chunk"] + 1 >= args.chunks:
                         await ws.send_str(json.dumps({"stop": True}))
                     elif m["chunk"] % args.hold == args.hold - 1:
-                        await post()
+                        period = now - chunks[-2]["arrived"] if len(chunks) > 1 else 0.0
+                        later.append(asyncio.ensure_future(post(rng.uniform(0.0, period))))
                 elif m["type"] == "end":
                     end = m
                     break
+            for task in later:
+                task.cancel()
     # key to frame: a post's sending to the arrival of the first frame of the first chunk that took it
     latency, seen = [], set()
     for c in chunks:
