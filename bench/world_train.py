@@ -24,6 +24,7 @@ sampling and training record in the metadata).
     python bench/world_train.py --out OUT --minutes 9 --total-minutes 15          # on the GPU, then
     python bench/world_train.py --out OUT2 --resume OUT --minutes 9
     python bench/world_train.py --resume OUT2 --minutes 0 --device cpu --export assets/world/world.safetensors
+    python bench/world_train.py --out TWIN --placement screen ...   # the screen-placed twin, trained alike
 """
 from __future__ import annotations
 
@@ -247,16 +248,23 @@ def main(argv=None):
     p.add_argument("--latent-frames", type=int, default=48, help="latent frames per trajectory (a multiple of 3)")
     p.add_argument("--lr", type=float, default=4e-4)
     p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--placement", choices=fastar.models.world.PLACEMENTS, default="world",
+                   help="a token's RoPE: its place in the world, or on the screen and in time (Matrix-Game "
+                        "2.0's): the screen-placed twin (a fresh run; a resumed one keeps its own)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     torch.manual_seed(args.seed)
-    spec = fastar.models.world.WorldSpec()
+    placement = args.placement
+    if args.resume:
+        with open(os.path.join(args.resume, "world_train.json")) as f:
+            placement = json.load(f).get("placement", "world")
+    spec = fastar.models.world.WorldSpec(placement=placement)
     size = dict(dim=32, ffn_dim=64, num_heads=2, num_layers=2, action_layers=1) if args.smoke else {}
     model = fastar.models.world.WorldModel(fastar.models.world.world_config(spec, **size), spec)
     model = init_weights(model, args.seed).to(device).train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
     state = {"step": 0, "steps": args.steps or 10 ** 9, "seed": args.seed, "sequences": args.sequences,
-             "latent_frames": args.latent_frames, "lr": args.lr, "loss": [], "runs": [],
+             "latent_frames": args.latent_frames, "lr": args.lr, "placement": placement, "loss": [], "runs": [],
              **provenance(argv)}
     if args.resume:
         state = resume(args.resume, model, opt, device)

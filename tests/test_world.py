@@ -140,19 +140,47 @@ def test_world_latent_round_trips():
     assert WorldSpec.from_json(spec.to_json()) == spec
 
 
-def tiny_world(seed=0):
-    spec = WorldSpec()
+def tiny_world(seed=0, placement="world"):
+    spec = WorldSpec(placement=placement)
     cfg = world_config(spec, dim=32, ffn_dim=64, num_heads=2, num_layers=2, action_layers=1)
     return WorldModel(cfg, spec).init_random(seed).eval()
 
 
-def test_teacher_forcing_is_the_rollouts_forward():
+def test_the_screen_placed_twin_places_tokens_on_the_screen_and_the_world_in_the_world():
+    """The twin's RoPE is Wan's (frame, row, column) grid whatever the camera does; the pack's world gives
+    a token the RoPE of its place on the photograph: the camera panned one token right, the token one column
+    to the left holds the RoPE the token beside it had."""
+    from comfyui_fastar.fastar.models.rope import rope_frequencies
+
+    screen, world = tiny_world(placement="screen"), tiny_world()
+    frames = torch.arange(3, dtype=torch.float64) + 5
+    still = torch.zeros(3, 3)
+    panned = torch.tensor([[4.0, 0.0, 0.0]] * 3)  # one token: 4 video pixels
+    grid = rope_frequencies(screen.config.head_dim, (3, 16, 16), 5)
+    assert torch.equal(screen.world_rope(still, frames, (16, 16)), grid)
+    assert torch.equal(screen.world_rope(panned, frames, (16, 16)), grid)
+    before = world.world_rope(still, frames, (16, 16)).view(3, 16, 16, -1, 2)
+    after = world.world_rope(panned, frames, (16, 16)).view(3, 16, 16, -1, 2)
+    assert torch.allclose(after[:, :, :-1], before[:, :, 1:], atol=1e-6)
+    assert not torch.allclose(after, before)
+    spec = WorldSpec(placement="screen")
+    assert WorldSpec.from_json(spec.to_json()) == spec
+    old = json.loads(WorldSpec().to_json())
+    del old["placement"]  # a file from before the twin
+    assert WorldSpec.from_json(json.dumps(old)).placement == "world"
+    with pytest.raises(FastARError, match="world or screen, not 'camera'"):
+        WorldSpec(placement="camera")
+
+
+@pytest.mark.parametrize("placement", ["world", "screen"])
+def test_teacher_forcing_is_the_rollouts_forward(placement):
     """Training's one-sequence forward (clean frames, then noisy ones, under the teacher-forcing mask)
     gives what the rollout computes chunk by chunk over a dense cache filled by clean passes."""
     sys.path.insert(0, BENCH)
     import world_train
 
-    model, spec = tiny_world(), WorldSpec()
+    model = tiny_world(placement=placement)
+    spec = model.spec
     t, b = 9, 2
     actions = torch.from_numpy(np.stack([trajectories.training_actions(spec.actions, 4 * t, np.random.default_rng(i))
                                          for i in range(b)]))
@@ -230,7 +258,8 @@ def test_committed_world_model_loads_and_remembers():
 def test_world_train_smoke_resumes_and_exports(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, os.path.join(BENCH, "world_train.py"), "--smoke", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=600, env=TWINS)
-    first = run("--out", str(tmp_path / "a"), "--steps", "4", "--latent-frames", "6", "--minutes", "5")
+    first = run("--out", str(tmp_path / "a"), "--steps", "4", "--latent-frames", "6", "--minutes", "5",
+                "--placement", "screen")
     assert first.returncode == 0, first.stderr[-2000:]
     second = run("--out", str(tmp_path / "b"), "--resume", str(tmp_path / "a"), "--minutes", "5",
                  "--export", str(tmp_path / "w.safetensors"))
@@ -239,7 +268,7 @@ def test_world_train_smoke_resumes_and_exports(tmp_path):
     assert state["step"] == 4 and len(state["runs"]) == 1 and (tmp_path / "a" / "world_train_loss.png").exists()
     assert state["command"].startswith("python bench/world_train.py")
     model = load_wan(tmp_path / "w.safetensors")
-    assert isinstance(model, WorldModel)
+    assert isinstance(model, WorldModel) and model.spec.placement == "screen"  # the resumed run kept it
 
 
 @pytest.mark.slow

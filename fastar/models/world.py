@@ -8,6 +8,9 @@ frame (its video frames' actions side by side); the model integrates them into c
 (``fastar.actions.integrate``, the rule the ground truth follows) and gives each token the RoPE of
 where it lies in the world (x, y over the photograph) rather than on the screen, as pose-aware memory
 models place their frames: a place seen before is found again by where it is, whatever route led back.
+Its screen-placed twin (``WorldSpec.placement = "screen"``) places them on the screen and in time, as
+Matrix-Game 2.0 and the Wan video models do, where a returning place looks new to attention: what a cache
+recalls on it is what FAST-AR can give those models.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from .rope import rope_at
 from .wan import WanConfig, WanModel
 
 WORLD_METADATA_KEY = "fastar.world"
+PLACEMENTS = ("world", "screen")
 # how the world model is trained to sample (Matrix-Game 2.0's chunks, steps and shift)
 WORLD_SAMPLING = Sampling(3, (1000.0, 666.0, 333.0), 5.0, "fastar-world")
 
@@ -36,6 +40,12 @@ class WorldSpec:
     view: int = 64               # video frames are view x view RGB
     unshuffle: int = 4           # latent pixels are unshuffle x unshuffle video pixels
     frames_per_latent: int = 4   # video frames stacked into one latent frame
+    placement: str = "world"     # a token's RoPE: where it lies in the world, or ("screen") on the screen and
+    #                              in time, as Matrix-Game 2.0 and the Wan video models place theirs
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise FastARError(f"a world places its tokens by {' or '.join(PLACEMENTS)}, not {self.placement!r}")
 
     @property
     def channels(self) -> int:
@@ -79,13 +89,14 @@ class WorldSpec:
 
     def to_json(self) -> str:
         return json.dumps({"actions": self.actions.to_dict(), "view": self.view, "unshuffle": self.unshuffle,
-                           "frames_per_latent": self.frames_per_latent})
+                           "frames_per_latent": self.frames_per_latent, "placement": self.placement})
 
     @classmethod
     def from_json(cls, text: str) -> "WorldSpec":
         try:
             d = json.loads(text)
-            return cls(ActionSpec.from_dict(d["actions"]), d["view"], d["unshuffle"], d["frames_per_latent"])
+            return cls(ActionSpec.from_dict(d["actions"]), d["view"], d["unshuffle"], d["frames_per_latent"],
+                       d.get("placement", "world"))  # files from before the screen-placed twin
         except (ValueError, KeyError, TypeError) as exc:
             raise FastARError(f"unreadable {WORLD_METADATA_KEY} metadata {text[:200]!r}: {exc}") from None
 
@@ -179,15 +190,19 @@ class WorldModel(WanModel):
     def world_rope(self, poses: torch.Tensor, frames: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         """RoPE tables [F * h * w, head_dim / 2, 2] for tokens at frames ``frames`` [F] (float64) whose
         cameras stand at ``poses`` [F, 3]: time by frame, height and width by the token's place in the
-        world, in tokens of the photograph at zoom 1."""
+        world, in tokens of the photograph at zoom 1 (a screen-placed world: by its row and column)."""
         h, w = hw
-        ph, pw = self.config.patch_size[1:]
-        size = self.spec.unshuffle * ph  # video pixels a token spans (square patches)
-        s = poses[:, 2].double().exp()
-        rows = (torch.arange(h, device=poses.device, dtype=torch.float64) + 0.5) * size - self.spec.view / 2
-        cols = (torch.arange(w, device=poses.device, dtype=torch.float64) + 0.5) * size - self.spec.view / 2
-        y = (poses[:, 1].double()[:, None] + rows[None] * s[:, None]) / size  # [F, h]
-        x = (poses[:, 0].double()[:, None] + cols[None] * s[:, None]) / size  # [F, w]
+        if self.spec.placement == "screen":
+            y = torch.arange(h, device=poses.device, dtype=torch.float64).expand(len(frames), -1)
+            x = torch.arange(w, device=poses.device, dtype=torch.float64).expand(len(frames), -1)
+        else:
+            ph, pw = self.config.patch_size[1:]
+            size = self.spec.unshuffle * ph  # video pixels a token spans (square patches)
+            s = poses[:, 2].double().exp()
+            rows = (torch.arange(h, device=poses.device, dtype=torch.float64) + 0.5) * size - self.spec.view / 2
+            cols = (torch.arange(w, device=poses.device, dtype=torch.float64) + 0.5) * size - self.spec.view / 2
+            y = (poses[:, 1].double()[:, None] + rows[None] * s[:, None]) / size  # [F, h]
+            x = (poses[:, 0].double()[:, None] + cols[None] * s[:, None]) / size  # [F, w]
         positions = torch.stack([frames[:, None, None].expand(-1, h, w), y[:, :, None].expand(-1, -1, w),
                                  x[:, None, :].expand(-1, h, -1)], -1)
         return rope_at(self.config.head_dim, positions.reshape(-1, 3))
