@@ -231,7 +231,7 @@ def main(argv=None):
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web
 
-    from comfyui_fastar.nodes import play_nodes, play_routes, progress
+    from comfyui_fastar.nodes import handoff, play_nodes, play_routes, progress
 
     loop = asyncio.new_event_loop()
     announced = []
@@ -240,7 +240,7 @@ def main(argv=None):
     server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
                                    send_sync=lambda event, data, sid: announced.append(data))
     events = Events()
-    saved = play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED
+    saved = play_nodes.prompt_server, progress.send_event, handoff.PIPELINED
     play_nodes.prompt_server = lambda: server
     progress.send_event = events
     play_routes.register_routes(server)
@@ -248,7 +248,7 @@ def main(argv=None):
     try:
         return _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_nodes)
     finally:
-        play_nodes.prompt_server, progress.send_event, play_nodes.PIPELINED = saved
+        play_nodes.prompt_server, progress.send_event, handoff.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
@@ -269,7 +269,7 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_
         world, tokens, start, decoders = build(args, folder)
         for args.decoder in args.decoders:
             for args.serial in args.loops:
-                play_nodes.PIPELINED = not args.serial
+                handoff.PIPELINED = not args.serial
                 results.append(_rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, tokens,
                                        start, decoders[args.decoder]))
     loop.run_until_complete(runner.cleanup())

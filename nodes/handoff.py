@@ -10,18 +10,23 @@ import torch
 
 from ..fastar.replay import CAPTURE_LOCK
 
+PIPELINED = True
+"""Chunk k decoded, encoded, sent or written while chunk k + 1 samples; False: one after the other, the
+loop the benchmarks compare against."""
+
 
 class Handoff:
     """``work(*item)`` for each ``put(*item)``, in order, in a worker thread: one item waiting and one at
     work at most (``put`` blocks beyond that). Tensors handed over are the caller's no more: on CUDA the
-    worker's stream waits for the work that made them. ``threaded=False`` runs ``work`` inline (the serial
-    loop, which the benchmarks compare against). The worker's error surfaces in the caller's next ``put``,
+    worker's stream waits for the work that made them. ``threaded=False`` (by default where ``PIPELINED``
+    is off) runs ``work`` inline. The worker's error surfaces in the caller's next ``put``,
     ``drain`` or ``close``; after one, the remaining items are dropped. A ComfyUI Cancel taken by the
     worker's ops goes back to ComfyUI, for the caller to stop at its own check between chunks: what the
     worker finished stays written."""
 
-    def __init__(self, work, device: torch.device | str | None = None, threaded: bool = True,
+    def __init__(self, work, device: torch.device | str | None = None, threaded: bool | None = None,
                  name: str = "fastar-handoff"):
+        threaded = PIPELINED if threaded is None else threaded
         self.work, self.error, self.failed = work, None, False
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         cuda = threaded and device is not None and torch.device(device).type == "cuda"

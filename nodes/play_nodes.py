@@ -28,7 +28,6 @@ from .words import in_words
 PLAY_EVENT = "fastar.play"
 PAGE_WAIT = 300.0  # seconds a session waits with no page open (or paused)
 LOG_MARGIN = 128  # characters one more chunk can add to the log, at most
-PIPELINED = True  # chunk k shown while chunk k + 1 samples (False: one after the other, the benchmarks' baseline)
 
 
 def _log(player, chunks: int) -> str:
@@ -178,7 +177,7 @@ def _play(cls, player, session: Session, cache, seed: int, chunks: int, client: 
     events = CacheEvents(unique)
     events.sampling(3, player.sampling.timesteps, player.sampling.shift, f"as {player.name} samples")
     pbar = comfy.utils.ProgressBar(chunks)
-    shown = Shown(player, link, next(player.model.parameters()).device, PIPELINED)
+    shown = Shown(player, link, next(player.model.parameters()).device)
 
     def take(c: int) -> dict | None:
         if not live:

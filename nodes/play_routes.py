@@ -112,9 +112,9 @@ class Shown:
     output and sent to the pages as JPEGs (a 4-byte frame number first) after the chunk's message; off the
     sampling thread (``Handoff``), so chunk k is decoded and sent while chunk k + 1 samples."""
 
-    def __init__(self, player, link: Live | None, device, pipelined: bool = True):
+    def __init__(self, player, link: Live | None, device):
         self.player, self.link, self.frames = player, link, []
-        self.handoff = Handoff(self._show, device, threaded=pipelined, name="fastar-world-play")
+        self.handoff = Handoff(self._show, device, name="fastar-world-play")
 
     def begin(self) -> None:
         """The frames shown first (the pack's world's observed frames), to every page now and later."""

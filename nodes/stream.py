@@ -31,15 +31,13 @@ class ChunkStream:
     chunk, ends the files (also after a cancel: what was written plays) and returns them as ComfyUI's saved
     results."""
 
-    def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str,
-                 threaded: bool = True):
+    def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str):
         self.node, self.frames_written, self.latest = node, 0, None
         self.keep_latent = settings.keep_latent
         folder, self.subfolder, self.filenames = video.output_files(settings.filename_prefix, width, height,
                                                                     settings.format, batch)
         self.decode = video.chunk_decoder(settings.vae, node)
-        self.handoff = Handoff(self._write, getattr(settings.vae, "device", None), threaded=threaded,
-                               name="fastar-video-stream")
+        self.handoff = Handoff(self._write, getattr(settings.vae, "device", None), name="fastar-video-stream")
         self.chunks = 0
         self.writers = []
         try:

@@ -1,7 +1,12 @@
 """FAST-AR Video Stream against a real ComfyUI: the Long Sampler's video reaches the file chunk by chunk while
 the run goes on (read back between chunks), the file is VAE Decode's video, the sampling is unchanged, a
 LATENT of the last chunk only when it is not kept, and a cancel leaves a playable file of the chunks made.
-Tiny random Wan model and VAE written by the tests."""
+Tiny random Wan model and VAE written by the tests; and the stream benchmark's smoke run."""
+import json
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,3 +155,21 @@ def test_the_stream_refuses_a_vae_it_cannot_decode_with(comfy):
 
     with pytest.raises(FastARError, match="^FAST-AR Video Stream: vae is Linear, neither Wan 2.1's VAE nor a TAEHV"):
         VideoStream.execute(NotWan(), 16.0, "video/x", True)
+
+
+@pytest.mark.slow
+@pytest.mark.taehv
+def test_the_stream_benchmark_times_each_decoder_and_loop(comfy, tmp_path):
+    """bench/stream_bench.py --smoke: the Long Sampler into a Video Stream, serial and pipelined, every file
+    the whole video, and the result names the shapes, the loops and their ratio."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import stream_bench
+
+    result = stream_bench.main(["--comfyui", os.environ["COMFYUI_PATH"], "--smoke", "--decoders", "taehv",
+                                "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "stream_bench_smoke.json").read_text())["summary"] == result["summary"]
+    assert set(result["summary"]) == {"taehv/serial", "taehv/pipelined"}
+    assert all(row["frames"] == result["shape"]["video_frames"] == 45 and row["fps"] > 0 and row["chunk_ms"] > 0
+               for row in result["summary"].values())
+    ratio = result["summary"]["taehv/pipelined"]["fps"] / result["summary"]["taehv/serial"]["fps"]
+    assert result["ratios"] == {"taehv pipelined / serial": ratio}
