@@ -41,11 +41,11 @@ SETTINGS = {
 def build(smoke: bool, device):
     if smoke:
         cfg = WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, in_dim=36, text_dim=48, freq_dim=32,
-                        text_len=257, image_context=True)
+                        text_len=257)
         actions, hw = ActionConfig(4, 2, 1, hidden=128, keyboard_hidden=16), (32, 64)
     else:
         cfg = WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_dim=36, text_dim=1280,
-                        text_len=257, image_context=True)
+                        text_len=257)
         actions, hw = ActionConfig(4, 2, 15), (352, 640)
     with torch.device("meta"):
         model = MatrixGameModel(cfg, actions)

@@ -302,8 +302,7 @@ def convert(args, command: str = "fastar convert") -> None:
                               lora_key=args.lora_key, lora_alpha=args.lora_alpha, sampling=_convert_sampling(args),
                               dtype=getattr(torch, args.dtype), num_heads=args.num_heads, command=command)
     config = done.config
-    kind = "Matrix-Game 2.0 (CLIP-vision context, actions)" if config.image_context else "Wan 2.1 T2V"
-    print(f"wrote {args.dst}: {kind}, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
+    print(f"wrote {args.dst}: {done.kind}, dim {config.dim}, {config.num_heads} heads, {config.num_layers} blocks, "
           f"{args.dtype}"
           + (f"; LoRA {os.path.basename(args.lora)} merged into {done.lora_layers} linear layers" if args.lora else "")
           + (f"; sampling: {done.sampling.describe()}" if done.sampling is not None else

@@ -36,7 +36,7 @@ def test_each_published_files_layout_loads_as_its_variant(tmp_path, variant):
     assert set(model.state_dict()) == want
     a = model.actions
     assert (a.keyboard_dim, a.mouse_dim > 0, a.blocks) == (keys, mouse, 2 if variant == "foundation" else 1)
-    assert model.config.in_dim == 36 and model.config.image_context and model.config.text_dim == 48
+    assert model.config.in_dim == 36 and model.context_input == "image" and model.config.text_dim == 48
     assert detect({k[6:]: v for k, v in matrix_game_weights(variant).items()}, 2)[2].name == variant
 
 

@@ -283,3 +283,28 @@ def test_world_eval_smoke(tmp_path):
     assert set(result["timing"]) == set(rows) - {"own chunk"}
     assert all(0 < m["revisit"] < 1 for m in result["history_mass"])
     assert (tmp_path / "world_eval_smoke.png").stat().st_size > 0
+
+
+def test_files_written_before_the_models_owned_their_inputs_still_load(tmp_path):
+    """Configs recorded with ``cross_attn``, ``action_layers``, ``action_dim`` and ``image_context`` (every
+    converted file and world before): those keys are the class's now, and the files load as before."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_fastar.fastar.models import build_model
+    from comfyui_fastar.fastar.models.checkpoints import CONFIG_METADATA_KEY, Sampling
+    from comfyui_fastar.fastar.models.world import WORLD_METADATA_KEY
+
+    world = tiny_world()
+    save_world(world, tmp_path / "new.safetensors", Sampling(3, (1000.0,), 5.0, "w"), dtype=torch.float32)
+    legacy = {**world.config.to_dict(), "cross_attn": False, "action_dim": world.spec.condition_dim,
+              "image_context": False}
+    save_file(load_file(tmp_path / "new.safetensors"), tmp_path / "old_world.safetensors",
+              metadata={CONFIG_METADATA_KEY: json.dumps(legacy), WORLD_METADATA_KEY: world.spec.to_json()})
+    loaded = load_wan(tmp_path / "old_world.safetensors")
+    assert isinstance(loaded, WorldModel) and loaded.config == world.config
+    wan = build_model("tiny")
+    legacy = {**wan.config.to_dict(), "cross_attn": True, "action_layers": 0, "action_dim": 0, "image_context": False}
+    save_file({k: v.contiguous() for k, v in wan.state_dict().items()}, tmp_path / "old_wan.safetensors",
+              metadata={CONFIG_METADATA_KEY: json.dumps(legacy)})
+    loaded = load_wan(tmp_path / "old_wan.safetensors")
+    assert type(loaded).__name__ == "WanModel" and loaded.config == wan.config

@@ -141,11 +141,12 @@ def merge_lora(state: dict, lora: dict, *, alpha: float | None = None, name: str
 @dataclass(frozen=True)
 class Converted:
     """What ``convert_checkpoint`` wrote: the model's config, the sampling recorded (None: none known),
-    and how many linear layers a LoRA was merged into."""
+    how many linear layers a LoRA was merged into, and what kind of model it is, in words."""
 
     config: WanConfig
     sampling: Sampling | None
     lora_layers: int
+    kind: str = "Wan 2.1 T2V"
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset: str | None = None,
@@ -195,6 +196,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
         config, actions, variant = detect(state, num_heads)
         matching_model(state, config, name, actions=actions)
         sampling = sampling or variant.sampling
+        kind = f"Matrix-Game 2.0 {variant.name} (CLIP-vision context, actions)"
         metadata = {CONFIG_METADATA_KEY: json.dumps(config.to_dict()),
                     MATRIX_GAME_METADATA_KEY: json.dumps({"variant": variant.name, "keys": variant.keys,
                                                           "mouse": variant.mouse, **actions.to_dict()})}
@@ -204,12 +206,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, preset
     else:
         config = infer_config(state, num_heads)
         matching_model(state, config, name)
+        kind = Converted.kind
         sampling = sampling or (known.sampling if known else None)
         metadata = {CONFIG_METADATA_KEY: json.dumps(config.to_dict()), **COMFY_CAUSAL_METADATA}
     if sampling is not None:
         metadata[SAMPLING_METADATA_KEY] = sampling.to_json()
     save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, dst, metadata=metadata)
-    return Converted(config, sampling, merged)
+    return Converted(config, sampling, merged, kind)
 
 
 def _read_source(path: str, entry: str, then) -> dict:

@@ -18,7 +18,7 @@ from ..errors import FastARError
 from .checkpoints import CONFIG_METADATA_KEY, SAMPLING_METADATA_KEY, Sampling
 from .wan import WAN_CONFIGS, WanConfig, WanModel
 from .matrix_game import MatrixGameModel, detect
-from .world import WORLD_METADATA_KEY, WorldModel, WorldSpec
+from .world import WORLD_METADATA_KEY, WorldConfig, WorldModel, WorldSpec
 
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 SHAPE_KEYS = ("blocks.0.ffn.0.weight", "text_embedding.0.weight", "time_embedding.0.weight", "head.head.weight")
@@ -117,8 +117,9 @@ def load_wan(path: str | os.PathLike, *, device=None, dtype: torch.dtype | None 
     if MATRIX_GAME_KEY in state_dict:  # Matrix-Game 2.0, converted or as released: read off its keys
         config, actions, variant = detect(state_dict, num_heads or _metadata_heads(metadata))
     elif CONFIG_METADATA_KEY in metadata:
-        config = WanConfig(**{k: tuple(v) if isinstance(v, list) else v
-                              for k, v in json.loads(metadata[CONFIG_METADATA_KEY]).items()})
+        recorded = json.loads(metadata[CONFIG_METADATA_KEY])
+        kind = WorldConfig if WORLD_METADATA_KEY in metadata else WanConfig
+        config = kind.from_dict(recorded)
     else:
         config = infer_config(state_dict, num_heads)
     if WORLD_METADATA_KEY in metadata:

@@ -6,7 +6,7 @@ Three things beside Wan 2.1 text-to-video, each read off a checkpoint's keys (``
   first latent frame) and the start image's VAE latent (that of the image followed by black frames), which
   ``MatrixGameRun`` slices per chunk;
 - CLIP-vision tokens in place of text: ViT-H/14's 257 penultimate tokens through ``img_emb`` are the
-  cross-attention's context (``WanConfig.image_context``);
+  cross-attention's context (``MatrixGameModel.context_input``);
 - an action module (``MatrixGameActionModule``) in the first blocks, after the cross-attention and before the FFN.
 
 The action module. Actions come per video frame (``1 + 4 (T - 1)`` rows for T latent frames); latent frame i
@@ -135,7 +135,7 @@ def detect(state_dict: dict, num_heads: int | None = None) -> tuple[WanConfig, A
                        out_dim=state_dict["head.head.weight"].shape[0] // math.prod(patch),
                        text_dim=state_dict["img_emb.proj.1.weight"].shape[1],
                        freq_dim=state_dict["time_embedding.0.weight"].shape[1], patch_size=patch,
-                       text_len=257, image_context=True)
+                       text_len=257)
     actions = ActionConfig(keyboard_dim, mouse_dim, blocks, hidden, state_dict[module + "keyboard_embed.0.weight"]
                            .shape[0], variant.local_frames)
     return config, actions, variant
@@ -268,11 +268,12 @@ class MatrixGameModel(WanModel):
     docstring). Its forward takes the 36-channel input; ``bind`` makes the rollout's chunk model."""
 
     head_parallel = False
+    context_input = "image"  # CLIP-vision tokens of the start image
 
     def __init__(self, cfg: WanConfig, actions: ActionConfig, variant: Variant | None = None):
-        if not cfg.image_context or cfg.in_dim != 16 + CONDITION_CHANNELS or actions.blocks > cfg.num_layers:
-            raise FastARError("MatrixGameModel: the config must take CLIP-vision context (image_context), 36 input "
-                              f"channels and at most {cfg.num_layers} action blocks")
+        if cfg.in_dim != 16 + CONDITION_CHANNELS or actions.blocks > cfg.num_layers:
+            raise FastARError("MatrixGameModel: the config must take 36 input channels and have at most "
+                              f"{cfg.num_layers} action blocks")
         blocks = iter(range(actions.blocks))
         super().__init__(cfg, lambda i: MatrixGameActionModule(cfg.dim, actions, next(blocks)) if i < actions.blocks
                          else None)

@@ -9,7 +9,7 @@ an attention state (``fastar.attention.FastARAttention``), which owns the KV cac
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 import torch
@@ -39,10 +39,6 @@ class WanConfig:
     cross_attn_norm: bool = True
     eps: float = 1e-6
     text_len: int = 512  # umT5 tokens: Wan pads the prompt's features with zeros to this length
-    cross_attn: bool = True  # False: no text branch (a world model conditioned on actions alone)
-    action_layers: int = 0   # the first blocks that carry an action module (``WorldModel``'s)
-    action_dim: int = 0      # the action module's per-frame condition width
-    image_context: bool = False  # the context is CLIP-vision tokens through ``img_emb`` (Matrix-Game 2.0), not text
 
     def __post_init__(self):
         if self.dim % self.num_heads:
@@ -58,6 +54,13 @@ class WanConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WanConfig":
+        """A file's recorded config. Keys a model now takes from its class are dropped: files written before
+        carry ``cross_attn``, ``action_layers``, ``action_dim`` and ``image_context``."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
 
 WAN_CONFIGS = {
@@ -150,12 +153,12 @@ class MLPProj(nn.Module):
 
 
 class WanAttentionBlock(nn.Module):
-    def __init__(self, cfg: WanConfig, action_model: nn.Module | None = None):
+    def __init__(self, cfg: WanConfig, action_model: nn.Module | None = None, cross_attn: bool = True):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.self_attn = WanAttention(cfg)
-        self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm and cfg.cross_attn else nn.Identity()
-        self.cross_attn = WanAttention(cfg) if cfg.cross_attn else None
+        self.norm3 = nn.LayerNorm(cfg.dim, cfg.eps) if cfg.cross_attn_norm and cross_attn else nn.Identity()
+        self.cross_attn = WanAttention(cfg) if cross_attn else None
         self.action_model = action_model  # Matrix-Game 2.0's place: after the cross-attention, before the FFN
         self.norm2 = nn.LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
@@ -236,6 +239,9 @@ class WanModel(nn.Module):
     # Under an attention state with ``parallel`` (``fastar.parallel``) a forward runs the rank's share
     # of every frame's tokens and gathers the output.
     head_parallel = True
+    # What the cross-attention reads: "text" (umT5 features through ``text_embedding``), "image" (CLIP-vision
+    # tokens through ``img_emb``: Matrix-Game 2.0), or None: no cross-attention (the pack's world).
+    context_input = "text"
 
     def __init__(self, cfg: WanConfig, action_model: Callable[[int], nn.Module | None] | None = None):
         """``action_model(i)``: block i's action module (None: none), which the models steered by actions
@@ -243,15 +249,16 @@ class WanModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
-        if cfg.cross_attn and cfg.image_context:
+        if self.context_input == "image":
             self.img_emb = MLPProj(cfg.text_dim, cfg.dim)
-        elif cfg.cross_attn:
+        elif self.context_input == "text":
             self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
                                                 nn.Linear(cfg.dim, cfg.dim))
         action_model = action_model or (lambda i: None)
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
-        self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action_model(i)) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(WanAttentionBlock(cfg, action_model(i), self.context_input is not None)
+                                    for i in range(cfg.num_layers))
         self.head = Head(cfg)
 
     # The chunk-model protocol the rollout engine drives (see fastar.chunk_model.ChunkModel).
@@ -317,7 +324,7 @@ class WanModel(nn.Module):
     def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every block's cross-attention K/V for the text ``context`` [B, L, text_dim]: a function of
         the text alone, so a rollout's attention state keeps them (``FastARAttention.cross_kv``)."""
-        embed = self.img_emb if self.config.image_context else self.text_embedding
+        embed = self.img_emb if self.context_input == "image" else self.text_embedding
         text = embed(context.to(self.dtype))
         return [block.cross_attn.text_kv(text) for block in self.blocks]
 

@@ -101,14 +101,19 @@ class WorldSpec:
             raise FastARError(f"unreadable {WORLD_METADATA_KEY} metadata {text[:200]!r}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class WorldConfig(WanConfig):
+    """Wan's configuration and the first ``action_layers`` blocks that carry an action module."""
+    action_layers: int = 4
+
+
 def world_config(spec: WorldSpec, *, dim: int = 256, ffn_dim: int = 1024, num_heads: int = 4, num_layers: int = 8,
-                 action_layers: int = 4) -> WanConfig:
+                 action_layers: int = 4) -> WorldConfig:
     """The world model's Wan configuration: one token per latent pixel, so a token's values (3 colours x
     unshuffle^2 pixels x frames_per_latent frames) fit through the width whole."""
-    return WanConfig(dim=dim, ffn_dim=ffn_dim, num_heads=num_heads, num_layers=num_layers, in_dim=spec.channels,
-                     out_dim=spec.channels, text_dim=spec.frames_per_latent * spec.actions.width, freq_dim=128,
-                     patch_size=(1, 1, 1), cross_attn=False, cross_attn_norm=False, action_layers=action_layers,
-                     action_dim=spec.condition_dim)
+    return WorldConfig(dim=dim, ffn_dim=ffn_dim, num_heads=num_heads, num_layers=num_layers, in_dim=spec.channels,
+                       out_dim=spec.channels, text_dim=spec.frames_per_latent * spec.actions.width, freq_dim=128,
+                       patch_size=(1, 1, 1), cross_attn_norm=False, action_layers=action_layers)
 
 
 class WorldActionModule(nn.Module):
@@ -130,13 +135,14 @@ class WorldModel(WanModel):
     """A causal Wan world model (see the module's docstring); the rollout's chunk model."""
 
     head_parallel = False
+    context_input = None  # no cross-attention: actions steer it through its action modules
 
-    def __init__(self, cfg: WanConfig, spec: WorldSpec):
-        if cfg.cross_attn or cfg.action_dim != spec.condition_dim or cfg.in_dim != spec.channels:
-            raise FastARError("WorldModel: the config must have no cross-attention, in_dim = the world's latent "
-                              f"channels ({spec.channels}) and action_dim = its condition ({spec.condition_dim})")
-        super().__init__(cfg, lambda i: WorldActionModule(cfg.dim, cfg.action_dim, cfg.eps) if i < cfg.action_layers
-                         else None)
+    def __init__(self, cfg: WorldConfig, spec: WorldSpec):
+        if not isinstance(cfg, WorldConfig) or cfg.in_dim != spec.channels:
+            raise FastARError(f"WorldModel: the config must be a WorldConfig with in_dim = the world's latent "
+                              f"channels ({spec.channels})")
+        super().__init__(cfg, lambda i: WorldActionModule(cfg.dim, spec.condition_dim, cfg.eps)
+                         if i < cfg.action_layers else None)
         self.spec = spec
 
     @property
