@@ -7,10 +7,14 @@ and 3 frames before it, ``window6``) against TempCache budgets (sink 0) that hol
 Settings take turns for ``--repeats`` rounds of ``--chunks`` chunks each (the median of each rollout's
 last half, then the median over rounds); one long rollout per setting (``--long`` latent frames) reports
 its ms per chunk and allocated memory in its first and last tenth, and their ratios (flat: about 1).
-Actions: W held with a slow turn, the same for every setting.
+Actions: W held with a slow turn, the same for every setting. ``--profile``: one steady chunk of each
+setting under torch.profiler (its CUDA graph replayed), its kernels' time summed by part (attention,
+TempCache's merge, AnnSA's planning, the GEMMs, norms and RoPE, the rest) with the ten longest kernels:
+what a budget costs beyond attention over its extra keys.
 
     python bench/matrix_game_bench.py --out bench/results          # an H200 / H100
     python bench/matrix_game_bench.py --smoke --out /tmp           # tiny shapes on the CPU: the script only
+    python bench/matrix_game_bench.py --settings window6,tempcache6 --long 0 --profile   # where the time goes
 """
 from __future__ import annotations
 
@@ -53,8 +57,35 @@ def build(smoke: bool, device):
     return model.to_empty(device=device).to(dtype).init_random(0).eval().requires_grad_(False), hw
 
 
-def rollout(model, hw, frames, cache, device):
-    """A rollout's per-chunk ms and allocated bytes."""
+# kernel names by part (Triton's are the kernels/ functions'; cuDNN's, FA4's, cuBLAS's and torch's by theirs)
+PARTS = (("attention", ("attention", "attend", "flash", "fmha", "sdpa", "cudnn", "combine_splits", "lse_update")),
+         ("tempcache merge", ("pair_cosine", "row_argmax", "merge_rows", "scatter_rows", "gather_rows", "move_rows",
+                              "unit_fp8")),
+         ("annsa planning", ("block_means", "quant_scores", "quant_shares", "quantize_rows", "order_key", "sort")),
+         ("gemm", ("gemm", "cutlass", "cublas", "nvjet", "sm90_", "matmul")),
+         ("norm and rope", ("adaln", "qk_norm_rope", "layer_norm", "rms")))
+
+
+def part(name: str) -> str:
+    low = name.lower()
+    return next((p for p, keys in PARTS if any(k in low for k in keys)), "other")
+
+
+def profile(prof, chunks: int = 1) -> dict:
+    """A profiled chunk's kernels: total ms, ms by part, the ten longest kernels."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_part, by_name = {}, {}
+    for e in kernels:
+        ms = (e.time_range.end - e.time_range.start) / 1e3 / chunks
+        by_part[part(e.name)] = by_part.get(part(e.name), 0.0) + ms
+        by_name[e.name] = by_name.get(e.name, 0.0) + ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return {"kernel_ms": sum(by_part.values()), "by_part_ms": by_part,
+            "top_kernels_ms": [[name[:120], ms] for name, ms in top], "kernels": len(kernels) / chunks}
+
+
+def rollout(model, hw, frames, cache, device, profile_chunk: int | None = None):
+    """A rollout's per-chunk ms and allocated bytes (and, at ``profile_chunk``, that chunk's profile)."""
     g = torch.Generator(device=device).manual_seed(0)
     h, w = hw[0] // 8, hw[1] // 8
     condition = torch.randn(1, 20, 1, h, w, device=device, generator=g)
@@ -66,10 +97,24 @@ def rollout(model, hw, frames, cache, device):
     mouse[..., 1] = 0.02
     run = Rollout(model.bind(condition, keyboard, mouse, frames=frames), clip, frames=frames, height=hw[0],
                   width=hw[1], chunk_frames=3, cache=cache, schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
-    ms, mem = [], []
-    run.run(lambda r: (ms.append(r.latency_s * 1e3),
-                       mem.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)), keep=False)
-    return ms, mem
+    ms, mem, prof = [], [], {}
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def on_chunk(r):
+        ms.append(r.latency_s * 1e3)
+        mem.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+        if profile_chunk is not None and r.chunk == profile_chunk - 1:
+            prof["p"] = torch.profiler.profile(activities=activities)
+            prof["p"].start()
+        elif "p" in prof and r.chunk == profile_chunk:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            prof["p"].stop()
+            prof["summary"] = profile(prof.pop("p"))
+
+    run.run(on_chunk, keep=False)
+    return (ms, mem, prof["summary"]) if profile_chunk is not None else (ms, mem)
 
 
 def main():
@@ -79,6 +124,7 @@ def main():
     ap.add_argument("--long", type=int, default=2001, help="latent frames of the long rollouts (default 2001; 0: none)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"which of {', '.join(SETTINGS)} (default all)")
     ap.add_argument("--name", default="matrix_game_bench", help="the result file's name, without .json")
+    ap.add_argument("--profile", action="store_true", help="profile a steady chunk of each setting (by part)")
     args = ap.parse_args()
     settings = {name: SETTINGS[name] for name in args.settings.split(",")}
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -103,6 +149,12 @@ def main():
             m = statistics.median(times[name])
             result["settings"][name] = {"ms_per_chunk": m, "vs_window6": m / base, "rounds": times[name]}
             print(f"  {name:12s} {m:8.1f} ms a chunk  {m / base:.3f}x window6")
+        if args.profile:  # a steady chunk: the cache full, its graph replayed
+            for name, cache in settings.items():
+                _, _, prof = rollout(model, hw, frames, cache, device, profile_chunk=args.chunks - 2)
+                result["settings"][name]["profile"] = prof
+                parts = ", ".join(f"{p} {v:.1f}" for p, v in sorted(prof["by_part_ms"].items(), key=lambda kv: -kv[1]))
+                print(f"  {name:12s} kernels {prof['kernel_ms']:.1f} ms a chunk: {parts}")
         for name in [n for n in ("window6", "tempcache12") if n in settings and args.long]:
             tic = time.perf_counter()
             ms, mem = rollout(model, hw, args.long - args.long % 3, SETTINGS[name], device)

@@ -430,3 +430,22 @@ def test_cpu_figures_smoke(tmp_path):
             (run,) = s["runs"]
             assert s["median_s"] == run["seconds"] > 0 and s["chunk_ms"] == run["chunk_ms"] > 0
             assert s["world_play_fps"] == round(12 / (run["chunk_ms"] / 1e3), 1) and len(run["loadavg"]) == 3
+
+
+@pytest.mark.slow
+def test_matrix_game_bench_smoke_profiles_a_chunk_by_part(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "matrix_game_bench.py"), "--smoke", "--profile",
+                           "--settings", "window6,tempcache6", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=TWINS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    settings = json.loads((tmp_path / "matrix_game_bench_smoke.json").read_text())["settings"]
+    assert set(settings) == {"window6", "tempcache6"} and settings["window6"]["vs_window6"] == 1.0
+    assert all(set(s["profile"]) == {"kernel_ms", "by_part_ms", "top_kernels_ms", "kernels"} for s in settings.values())
+    sys.path.insert(0, BENCH)
+    import matrix_game_bench
+
+    names = {"triton_poi_fused_add_0": "other", "_pair_cosine_kernel": "tempcache merge",
+             "_attend_tile": "attention", "cudnn_generated_fort_native_sdpa_sm90": "attention",
+             "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm", "_qk_norm_rope_kernel": "norm and rope",
+             "_merge_rows_kernel": "tempcache merge", "_quant_scores_kernel": "annsa planning"}
+    assert {name: matrix_game_bench.part(name) for name in names} == names
