@@ -28,7 +28,7 @@ while read -r name tree python; do
   echo "== ComfyUI $name ($tree): -m \"$marks\""
   if ! (cd "$work" && COMFYUI_PATH="$tree" COMFYUI_CPU=true PYTHONDONTWRITEBYTECODE=1 \
         "$python" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" \
-        -m "$marks" -k "not frontend" "$ROOT/tests" -rs | tee "$work/log"); then
+        -m "$marks" -k "not frontend" "$ROOT/tests" -rs --durations=10 | tee "$work/log"); then
     status=1
   fi
   if grep -qE "^SKIPPED|[0-9]+ skipped" "$work/log"; then
