@@ -62,7 +62,7 @@ class Chunks:
             self.seconds.append(data["latency_s"])
 
 
-def decoders(args, comfy, work: str) -> dict:
+def decoders(args, work: str) -> dict:
     import comfy.sd
     import comfy.utils
 
@@ -137,7 +137,7 @@ def main(argv=None):
         with torch.inference_mode():
             unet = load_unet(comfy, "testbed.safetensors", None)
             comfy.model_management.load_models_gpu([unet])
-            vaes = decoders(args, comfy, work)
+            vaes = decoders(args, work)
             for name, vae in vaes.items():  # the decoder loaded, kernels compiled, graphs captured
                 run(unet, positive, dims, 9, vae, f"warmup_{name}", work, device)
             for r in range(args.repeats):
