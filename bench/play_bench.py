@@ -246,15 +246,17 @@ def main(argv=None):
     play_routes.register_routes(server)
     decode_ms = DecodeTimes(cuda)
     try:
-        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_nodes)
+        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
     finally:
         play_nodes.prompt_server, progress.send_event, handoff.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
 
-def _measure(args, argv, loop, server, announced, events, decode_ms, cuda, play_nodes):
+def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
     from aiohttp import web
+
+    from comfyui_fastar.nodes import handoff
 
     asyncio.set_event_loop(loop)
     app = web.Application()
