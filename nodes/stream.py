@@ -28,8 +28,8 @@ class StreamSettings:
 class ChunkStream:
     """Decodes a rollout's chunks as they come and appends their frames to the files, in a worker beside the
     sampling (``frames_written`` and ``latest`` trail by up to two chunks, the one waiting and the one at work);
-    ``close`` waits for the last chunk, ends the files (also after a cancel: what was written plays) and returns them as ComfyUI's saved
-    results."""
+    ``close`` waits for the last chunk, ends the files (also after a cancel: what was written plays) and
+    returns them as ComfyUI's saved results."""
 
     def __init__(self, settings: StreamSettings, width: int, height: int, batch: int, node: str):
         self.node, self.frames_written, self.latest = node, 0, None
