@@ -4,7 +4,7 @@ The node classes, by family: ``settings_nodes`` (FAST-AR Patch Model and the cac
 it takes), ``sampler_nodes`` (the two samplers and the Long Sampler's start image), ``prompt_nodes`` (the prompt schedule), ``video_nodes``
 (the streaming save and the video stream), ``fast_decoder_nodes`` (the TAEHV-family fast decoders' loader), ``world_nodes`` (the pack's world model, its action schedule and
 sampler), ``matrix_game_nodes`` (Matrix-Game 2.0's loader and sampler), ``play_nodes`` (a world played live: the
-session's node, over ``play_routes``, its page's routes, and ``players``, the worlds it plays), over what they share (``schema``). Beneath them, by job:
+session's node, over ``play_routes``, its page's routes, and ``play_worlds``, the worlds it plays), over what they share (``schema``). Beneath them, by job:
 ``settings`` (the frozen settings the Patch Model puts on the model), ``wan`` (what the MODEL is),
 ``patching`` (the attention patch and ComfyUI's patched forward), ``fused`` and ``engines`` (which forward
 runs a rollout), ``prompts`` (conditioning and prompt schedules as contexts), ``samplers`` (the rollouts),
