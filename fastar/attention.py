@@ -19,7 +19,7 @@ from .annsa import AnnSA
 from .config import AnnConfig
 from .errors import FastARError
 from .lsh import LSH
-from .backend import attend
+from .backend import choose
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class FastARAttention:
 
     def self_attention(self, layer: int, q, k, v):
         if self.cache is None:
-            return attend(q, k, v)
+            return self._backend(q).attend(q, k, v)
         keys, values, bias = self.cache.attend(layer, k, v)
         if self.annsa is not None and self._sparse(layer) and self.annsa.runs(layer):
             out = self.annsa.attention(layer, q, keys, values, bias)
@@ -205,4 +205,10 @@ class FastARAttention:
     def cross_attention(self, layer: int, q, k, v):
         if self.annca is not None and self._sparse(layer):
             return self.annca.attention(layer, q, k, v)
-        return attend(q, k, v) if self.backend is None else self.backend.attend(q, k, v)
+        return self._backend(q).attend(q, k, v)
+
+    def _backend(self, q):
+        """The cache's backend; with no cache, one chosen at the first call from q's device, dtype and head dim."""
+        if self.backend is None:
+            self.backend = choose(q.device, q.dtype, q.shape[-1])
+        return self.backend

@@ -284,13 +284,9 @@ def choose(device, dtype: torch.dtype, head_dim: int) -> Torch:
     return _family(torch.device(device), dtype, head_dim)()
 
 
-@functools.lru_cache(maxsize=None)
-def _shared(device: torch.device, dtype: torch.dtype, head_dim: int) -> Torch:
-    return choose(device, dtype, head_dim)
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: torch.Tensor | None = None):
     """Softmax attention on [B, L, H, D] tensors on the backend of q's device, dtype and head dim
     (attention with no cache: a forward over its own tokens, a measurement's reference); ``key_bias``
-    [B, H, Lk] an additive logit per key."""
-    return _shared(q.device, q.dtype, q.shape[-1]).attend(q, k, v, key_bias=key_bias)
+    [B, H, Lk] an additive logit per key. A fresh backend each call (the family is chosen once per device,
+    dtype and head dim): no state outlives the call."""
+    return choose(q.device, q.dtype, q.shape[-1]).attend(q, k, v, key_bias=key_bias)
