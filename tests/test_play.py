@@ -44,3 +44,26 @@ def test_posts_from_threads_are_numbered_once_each():
     for t in threads:
         t.join()
     assert s.take().seq == 200
+
+
+def test_a_slow_pages_outbox_keeps_its_newest_frames_and_messages_within_its_bounds():
+    """A page that never reads: the outbox holds at most its frames and messages, the newest of each, in
+    the order they were put, and counts what it dropped; the end (the last message) always stays."""
+    import asyncio
+
+    from comfyui_fastar.nodes.play_routes import Outbox
+
+    async def run():
+        box = Outbox(frames=3, messages=4)
+        for i in range(50):
+            box.put(f"chunk {i}")
+            box.put(bytes([i]) * 2)
+            box.put(bytes([i + 100]) * 2)
+        box.put("end")
+        return box, [await box.get() for _ in range(len(box.items))]
+
+    box, kept = asyncio.run(run())
+    assert [m for m in kept if isinstance(m, bytes)] == [bytes([148]) * 2, bytes([49]) * 2, bytes([149]) * 2]
+    assert [m for m in kept if isinstance(m, str)] == ["chunk 47", "chunk 48", "chunk 49", "end"]
+    assert kept.index("chunk 49") < kept.index(bytes([149]) * 2) < kept.index("end")
+    assert box.dropped == 150 + 1 - 7 and box.frames == 0 and not box.items
