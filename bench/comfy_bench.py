@@ -320,7 +320,7 @@ def main(argv=None):
         args.chunks, args.core_chunks, args.profile_at = min(args.chunks, 9), min(args.core_chunks, 3), 4
         model = harness.tiny_wan()
         dims = (32, 32)
-        context = prompt_context(model.text_dim)
+        context = prompt_context(model.context_dim)
     else:
         model, context = testbed(prompt=args.prompt)
         dims = (480, 832)

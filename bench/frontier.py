@@ -323,8 +323,8 @@ def main():
             ap.error(f"--only {args.only}: no setting starts so; they are {', '.join(grid(g, args.fp8)[1])}")
     settings = {n: s for n, s in settings.items() if n == "dense" or n in meta}
     model32 = testbed_model(fastar, size, device, torch.float32) if floor else None
-    ctx32 = (prompt_context(model.text_dim, device=device) if args.prompt == "wan"  # the fp32 testbed's
-             else random_prompt(model.text_dim, device, torch.float32))
+    ctx32 = (prompt_context(model.context_dim, device=device) if args.prompt == "wan"  # the fp32 testbed's
+             else random_prompt(model.context_dim, device, torch.float32))
     fid = Fidelity(model, model32, ctx32.to(model.dtype), horizons, hw, GEN_FRAMES, settings, floor)
     groups = fid.groups()
     print(f"{len(meta)} settings in {len(groups)} cached histories; timed chunks: "

@@ -89,7 +89,7 @@ def rollout(model, hw, frames, cache, device, profile_chunk: int | None = None):
     g = torch.Generator(device=device).manual_seed(0)
     h, w = hw[0] // 8, hw[1] // 8
     condition = torch.randn(1, 20, 1, h, w, device=device, generator=g)
-    clip = torch.randn(1, 257, model.text_dim, device=device, generator=g).to(model.dtype)
+    clip = torch.randn(1, 257, model.context_dim, device=device, generator=g).to(model.dtype)
     rows = 1 + 4 * (frames - 1)
     keyboard = torch.zeros(1, rows, 4, device=device)
     keyboard[..., 0] = 1.0

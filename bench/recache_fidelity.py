@@ -55,7 +55,7 @@ def main() -> None:
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, context = testbed(dtype=dtype, size=args.size, device=args.device, prompt="wan")
-    other = random_prompt(model.text_dim, args.device, dtype)
+    other = random_prompt(model.context_dim, args.device, dtype)
     frames = (args.switch_after + args.after) * CHUNK
     switch = args.switch_after * CHUNK
     out, rows = {}, {}

@@ -120,7 +120,7 @@ def main(argv=None):
         from common.testbed import prompt_context
 
         model, dims, shape = harness.tiny_wan(), (32, 32), "tiny"
-        context = prompt_context(model.text_dim)
+        context = prompt_context(model.context_dim)
     else:
         from common import testbed
 

@@ -48,7 +48,7 @@ class OwnChunk(fastar.attention.FastARAttention):
 
     def self_attention(self, layer, q, k, v):
         self.cache.attend(layer, k, v)
-        return fastar.attention.attend(q, k, v)
+        return self.backend.attend(q, k, v)
 
 
 class HistoryMass(fastar.attention.FastARAttention):

@@ -167,7 +167,7 @@ def noisy_flow(model, spec, x0, xt, timesteps, actions, attention):
     b, _, t = x0.shape[:3]
     x = torch.cat([x0, xt], 2)                                 # [B, C, 2T, h, w]: clean, then noisy
     steps = torch.cat([torch.zeros_like(timesteps), timesteps], 1)
-    mean, condition = model.cross_kv(spec.context(actions))   # [B, T, 3], [B, T, A]
+    mean, condition = model.steering(spec.context(actions))   # [B, T, 3], [B, T, A]
     times = torch.arange(t, device=x0.device, dtype=torch.float64)
     fold = lambda z: torch.cat([z, z], 1).flatten(0, 1)[None]  # noqa: E731  [1, B * 2T, ...]
     v = model.run(x.transpose(1, 2).flatten(0, 1).transpose(0, 1)[None], steps.flatten()[None],

@@ -99,7 +99,7 @@ class FastARAttention:
         self.backend = cache.backend if cache is not None else None
         self.ann = ann
         self.annsa = self.annca = None
-        self._cross_kv = None              # (context, its version, maker, every layer's cross-attention K/V)
+        self._of_context = None            # (context, its version, maker, what it made)
         self.step: int | None = None       # denoising step of the running forward (clean pass: num_steps)
         self.num_steps: int | None = None
         if ann is not None:
@@ -186,20 +186,20 @@ class FastARAttention:
         else:
             write()
 
-    def cross_kv(self, context: torch.Tensor, make):
-        """Every layer's cross-attention K/V for the text ``context``: ``make(context)`` once, then
-        kept while the same tensor comes back unwritten to the same ``make`` (a model's bound method:
-        one state may serve two models): a rollout's text conditions every forward, and its projections
-        are a forward's work for nothing. Made every time:
+    def of_context(self, context: torch.Tensor, make):
+        """What a model makes of the rollout's ``context`` alone (every layer's cross-attention K/V of a
+        text, a world's poses from its actions): ``make(context)`` once, then kept while the same tensor
+        comes back unwritten to the same ``make`` (a model's bound method: one state may serve two
+        models): the context conditions every forward, and remaking it is work for nothing. Made every time:
         an inference tensor's (it counts no writes), and inside a CUDA-graph capture a context not
         kept already (its tensors would live in the graph's memory pool)."""
         version = _version(context)
-        memo = self._cross_kv
+        memo = self._of_context
         if version is not None and memo is not None and memo[0] is context and memo[1:3] == (version, make):
             return memo[3]
         kv = make(context)
         if not (context.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self._cross_kv = (context, version, make, kv)
+            self._of_context = (context, version, make, kv)
         return kv
 
     def cross_attention(self, layer: int, q, k, v):

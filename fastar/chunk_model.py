@@ -21,7 +21,7 @@ class ChunkModel(Protocol):
     num_heads: int
     head_dim: int
     latent_channels: int
-    text_dim: int
+    context_dim: int  # the width of the rows of a rollout's context (text features, image tokens, actions)
     patch_size: tuple[int, int, int]
     dtype: torch.dtype
 
@@ -99,8 +99,8 @@ def check_rollout(model: ChunkModel, context: torch.Tensor, frames: int, height:
                           f"chunk_frames={chunk_frames}")
     if not first and frames % chunk_frames:
         raise FastARError(f"frames={frames} is not divisible by chunk_frames={chunk_frames}")
-    if context.ndim != 3 or context.shape[-1] != model.text_dim:
-        raise FastARError(f"context must be [B, tokens, {model.text_dim}], got {tuple(context.shape)}")
+    if context.ndim != 3 or context.shape[-1] != model.context_dim:
+        raise FastARError(f"context must be [B, tokens, {model.context_dim}], got {tuple(context.shape)}")
     if start is not None and start.shape[0] != context.shape[0]:
         raise FastARError(f"the start latent's batch {start.shape[0]} must match the context's {context.shape[0]}")
     if not 0 <= context_noise < 1000:

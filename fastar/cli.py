@@ -165,11 +165,11 @@ def _run(args, device, group) -> list[dict]:
         model, label = fp8_linears(model), f"{label}, fp8 linears"
     height, width, frames = args.height or height, args.width or width, args.frames or frames
     if args.context:
-        context = load_context(args.context, model.text_dim, device, dtype)
+        context = load_context(args.context, model.context_dim, device, dtype)
     else:
         g = torch.Generator().manual_seed(args.seed)
-        context = torch.randn(1, TEXT_TOKENS, model.text_dim, generator=g).to(device, dtype)
-    context = pad_context(context, model.text_len)
+        context = torch.randn(1, TEXT_TOKENS, model.context_dim, generator=g).to(device, dtype)
+    context = pad_context(context, model.context_len)
     sink = {} if args.sink_frames is None else {"sink_frames": args.sink_frames}  # else the config's default
     if args.cache == "tempcache":
         cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames, **sink)

@@ -310,14 +310,14 @@ class CleanPasses:
             r.cache.commit()
 
 
-def pad_context(context: torch.Tensor, text_len: int | None) -> torch.Tensor:
-    """The prompt's features padded with zero rows to the model's text length, as Wan pads umT5's
+def pad_context(context: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """The prompt's features padded with zero rows to the model's ``context_len``, as Wan pads umT5's
     output: the model attends those rows too, so an unpadded prompt is a different prompt."""
-    if text_len is None or context.shape[1] == text_len:
+    if rows is None or context.shape[1] == rows:
         return context
-    if context.shape[1] > text_len:
-        raise FastARError(f"the prompt has {context.shape[1]} tokens; this model takes at most {text_len}")
-    return torch.nn.functional.pad(context, (0, 0, 0, text_len - context.shape[1]))
+    if context.shape[1] > rows:
+        raise FastARError(f"the prompt has {context.shape[1]} tokens; this model takes at most {rows}")
+    return torch.nn.functional.pad(context, (0, 0, 0, rows - context.shape[1]))
 
 
 def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[ChunkReport], None] | None = None,
@@ -332,13 +332,13 @@ def rollout(model: ChunkModel, context: torch.Tensor, *, on_chunk: Callable[[Chu
     group (a torch.distributed process group: every rank calls ``rollout`` alike and holds 1/world of
     the heads, ``fastar.parallel``; None or one rank: this process alone) and start (image-to-video:
     the clean latent of the first frames, cached before the first chunk; frames counts them).
-    ``context`` [B, L, text_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
-    ``context`` and ``negative_context`` are padded to the model's ``text_len`` where it has one.
+    ``context`` [B, L, context_dim] conditions every frame; with cfg != 1 both branches run batched over one cache.
+    ``context`` and ``negative_context`` are padded to the model's ``context_len`` where it has one.
     ``on_chunk`` gets a ``ChunkReport`` after every chunk (raise in it to cancel).
     """
-    text_len = getattr(model, "text_len", None)
+    rows = getattr(model, "context_len", None)
     if settings.get("negative_context") is not None:
-        settings["negative_context"] = pad_context(settings["negative_context"], text_len)
+        settings["negative_context"] = pad_context(settings["negative_context"], rows)
     if settings.get("prompts"):
-        settings["prompts"] = [(c, pad_context(t, text_len)) for c, t in settings["prompts"]]
-    return Rollout(model, pad_context(context, text_len), **settings).run(on_chunk)
+        settings["prompts"] = [(c, pad_context(t, rows)) for c, t in settings["prompts"]]
+    return Rollout(model, pad_context(context, rows), **settings).run(on_chunk)

@@ -80,9 +80,9 @@ def context_tokens(clip_vision_output, model) -> torch.Tensor:
     tokens = getattr(clip_vision_output, "penultimate_hidden_states", None)
     if tokens is None:
         raise FastARError("clip_vision_output carries no penultimate tokens: connect core's CLIP Vision Encode")
-    if tokens.ndim != 3 or tokens.shape[1:] != (model.text_len, model.text_dim):
+    if tokens.ndim != 3 or tokens.shape[1:] != (model.context_len, model.context_dim):
         raise FastARError(f"clip_vision_output holds tokens {list(tokens.shape)}; this model reads "
-                          f"[1, {model.text_len}, {model.text_dim}]: encode the start image with "
+                          f"[1, {model.context_len}, {model.context_dim}]: encode the start image with "
                           f"clip_vision_h.safetensors (ViT-H/14, 224 px) through CLIP Vision Encode, crop none")
     return tokens[:1]
 

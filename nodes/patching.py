@@ -208,7 +208,7 @@ class ComfyChunkModel:
         self.cond_or_uncond = [0]
         dm = self.dm  # the ChunkModel geometry
         self.num_layers, self.num_heads, self.head_dim = len(dm.blocks), dm.num_heads, dm.dim // dm.num_heads
-        self.latent_channels, self.text_dim, self.patch_size = dm.in_dim, dm.text_dim, tuple(dm.patch_size)
+        self.latent_channels, self.context_dim, self.patch_size = dm.in_dim, dm.text_dim, tuple(dm.patch_size)
         self.dtype = compute_dtype(model)
 
     def __call__(self, x, t, context, *, frame_offset: int, attention):

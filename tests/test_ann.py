@@ -302,7 +302,7 @@ def model():
                          ids=["unbounded", "tempcache"])
 def test_rollout_with_ann(model, cache_cfg, monkeypatch):
     """9 chunks of one frame: the history grows to two key blocks, so a plan can leave one out."""
-    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
+    ctx = pad_context(torch.randn(1, 7, model.context_dim, generator=torch.Generator().manual_seed(4)), model.context_len)
     settings = dict(frames=9, height=H_PX, width=W_PX, chunk_frames=1, cache=cache_cfg, seed=3,
                     schedule=FlowMatchSchedule((1000.0, 500.0)))
     dense = rollout(model, ctx, **settings)
@@ -329,7 +329,7 @@ def test_rollout_with_ann(model, cache_cfg, monkeypatch):
 def test_layers_run_dense_where_sparsity_does_not_pay(model, monkeypatch):
     """A layer whose plans read more than ``DENSE_ABOVE`` of its keys runs dense two chunks later (its
     densities are read a chunk late) and from then on neither plans nor sorts its history."""
-    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
+    ctx = pad_context(torch.randn(1, 7, model.context_dim, generator=torch.Generator().manual_seed(4)), model.context_len)
     settings = dict(frames=6, height=H_PX, width=W_PX, chunk_frames=1, cache=TempCacheConfig(max_cache_frames=8,
                     sink_frames=1), seed=3, schedule=FlowMatchSchedule((1000.0, 500.0)))
     cfg = AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.0)
@@ -366,7 +366,7 @@ def test_annsa_runs_only_where_the_history_can_pay(model, monkeypatch, caplog):
     """Where the history holds fewer than ``MIN_HISTORY_RATIO`` rows per row every call reads dense (the
     sink and the open chunk), AnnSA neither plans nor sorts, and the rollout is TempCache's alone, bit for
     bit; the unbounded cache's history grows past the ratio, and its layers turn sparse when it does."""
-    ctx = pad_context(torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(4)), model.text_len)
+    ctx = pad_context(torch.randn(1, 7, model.context_dim, generator=torch.Generator().manual_seed(4)), model.context_len)
     monkeypatch.setattr(annsa_mod, "MIN_HISTORY_RATIO", HISTORY_RATIO)
     assert HISTORY_RATIO == 2.0  # the cases below are built around it
     cfg = AnnConfig(keep_fraction=0.2, keep_mass=0.0, min_tokens=2, dense_steps_fraction=0.0)

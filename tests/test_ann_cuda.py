@@ -72,7 +72,7 @@ def test_a_growing_cache_compiles_kernels_again_only_for_larger_tiles(keep_mass)
     if not hasattr(getattr(triton, "knobs", None), "runtime"):
         pytest.skip("this Triton has no post-compile hook (triton.knobs.runtime)")
     model = build_model("tiny", device="cuda", dtype=torch.bfloat16, seed=0)
-    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ctx = torch.randn(1, 5, model.context_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     compiled, repeats, chunk = {}, [], [0]
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):

@@ -15,7 +15,7 @@ def model():
 def outputs(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 16, 3, 8, 12, generator=g)
-    ctx = torch.randn(2, 9, model.text_dim, generator=g)
+    ctx = torch.randn(2, 9, model.context_dim, generator=g)
     return model(x, torch.tensor([900.0, 250.0]), ctx, frame_offset=4)
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cuda
 ], ids=["tempcache+quant", "tempcache+top-p", "tempcache+quant+annca", "tempcache", "window"])
 def test_graphed_chunks_equal_eager_chunks(cache, ann):
     model = build_model("tiny", device="cuda", seed=0)
-    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ctx = torch.randn(1, 5, model.context_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(frames=27, height=64, width=96, chunk_frames=3, cache=cache, ann=ann, cfg=3.0,
                     negative_context=torch.zeros_like(ctx), context_noise=10.0)
     eager = Rollout(model, ctx, cuda_graphs=False, **settings)
@@ -50,7 +50,7 @@ def test_history_writes_on_a_side_stream_equal_writes_in_line(cuda_graphs, monke
     """The clean pass's history writes (TempCache's merge, AnnSA's sort) overlapping the rest of
     the pass on a side stream leave the same outputs and cache as when they run in line."""
     model = build_model("tiny", device="cuda", seed=0)
-    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ctx = torch.randn(1, 5, model.context_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(frames=27, height=64, width=96, chunk_frames=3, cuda_graphs=cuda_graphs,
                     cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig(keep_fraction=0.5))
     inline, side = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
@@ -71,7 +71,7 @@ def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(cuda_graphs, dtype)
     """On the GPU path (the q-k prologue kernel writing k into the cache's rows, addmm v): the
     rollout and its cache match those of K/V made in fresh tensors and copied in by ``attend``."""
     model = build_model("tiny", device="cuda", dtype=dtype, seed=0)
-    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+    ctx = torch.randn(1, 5, model.context_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
     settings = dict(frames=27, height=64, width=96, chunk_frames=3, cuda_graphs=cuda_graphs,
                     cache=TempCacheConfig(max_cache_frames=6, sink_frames=3), ann=AnnConfig())
     direct, copied = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)
@@ -96,7 +96,7 @@ def test_a_prompt_switch_replays_graphs_that_equal_eager_chunks(cache, ann):
     passes replayed from a graph of their own: the video equals the eager rollout's."""
     model = build_model("tiny", device="cuda", seed=0)
     g = torch.Generator("cuda").manual_seed(1)
-    ctx, other = (torch.randn(1, 5, model.text_dim, device="cuda", generator=g) for _ in range(2))
+    ctx, other = (torch.randn(1, 5, model.context_dim, device="cuda", generator=g) for _ in range(2))
     settings = dict(frames=36, height=64, width=96, chunk_frames=3, cache=cache, ann=ann,
                     prompts=[(7, other), (10, ctx)])
     eager = Rollout(model, ctx, cuda_graphs=False, **settings)

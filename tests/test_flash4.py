@@ -72,7 +72,7 @@ def _q_fold_rollouts(device, dtype, ann=None, frames=12, height=64, width=96, mo
     from comfyui_fastar.fastar import Rollout, TempCacheConfig
     from comfyui_fastar.fastar.models import build_model
     model = build_model(model, device=device, dtype=dtype, seed=2)
-    ctx = torch.randn(1, 8, model.text_dim, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
+    ctx = torch.randn(1, 8, model.context_dim, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
     settings = dict(frames=frames, height=height, width=width, chunk_frames=3, seed=1, ann=ann,
                     cache=TempCacheConfig(max_cache_frames=9, sink_frames=3, merge_threshold=0.3))
     folded, apart = Rollout(model, ctx, **settings), Rollout(model, ctx, **settings)

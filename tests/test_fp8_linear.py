@@ -300,7 +300,7 @@ def tiny():
 def _inputs(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, 16, 3, 8, 12, generator=g), torch.tensor([700.0]),
-            torch.randn(1, 7, model.text_dim, generator=g))
+            torch.randn(1, 7, model.context_dim, generator=g))
 
 
 def test_fp8_linears_forward_is_close_and_the_original_is_left_as_it_was(tiny):
@@ -383,7 +383,7 @@ def test_rollout_runs_with_fp8_linears(tiny, monkeypatch):
         calls.append((kw.get("out") is not None, kw.get("rows") is not None))
         return forward(self, x, **kw)
 
-    ctx = torch.randn(1, 5, tiny.text_dim, generator=torch.Generator().manual_seed(2))
+    ctx = torch.randn(1, 5, tiny.context_dim, generator=torch.Generator().manual_seed(2))
     settings = dict(frames=6, height=64, width=96, chunk_frames=2, schedule=FlowMatchSchedule(),
                     cache=TempCacheConfig(merge_threshold=0.9, max_cache_frames=4, sink_frames=1), seed=3)
     want = Rollout(tiny, ctx, **settings).run()
@@ -433,7 +433,7 @@ def test_fp8_rollout_on_the_gpu_graphed_equals_eager():
     if not scaled_mm_runs(model.blocks[0].self_attn.q.weight, 64, 64, torch.bfloat16):
         pytest.skip("no fp8 tensor cores (compute capability 8.9 on)")
     fp8 = fp8_linears(model)
-    ctx = torch.randn(1, 5, model.text_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    ctx = torch.randn(1, 5, model.context_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
     settings = dict(frames=27, height=64, width=96, chunk_frames=3, context_noise=10.0,
                     cache=TempCacheConfig(max_cache_frames=6, sink_frames=3))
     eager, graphed = Rollout(fp8, ctx, cuda_graphs=False, **settings), Rollout(fp8, ctx, **settings)

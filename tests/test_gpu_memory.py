@@ -23,7 +23,7 @@ class Cancel(Exception):
 @pytest.mark.parametrize("cancel", [False, True])
 def test_rollout_returns_device_memory(cache, ann, cancel):
     model = build_model("tiny", device="cuda", seed=0)
-    ctx = torch.randn(2, 5, model.text_dim, device="cuda")
+    ctx = torch.randn(2, 5, model.context_dim, device="cuda")
     # a first run creates what lives for the process (cuBLAS workspaces, also the CUDA graph capture
     # stream's, kernel caches): not ours
     Rollout(model, ctx, frames=12, height=64, width=96, chunk_frames=3, cache=cache, ann=ann).run()

@@ -45,7 +45,7 @@ class Recorder:
         self.model = model
         self.calls = []
         self.cache = None
-        for name in ("num_layers", "num_heads", "head_dim", "latent_channels", "text_dim", "patch_size", "dtype"):
+        for name in ("num_layers", "num_heads", "head_dim", "latent_channels", "context_dim", "patch_size", "dtype"):
             setattr(self, name, getattr(model, name))
 
     def __call__(self, x, t, context, *, frame_offset, attention):
@@ -89,7 +89,7 @@ def model():
 
 def check_against_full_sequence(model, chunk_frames, num_chunks, cache, sink=None, window=None):
     frames = chunk_frames * num_chunks
-    ctx = torch.randn(1, 7, model.text_dim)
+    ctx = torch.randn(1, 7, model.context_dim)
     rec = Recorder(model)
     schedule = FlowMatchSchedule()
     latents = rollout(rec, ctx, frames=frames, height=H, width=W, chunk_frames=chunk_frames,
@@ -146,7 +146,7 @@ def test_window_rollout_equals_sink_window_forward(model, chunk_frames, num_chun
 
 
 def test_window_memory_stops_growing(model):
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     cfg = CacheConfig("window", sink_frames=1, window_frames=3)
     seen = []
     rollout(model, ctx, frames=10, height=H, width=W, chunk_frames=1, cache=cfg,
@@ -160,7 +160,7 @@ def test_window_memory_stops_growing(model):
 
 def test_chunk_reports_carry_annsa_density(model, twins):
     """With AnnSA each report carries the share of the keys its clean-pass plans read; without, None."""
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     settings = dict(frames=6, height=H, width=W, chunk_frames=1, cache=TempCacheConfig(max_cache_frames=4, sink_frames=1))
     sparse, dense = [], []
     rollout(model, ctx, ann=AnnConfig(keep_fraction=0.1, keep_mass=0.0, block_q=64), **settings,
@@ -172,7 +172,7 @@ def test_chunk_reports_carry_annsa_density(model, twins):
 
 def test_window_keeps_older_frames_out(model):
     """A bounded rollout differs from the unbounded one once frames leave the window."""
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     kw = dict(frames=6, height=H, width=W, chunk_frames=1, seed=2)
     full = rollout(model, ctx, cache=CacheConfig("unbounded"), **kw)
     win = rollout(model, ctx, cache=CacheConfig("window", 0, 2), **kw)
@@ -186,7 +186,7 @@ def test_clean_pass_that_stops_at_the_last_kv_changes_nothing(model, cache):
     """The clean pass's output is never read, so the model stops once the last layer's K/V are in
     the cache: latents and every cached K/V equal those of a clean pass run to the end (a
     ChunkModel without ``fills_cache``), guided or not."""
-    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    ctx, neg = torch.randn(1, 5, model.context_dim), torch.randn(1, 5, model.context_dim)
     for guide in ({}, {"negative_context": neg, "cfg": 2.0}):
         kw = dict(frames=6, height=H, width=W, chunk_frames=2, cache=cache, seed=5, **guide)
         short, full = Rollout(model, ctx, **kw), Rollout(Recorder(model), ctx, **kw)
@@ -224,7 +224,7 @@ def test_kv_computed_in_the_cache_rows_equal_kv_copied_there(model, cache, twins
     """The model computes k and v straight into the cache's rows of the open chunk (no copy per
     forward): latents and every cached K/V equal those of K/V copied in by ``attend``. Guided
     (two batches) the v rows are not one block, and v alone is copied."""
-    ctx, neg = torch.randn(1, 5, model.text_dim), torch.randn(1, 5, model.text_dim)
+    ctx, neg = torch.randn(1, 5, model.context_dim), torch.randn(1, 5, model.context_dim)
     ann = AnnConfig(dense_steps_fraction=0.0)
     for guide, want in (({}, (True, True)), ({"negative_context": neg, "cfg": 2.0}, (True, False))):
         kw = dict(frames=8, height=H, width=W, chunk_frames=2, cache=cache, seed=4, ann=ann, **guide)
@@ -241,7 +241,7 @@ def test_a_rollout_makes_the_text_projections_once(model, monkeypatch):
     made = []
     real = model.cross_kv
     monkeypatch.setattr(model, "cross_kv", lambda context: made.append(context) or real(context))
-    run = Rollout(model, torch.randn(1, 5, model.text_dim), frames=6, height=H, width=W, chunk_frames=2, seed=2)
+    run = Rollout(model, torch.randn(1, 5, model.context_dim), frames=6, height=H, width=W, chunk_frames=2, seed=2)
     run.run()
     assert len(made) == 1 and made[0] is run.context
 
@@ -256,21 +256,21 @@ def test_kept_text_projections_follow_the_context():
         return [(context * 2, context * 3)]
 
     attention, ctx = FastARAttention(), torch.randn(1, 5, 8)
-    first = attention.cross_kv(ctx, make)
-    assert attention.cross_kv(ctx, make) is first and len(made) == 1
+    first = attention.of_context(ctx, make)
+    assert attention.of_context(ctx, make) is first and len(made) == 1
     ctx.add_(1.0)
-    assert torch.equal(attention.cross_kv(ctx, make)[0][0], ctx * 2) and len(made) == 2
-    attention.cross_kv(ctx.clone(), make)
+    assert torch.equal(attention.of_context(ctx, make)[0][0], ctx * 2) and len(made) == 2
+    attention.of_context(ctx.clone(), make)
     assert len(made) == 3
     other = []
-    attention.cross_kv(ctx, lambda context: other.append(context) or [(context, context)])
+    attention.of_context(ctx, lambda context: other.append(context) or [(context, context)])
     assert len(other) == 1
-    attention.cross_kv(ctx, make)
+    attention.of_context(ctx, make)
     assert len(made) == 4
     with torch.inference_mode():
         frozen = torch.randn(1, 5, 8)
-        attention.cross_kv(frozen, make)
-        attention.cross_kv(frozen, make)
+        attention.of_context(frozen, make)
+        attention.of_context(frozen, make)
     assert len(made) == 6
 
 
@@ -281,7 +281,7 @@ def test_fill_cache_outside_a_clean_pass_names_the_problem(model):
 
 
 def test_same_seed_same_latents_and_shared_prefix(model):
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     kw = dict(height=H, width=W, chunk_frames=3)
     a = rollout(model, ctx, frames=9, seed=11, **kw)
     b = rollout(model, ctx, frames=9, seed=11, **kw)
@@ -294,7 +294,7 @@ def test_same_seed_same_latents_and_shared_prefix(model):
 
 def test_classifier_free_guidance(model):
     """cfg batches both branches over one cache; cfg=1 with a negative is the plain run."""
-    ctx, neg = torch.randn(1, model.text_len, model.text_dim), torch.randn(1, model.text_len, model.text_dim)
+    ctx, neg = torch.randn(1, model.context_len, model.context_dim), torch.randn(1, model.context_len, model.context_dim)
     kw = dict(frames=4, height=H, width=W, chunk_frames=2, seed=1)
     plain = rollout(model, ctx, **kw)
     guided = rollout(model, ctx, negative_context=neg, cfg=3.0, **kw)
@@ -320,7 +320,7 @@ def test_warped_schedule():
     (dict(frames=0), "frames must be a positive integer"),
 ])
 def test_bad_rollout_inputs_name_the_problem(model, kwargs, message):
-    args = dict(context=torch.randn(1, 5, model.text_dim), frames=6, height=H, width=W, chunk_frames=3)
+    args = dict(context=torch.randn(1, 5, model.context_dim), frames=6, height=H, width=W, chunk_frames=3)
     args.update(kwargs)
     context = args.pop("context")
     with pytest.raises(FastARError, match=message):
@@ -343,7 +343,7 @@ def test_bad_settings_name_the_field(make, message):
 def test_frame_offset_as_a_tensor_gives_the_same_forward(model):
     """A CUDA graph of a forward reads the chunk's first frame from a tensor: same RoPE, same output."""
     x = torch.randn(1, 16, 2, 8, 12, generator=torch.Generator().manual_seed(5))
-    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(6))
+    ctx = torch.randn(1, 7, model.context_dim, generator=torch.Generator().manual_seed(6))
     t = torch.full((1,), 500.0)
     as_int = model(x, t, ctx, frame_offset=7)
     as_tensor = model(x, t, ctx, frame_offset=torch.tensor(7.0, dtype=torch.float64))
@@ -353,7 +353,7 @@ def test_frame_offset_as_a_tensor_gives_the_same_forward(model):
 
 def _chunk_keys(model, chunks, **settings):
     """The attention state's graph key at the start of each chunk of a rollout."""
-    ctx = torch.randn(1, 7, model.text_dim, generator=torch.Generator().manual_seed(8))
+    ctx = torch.randn(1, 7, model.context_dim, generator=torch.Generator().manual_seed(8))
     run = Rollout(model, ctx, frames=chunks, height=H, width=W, chunk_frames=1,
                   schedule=FlowMatchSchedule((1000.0, 500.0)), **settings)
     keys, reps = [], []
@@ -384,15 +384,15 @@ def test_graph_keys_repeat_once_the_cache_is_steady(model):
 
 def test_rollout_pads_the_prompt_to_the_models_text_length(model):
     """Wan attends the zero rows umT5's features are padded with: a short prompt is padded as Wan pads it."""
-    ctx = torch.randn(1, 12, model.text_dim, generator=torch.Generator().manual_seed(2))
-    padded = torch.nn.functional.pad(ctx, (0, 0, 0, model.text_len - 12))
+    ctx = torch.randn(1, 12, model.context_dim, generator=torch.Generator().manual_seed(2))
+    padded = torch.nn.functional.pad(ctx, (0, 0, 0, model.context_len - 12))
     settings = dict(frames=2, height=H, width=W, chunk_frames=1, seed=4)
     short = rollout(model, ctx, **settings)
     assert torch.equal(short, rollout(model, padded, **settings))
     unpadded = Rollout(model, ctx, **settings).run()
     assert rel(unpadded, short) > 1e-5  # the padding rows change the flow
     with pytest.raises(FastARError, match="the prompt has 513 tokens; this model takes at most 512"):
-        rollout(model, torch.randn(1, 513, model.text_dim), **settings)
+        rollout(model, torch.randn(1, 513, model.context_dim), **settings)
 
 
 CACHES = [CacheConfig("unbounded"), CacheConfig("window", sink_frames=1, window_frames=2),
@@ -405,7 +405,7 @@ def test_a_prompt_switch_keeps_the_frames_before_it_and_re_encodes_the_history(m
     re-encodes the history into the cache it replaced, so the video is unchanged; to another prompt,
     the later chunks follow it over a history encoded with it (a fresh cache given the same frames
     at the switch)."""
-    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    ctx, other = (pad_context(torch.randn(1, 7, model.context_dim), model.context_len) for _ in range(2))
     kw = dict(frames=6, height=H, width=W, chunk_frames=1, cache=cache, seed=3)
     plain = rollout(model, ctx, **kw)
     far = rollout(model, other, **kw)
@@ -432,7 +432,7 @@ def test_a_rollout_that_keeps_no_video_makes_the_same_chunks_and_holds_only_what
     the last one is returned, and the frames held stay as many however long the video: the sink's chunks and
     the cache's recent reach while a switch is ahead, none after the last; every frame for the unbounded
     cache until its last switch."""
-    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    ctx, other = (pad_context(torch.randn(1, 7, model.context_dim), model.context_len) for _ in range(2))
     held = []
     real_add = History.add
 
@@ -467,7 +467,7 @@ def test_a_switch_re_encodes_only_what_the_cache_reaches(model, cache, encoded):
     """A bounded cache re-encodes its sink's chunks and its most recent frames' (whole chunks), the
     same count however long the video; the chunks after the switch are those a fresh cache of the same
     policy, given just those frames at their positions, leads to."""
-    ctx, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(2))
+    ctx, other = (pad_context(torch.randn(1, 7, model.context_dim), model.context_len) for _ in range(2))
     kw = dict(frames=10, height=H, width=W, chunk_frames=2, cache=cache, seed=3)
     run = Rollout(model, ctx, prompts=[(4, other)], **kw)
     offsets = []
@@ -494,7 +494,7 @@ def test_a_switch_re_encodes_only_what_the_cache_reaches(model, cache, encoded):
 
 
 def test_a_switch_works_with_guidance_and_annsa(model):
-    ctx, neg, other = (pad_context(torch.randn(1, 7, model.text_dim), model.text_len) for _ in range(3))
+    ctx, neg, other = (pad_context(torch.randn(1, 7, model.context_dim), model.context_len) for _ in range(3))
     kw = dict(frames=6, height=H, width=W, chunk_frames=1, seed=3, cfg=2.0, negative_context=neg,
               cache=TempCacheConfig(max_cache_frames=4, sink_frames=1, merge_threshold=0.5),
               ann=AnnConfig(keep_fraction=0.5))
@@ -513,8 +513,8 @@ def test_a_switch_works_with_guidance_and_annsa(model):
     ([(2, "short")], r"prompt switch 1's context \(1, 5, 32\) must match the first prompt's \(1, 7, 32\)"),
 ])
 def test_bad_prompt_switches_name_the_problem(model, prompts, message):
-    ctx = torch.randn(1, 7, model.text_dim)
-    texts = {None: ctx, "short": torch.randn(1, 5, model.text_dim)}
+    ctx = torch.randn(1, 7, model.context_dim)
+    texts = {None: ctx, "short": torch.randn(1, 5, model.context_dim)}
     with pytest.raises(FastARError, match=message):
         Rollout(model, ctx, frames=6, height=H, width=W, chunk_frames=1,
                 prompts=[(c, texts[t]) for c, t in prompts])
@@ -525,7 +525,7 @@ def test_a_start_latent_is_cached_first_and_the_chunks_follow_it(model, cache):
     """Image-to-video: the start latent's frame is the video's first, cached by a clean pass before the
     first chunk (as core ComfyUI seeds its cache), and the chunks follow from frame 1: chunk 0 equals a
     rollout's chunk over a cache that was given that frame; another start image changes the video."""
-    ctx = pad_context(torch.randn(1, 7, model.text_dim), model.text_len)
+    ctx = pad_context(torch.randn(1, 7, model.context_dim), model.context_len)
     g = torch.Generator().manual_seed(5)
     start = torch.randn(1, model.latent_channels, 1, H // 8, W // 8, generator=g)
     kw = dict(frames=7, height=H, width=W, chunk_frames=2, cache=cache, seed=3)
@@ -553,7 +553,7 @@ def test_a_start_latent_is_cached_first_and_the_chunks_follow_it(model, cache):
     ((2, 16, 1, 8, 12), 9, r"start latent's batch 2 must match the context's 1"),
 ])
 def test_a_bad_start_latent_names_the_problem(model, start, frames, message):
-    ctx = pad_context(torch.randn(1, 7, model.text_dim), model.text_len)
+    ctx = pad_context(torch.randn(1, 7, model.context_dim), model.context_len)
     with pytest.raises(FastARError, match=message):
         Rollout(model, ctx, frames=frames, height=H, width=W, chunk_frames=2, start=torch.zeros(start))
 
@@ -562,7 +562,7 @@ def test_a_rollout_left_to_its_default_cache_keeps_its_memory_bounded():
     """``Rollout`` without ``cache=`` holds TempCache's budget (12 frames, the CLI's and the nodes' default),
     allocated once: flat however long the video, where every frame kept grows with it."""
     model = build_model("tiny", seed=3)
-    ctx = torch.randn(1, 8, model.text_dim, generator=torch.Generator().manual_seed(1))
+    ctx = torch.randn(1, 8, model.context_dim, generator=torch.Generator().manual_seed(1))
 
     def cache_sizes(**cache):
         seen = []

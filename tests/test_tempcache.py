@@ -79,7 +79,7 @@ def test_tokens_of_one_chunk_merging_into_one_slot_average_exactly():
 
 def test_unclearable_threshold_is_bit_identical_to_plain_cache():
     model = build_model("tiny", seed=3)
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     kw = dict(frames=8, height=64, width=96, chunk_frames=1, seed=4)
     runs = {}
     for name, cfg in [("plain", TempCacheConfig(enabled=False, max_cache_frames=5, sink_frames=1)),
@@ -97,7 +97,7 @@ def test_no_merge_budget_equals_sink_window_cache():
     """Without merges, evicting the least recently refreshed tokens keeps the newest frames:
     the same attention as the sink + window cache (and as unbounded while the budget holds)."""
     model = build_model("tiny", seed=3)
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     kw = dict(frames=9, height=64, width=96, chunk_frames=3, seed=5)
     budget = rollout(model, ctx, cache=TempCacheConfig(enabled=False, max_cache_frames=7, sink_frames=1), **kw)
     window = rollout(model, ctx, cache=CacheConfig("window", sink_frames=1, window_frames=6), **kw)
@@ -109,7 +109,7 @@ def test_no_merge_budget_equals_sink_window_cache():
 
 def test_budget_holds_over_long_rollout_without_reallocation():
     model = build_model("tiny", seed=3)
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     cfg = TempCacheConfig(merge_threshold=0.6, max_cache_frames=5, sink_frames=1)
     run = Rollout(model, ctx, frames=60, height=64, width=96, chunk_frames=1, cache=cfg, seed=1)
     tpf = 24
@@ -308,7 +308,7 @@ def test_folded_rollout_equals_the_unfolded_one(monkeypatch):
     (the model writing its keys into the folded rows) is bit-identical to the unfolded one."""
     from comfyui_fastar.fastar import AnnConfig
     model = build_model("tiny", seed=3)
-    ctx = torch.randn(1, 5, model.text_dim)
+    ctx = torch.randn(1, 5, model.context_dim)
     kw = dict(frames=9, height=64, width=96, chunk_frames=3, seed=4,
               cache=TempCacheConfig(merge_threshold=0.5, max_cache_frames=6, sink_frames=1), ann=AnnConfig())
     plain = Rollout(model, ctx, **kw)

@@ -45,7 +45,7 @@ def _continue(model, ctx, prefix, attention=None):
 
 def test_continuing_a_video_reads_the_prefix_only_through_the_cache():
     model = common.sensitize(fastar.models.build_model("tiny", seed=0))
-    ctx = torch.randn(1, 5, model.text_dim, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(1, 5, model.context_dim, generator=torch.Generator().manual_seed(0))
     a = testbed.real_latents(6, 64, 96)
     b = a.flip(2)  # the same frames in another order
     out_a, out_b = _continue(model, ctx, a), _continue(model, ctx, b)
@@ -67,7 +67,7 @@ def test_a_forked_history_continues_as_the_run_it_copies(cache, ann, other, monk
     its own over the same history does."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch twins: the state is what is tested
     model = common.sensitize(fastar.models.build_model("tiny", seed=0))
-    ctx = torch.randn(1, 5, model.text_dim, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(1, 5, model.context_dim, generator=torch.Generator().manual_seed(0))
     latents = testbed.real_latents(12, 64, 96)
 
     def history(config, frames=12):

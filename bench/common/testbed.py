@@ -58,9 +58,9 @@ def testbed(dtype=torch.bfloat16, size: str = "1.3B", device: str = "cuda", prom
     Gaussian stand-in, 512 tokens) or ``wan`` (the real clip's prompt, ``prompt_context``)."""
     model = testbed_model(fastar, size, device, dtype)
     if prompt == "wan":
-        context = prompt_context(model.text_dim, device=device, dtype=dtype)
+        context = prompt_context(model.context_dim, device=device, dtype=dtype)
     elif prompt == "random":
-        context = random_prompt(model.text_dim, device, dtype)
+        context = random_prompt(model.context_dim, device, dtype)
     else:
         raise ValueError(f"prompt must be 'random' or 'wan', got {prompt!r}")
     return model, context

@@ -343,7 +343,7 @@ class MatrixGameRun(nn.Module):
         self.fills_cache = cfg.blocks < model.config.num_layers  # the last block's action caches need its forward
 
     def __getattr__(self, name):  # the chunk-model protocol's geometry is the model's
-        if name in ("num_layers", "num_heads", "head_dim", "patch_size", "text_dim", "text_len", "dtype"):
+        if name in ("num_layers", "num_heads", "head_dim", "patch_size", "context_dim", "context_len", "dtype"):
             return getattr(self.model, name)
         return super().__getattr__(name)
 

@@ -283,11 +283,13 @@ class WanModel(nn.Module):
         return self.config.patch_size
 
     @property
-    def text_dim(self) -> int:
+    def context_dim(self) -> int:
+        """The width of the rows of the rollout's context (``forward``'s ``context``)."""
         return self.config.text_dim
 
     @property
-    def text_len(self) -> int:
+    def context_len(self) -> int | None:
+        """The rows a context is padded to (``fastar.rollout.pad_context``); None: as it comes."""
         return self.config.text_len
 
     @property
@@ -316,14 +318,14 @@ class WanModel(nn.Module):
         if x.shape[3] % cfg.patch_size[1] or x.shape[4] % cfg.patch_size[2]:
             raise FastARError(f"latent height/width {tuple(x.shape[3:])} must be multiples of the patch size "
                               f"{cfg.patch_size[1:]} (pixel height/width multiples of 16)")
-        if context.ndim != 3 or context.shape[0] != x.shape[0] or context.shape[2] != cfg.text_dim:
-            raise FastARError(f"context must be [B={x.shape[0]}, tokens, {cfg.text_dim}], got {tuple(context.shape)}")
+        if context.ndim != 3 or context.shape[0] != x.shape[0] or context.shape[2] != self.context_dim:
+            raise FastARError(f"context must be [B={x.shape[0]}, tokens, {self.context_dim}], got {tuple(context.shape)}")
         if t.ndim not in (1, 2) or t.shape[0] != x.shape[0] or (t.ndim == 2 and t.shape[1] not in (1, x.shape[2])):
             raise FastARError(f"timestep must be [B] or [B, F] with B={x.shape[0]}, F={x.shape[2]}, got {tuple(t.shape)}")
 
     def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every block's cross-attention K/V for the text ``context`` [B, L, text_dim]: a function of
-        the text alone, so a rollout's attention state keeps them (``FastARAttention.cross_kv``)."""
+        the text alone, so a rollout's attention state keeps them (``FastARAttention.of_context``)."""
         embed = self.img_emb if self.context_input == "image" else self.text_embedding
         text = embed(context.to(self.dtype))
         return [block.cross_attn.text_kv(text) for block in self.blocks]
@@ -343,7 +345,7 @@ class WanModel(nn.Module):
         self.validate(x, t, context)
         attention = attention if attention is not None else FastARAttention()
         tokens, e, e0, grid = self.embed(x, t)
-        text_kv = attention.cross_kv(context, self.cross_kv)
+        text_kv = attention.of_context(context, self.cross_kv)
         freqs = rope_frequencies(self.config.head_dim, grid, frame_offset, device=x.device)
         parallel = getattr(attention, "parallel", None)
         if parallel is not None:  # head parallelism: this rank's part of every frame's tokens

@@ -112,7 +112,7 @@ def world_config(spec: WorldSpec, *, dim: int = 256, ffn_dim: int = 1024, num_he
     """The world model's Wan configuration: one token per latent pixel, so a token's values (3 colours x
     unshuffle^2 pixels x frames_per_latent frames) fit through the width whole."""
     return WorldConfig(dim=dim, ffn_dim=ffn_dim, num_heads=num_heads, num_layers=num_layers, in_dim=spec.channels,
-                       out_dim=spec.channels, text_dim=spec.frames_per_latent * spec.actions.width, freq_dim=128,
+                       out_dim=spec.channels, text_dim=0, freq_dim=128,  # no text: actions (``context_dim``)
                        patch_size=(1, 1, 1), cross_attn_norm=False, action_layers=action_layers)
 
 
@@ -151,8 +151,13 @@ class WorldModel(WanModel):
         return self.spec.unshuffle
 
     @property
-    def text_len(self):
-        return None  # the context is one row per latent frame, never padded
+    def context_dim(self) -> int:
+        """A context row is one latent frame's actions: ``frames_per_latent`` video frames' rows."""
+        return self.spec.frames_per_latent * self.spec.actions.width
+
+    @property
+    def context_len(self):
+        return None  # one row per latent frame, never padded
 
     def validate(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> None:
         if context.shape[0] != 1 or x.shape[0] != 1:
@@ -160,11 +165,11 @@ class WorldModel(WanModel):
                               f"{x.shape[0]} latents and {context.shape[0]} action rows")
         super().validate(x, t, context)
 
-    def cross_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def steering(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The condition of every latent frame of the rollout, from its actions ``context`` [B, T,
         frames_per_latent * width]: the mean camera pose of each latent frame [B, T, 3] and the action
         module's condition [B, T, condition_dim]. A function of the actions alone, so the attention state
-        keeps it for the rollout (``FastARAttention.cross_kv``)."""
+        keeps it for the rollout (``FastARAttention.of_context``)."""
         spec, k = self.spec, self.spec.frames_per_latent
         b, t, _ = context.shape
         poses = integrate(context.float().reshape(b, t * k, spec.actions.width), spec.actions).view(b, t, k, 3)
@@ -187,7 +192,7 @@ class WorldModel(WanModel):
             raise FastARError(f"the actions cover {context.shape[1]} latent frames; the chunk at frame "
                               f"{frame_offset} needs {frame_offset + f}")
         attention = attention if attention is not None else FastARAttention()
-        mean, condition = attention.cross_kv(context, self.cross_kv)
+        mean, condition = attention.of_context(context, self.steering)
         frames = torch.arange(f, device=x.device, dtype=torch.float64) + frame_offset
         rows = frames.long()
         return self.run(x, t, mean.index_select(1, rows), condition.index_select(1, rows), frames, attention,
