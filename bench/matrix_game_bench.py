@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
-from comfyui_fastar.fastar import CacheConfig, Rollout, TempCacheConfig  # noqa: E402
+from comfyui_fastar.fastar import CacheConfig, TempCacheConfig  # noqa: E402
 from comfyui_fastar.fastar.models import MatrixGameModel, WanConfig  # noqa: E402
 from comfyui_fastar.fastar.models.matrix_game import ActionConfig  # noqa: E402
 from comfyui_fastar.fastar.schedule import FlowMatchSchedule  # noqa: E402
@@ -95,8 +95,8 @@ def rollout(model, hw, frames, cache, device, profile_chunk: int | None = None):
     keyboard[..., 0] = 1.0
     mouse = torch.zeros(1, rows, 2, device=device)
     mouse[..., 1] = 0.02
-    run = Rollout(model.bind(condition, keyboard, mouse, frames=frames), clip, frames=frames, height=hw[0],
-                  width=hw[1], chunk_frames=3, cache=cache, schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
+    run = model.rollout(clip, condition, keyboard, mouse, frames=frames, height=hw[0], width=hw[1], cache=cache,
+                        schedule=FlowMatchSchedule((1000.0, 666.0, 333.0), 5.0))
     ms, mem, prof = [], [], {}
     activities = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -87,6 +87,16 @@ def held_rows(spec: ActionSpec, n: int, keys=(), mouse=(0.0, 0.0)) -> np.ndarray
     return a
 
 
+def action_table(spec: ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
+    """A rollout's n action rows [n, width]: ``rows`` (a schedule's), the last held to the end of the last
+    chunk; None: idle, to be written live."""
+    table = np.repeat(held_rows(spec, 1), n, 0)
+    if rows is not None:
+        table[:min(n, len(rows))] = rows[:n]
+        table[len(rows):] = rows[-1]
+    return table
+
+
 # -- action text -----------------------------------------------------------------------------------------
 # Read in time linear in its length: whitespace is checked and dropped first, then one regular expression
 # whose every repetition is followed by a character it cannot itself take (so no input makes it try two

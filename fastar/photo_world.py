@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from .actions import ActionSpec, held_rows, integrate
 from .errors import FastARError
-from .models.world import WORLD_SAMPLING
 from .rollout import Rollout
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -146,12 +145,10 @@ def flight_rollout(model, flight: Flight, *, cache=None, ann=None, seed: int = 0
     """The world model's rollout of a flight: its first ``observed`` frames are the ground truth (cached by
     clean passes: what the world has shown), the rest sampled chunk by chunk, steered by the flight's
     actions, under ``cache`` (a cache config; None: TempCache at its defaults) and ``ann``."""
-    spec, device = model.spec, flight.truth.device
-    context = spec.context(torch.from_numpy(flight.actions)[None].to(device))
-    start = spec.encode(flight.truth[:, :, :flight.observed])
-    return Rollout(model, context.to(model.dtype), frames=context.shape[1], height=spec.view, width=spec.view,
-                   chunk_frames=WORLD_SAMPLING.frames_per_block, schedule=WORLD_SAMPLING.schedule(), cache=cache,
-                   ann=ann, seed=seed, cuda_graphs=cuda_graphs, start=start.to(model.dtype))
+    spec = model.spec
+    context = spec.context(torch.from_numpy(flight.actions)[None].to(flight.truth.device))
+    return model.rollout(context, spec.encode(flight.truth[:, :, :flight.observed]), cache=cache, ann=ann, seed=seed,
+                         cuda_graphs=cuda_graphs)
 
 
 def fly(model, flight: Flight, *, cache=None, ann=None, seed: int = 0, on_chunk=None,

@@ -13,7 +13,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..fastar import FastARError, FlowMatchSchedule
-from ..fastar.actions import parse_actions
+from ..fastar.actions import action_table, parse_actions
 from .progress import CacheEvents, comfy_module
 from .schema import ADVANCED, CacheType, StartType, check_widget, node_id, schema, stream_input
 from .stream import ChunkStream
@@ -169,7 +169,6 @@ class MatrixGameSampler(io.ComfyNode):
     @classmethod
     def execute(cls, world, clip_vision_output, start, actions, seed, cache=None, timesteps="", shift=5.0,
                 width=WIDTH, height=HEIGHT, stream=None) -> io.NodeOutput:
-        from ..fastar import Rollout
         from ..fastar.models.matrix_game import FRAMES_PER_LATENT
 
         with in_words(SAMPLER):
@@ -189,11 +188,10 @@ class MatrixGameSampler(io.ComfyNode):
             rows = parse_actions(actions.text, variant.actions, CHUNK, actions.fps, first_chunk=FIRST_CHUNK)
             lead = CHUNK - FIRST_CHUNK
             chunks = -(-(len(rows) + lead) // CHUNK)
-            rows = torch.from_numpy(rows)
-            rows = torch.cat([rows, rows[-1:].expand(chunks * CHUNK - lead - len(rows), -1)])  # the last action held
+            rows = torch.from_numpy(action_table(variant.actions, chunks * CHUNK - lead, rows))  # the last held
             frames = 3 * chunks
             context = context_tokens(clip_vision_output, model)
-        device, dtype = next(model.parameters()).device, model.dtype
+        device = next(model.parameters()).device
         keyboard, mouse = split_rows(rows, model)
         fmt = comfy.latent_formats.Wan21()
         condition = start_latent(start, frames, width, height, SAMPLER).to(device)
@@ -220,9 +218,8 @@ class MatrixGameSampler(io.ComfyNode):
         try:
             if stream is not None:
                 chunk_stream = ChunkStream(stream, width, height, 1, SAMPLER)
-            run = Rollout(model.bind(condition, keyboard, mouse, frames=frames), context.to(device, dtype),
-                          frames=frames, height=height, width=width, chunk_frames=3, schedule=schedule, cache=cache,
-                          seed=int(seed))
+            run = model.rollout(context, condition, keyboard, mouse, frames=frames, height=height, width=width,
+                                schedule=schedule, cache=cache, seed=int(seed))
             with torch.inference_mode():
                 run.run(on_chunk, keep=False)
         except BaseException:

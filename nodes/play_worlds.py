@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..fastar import FastARError, photo_world
-from ..fastar.actions import ActionSpec, integrate, parse_actions
+from ..fastar.actions import ActionSpec, action_table, integrate, parse_actions
 from .matrix_game_nodes import FIRST_CHUNK, context_tokens, split_rows, start_latent
 from .play_routes import NODE
 from .video import chunk_decoder
@@ -34,16 +34,6 @@ class Layout:
     def write_chunk(self, c: int, row: np.ndarray) -> None:
         start, end = self.chunk_rows(c)
         self.write(start, end - start, row)
-
-
-def action_table(spec: ActionSpec, n: int, rows: np.ndarray | None) -> np.ndarray:
-    """A session's action rows [n, width]: a schedule's (``rows``, its last held to the end of its last chunk,
-    as the Matrix-Game sampler holds it), or idle to be written live."""
-    table = np.repeat(parse_actions("idle", spec, 1), n, 0)
-    if rows is not None:
-        table[:min(n, len(rows))] = rows[:n]
-        table[len(rows):] = rows[-1]
-    return table
 
 
 class PackWorld(Layout):
@@ -79,11 +69,7 @@ class PackWorld(Layout):
         self.write(self.first, len(self.table) - self.first, parse_actions("idle", self.spec, 1)[0])
 
     def rollout(self, cache, seed):
-        from ..fastar import Rollout
-
-        return Rollout(self.model, self.context, frames=self.context.shape[1], height=self.size[0],
-                       width=self.size[1], chunk_frames=self.sampling.frames_per_block,
-                       schedule=self.sampling.schedule(), cache=cache, seed=seed, start=self.start)
+        return self.model.rollout(self.context, self.start, cache=cache, seed=seed)
 
     def write(self, first: int, count: int, row: np.ndarray) -> None:
         self.table[first:first + count] = row
@@ -115,7 +101,7 @@ class MatrixGame(Layout):
         self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
         frames = 3 * chunks
         device = next(model.parameters()).device
-        self.context = context_tokens(clip_vision_output, model).to(device, model.dtype)
+        self.context = context_tokens(clip_vision_output, model)
         self.condition = start_latent(start, frames, size[1], size[0], NODE).to(device)
         self.vae, self.format = start.vae if vae is None else vae, comfy.latent_formats.Wan21()
         self.decoder = chunk_decoder(self.vae, NODE)
@@ -127,11 +113,9 @@ class MatrixGame(Layout):
         self.decoder = chunk_decoder(self.vae, NODE)
 
     def rollout(self, cache, seed):
-        from ..fastar import Rollout
-
-        run = self.model.bind(self.condition, self.keyboard, self.mouse, frames=self.frames)
-        return Rollout(run, self.context, frames=self.frames, height=self.size[0], width=self.size[1],
-                       chunk_frames=3, schedule=self.sampling.schedule(), cache=cache, seed=seed)
+        return self.model.rollout(self.context, self.condition, self.keyboard, self.mouse, frames=self.frames,
+                                  height=self.size[0], width=self.size[1], schedule=self.sampling.schedule(),
+                                  cache=cache, seed=seed)
 
     def write(self, first: int, count: int, row: np.ndarray) -> None:
         self.table[first:first + count] = row

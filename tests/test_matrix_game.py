@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_fastar.fastar import CacheConfig, FastARError, Rollout, TempCacheConfig
+from comfyui_fastar.fastar import CacheConfig, FastARError, FlowMatchSchedule, Rollout, TempCacheConfig
 from comfyui_fastar.fastar.models import MatrixGameModel, convert_checkpoint, load_wan
 from comfyui_fastar.fastar.models.matrix_game import (HEAD_DIM, ActionCaches, ActionConfig, ActionStep,
                                                       MatrixGameActionModule,
@@ -179,9 +179,8 @@ def test_a_rollout_is_steered_causally_by_its_actions(cache):
     mouse = torch.zeros(b, rows, 2)
 
     def run(keyboard):
-        chunk_model = model.bind(condition, keyboard, mouse, frames=frames)
-        return Rollout(chunk_model, clip, frames=frames, height=32, width=64, chunk_frames=3, cache=cache,
-                       seed=5).run()
+        return model.rollout(clip, condition, keyboard, mouse, frames=frames, height=32, width=64,
+                             schedule=FlowMatchSchedule(), cache=cache, seed=5).run()
 
     still = run(keyboard)
     turned = keyboard.clone()

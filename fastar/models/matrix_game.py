@@ -33,6 +33,8 @@ from torch import nn
 
 from ..errors import FastARError
 from ..actions import ActionSpec
+from ..rollout import Rollout
+from ..schedule import FlowMatchSchedule
 from .checkpoints import Sampling
 from .wan import WanConfig, WanModel
 
@@ -283,6 +285,17 @@ class MatrixGameModel(WanModel):
              frames: int) -> "MatrixGameRun":
         """The chunk model of one rollout of ``frames`` latent frames (``MatrixGameRun``)."""
         return MatrixGameRun(self, condition, keyboard, mouse, frames=frames)
+
+    def rollout(self, context: torch.Tensor, condition: torch.Tensor, keyboard: torch.Tensor,
+                mouse: torch.Tensor | None, *, frames: int, height: int, width: int, schedule: FlowMatchSchedule,
+                cache=None, seed: int = 0) -> Rollout:
+        """The rollout of ``frames`` latent frames from a start image: its CLIP-vision ``context`` [1, 257, 1280],
+        its ``condition`` (``start_condition``; ``MatrixGameRun``) and every video frame's action rows (keyboard
+        [1, 1 + 4 (frames - 1), keys], mouse [.., 2] or None), in chunks of 3 latent frames under ``cache``.
+        What the sampler node, World Play and the benchmarks run."""
+        return Rollout(self.bind(condition, keyboard, mouse, frames=frames), context.to(condition.device, self.dtype),
+                       frames=frames, height=height, width=width, chunk_frames=3, schedule=schedule, cache=cache,
+                       seed=seed)
 
 
 def start_condition(latent: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import FastARError
 from ..actions import ActionSpec, integrate
+from ..rollout import Rollout
 from .checkpoints import CONFIG_METADATA_KEY, SAMPLING_METADATA_KEY, Sampling
 from .rope import rope_at
 from .wan import WanConfig, WanModel
@@ -197,6 +198,17 @@ class WorldModel(WanModel):
         rows = frames.long()
         return self.run(x, t, mean.index_select(1, rows), condition.index_select(1, rows), frames, attention,
                         fill_cache)
+
+    def rollout(self, context: torch.Tensor, start: torch.Tensor, *, cache=None, ann=None, seed: int = 0,
+                cuda_graphs: bool = True) -> Rollout:
+        """The rollout of the actions ``context`` [1, T, context_dim] (``WorldSpec.context``), whose first
+        latent frames are ``start`` [1, C, S, h, w] (the frames shown first, encoded: cached by clean passes),
+        the rest sampled as the world was trained, under ``cache`` and ``ann``. What the World Sampler,
+        World Play and the benchmarks run."""
+        spec = self.spec
+        return Rollout(self, context.to(self.dtype), frames=context.shape[1], height=spec.view, width=spec.view,
+                       chunk_frames=WORLD_SAMPLING.frames_per_block, schedule=WORLD_SAMPLING.schedule(), cache=cache,
+                       ann=ann, seed=seed, cuda_graphs=cuda_graphs, start=start.to(self.dtype))
 
     def world_rope(self, poses: torch.Tensor, frames: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         """RoPE tables [F * h * w, head_dim / 2, 2] for tokens at frames ``frames`` [F] (float64) whose
