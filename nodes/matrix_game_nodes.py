@@ -15,7 +15,7 @@ from comfy_api.latest import io, ui
 from ..fastar import FastARError, FlowMatchSchedule
 from ..fastar.actions import action_table, parse_actions
 from .progress import CacheEvents, comfy_module
-from .schema import ADVANCED, CacheType, StartType, check_widget, node_id, schema, stream_input
+from .schema import ADVANCED, CacheType, StartType, check_pixels, check_widget, node_id, schema, stream_input
 from .stream import ChunkStream
 from .video import start_image_latent
 from .world_nodes import CHUNK, ActionsType, WorldType
@@ -95,10 +95,9 @@ def size_inputs(note: str = "") -> list:
 
 
 def check_size(cls, width: int, height: int) -> None:
-    for name, value in (("width", width), ("height", height)):
-        check_widget(cls, name, value)
-        if value % 16:
-            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+    check_widget(cls, "width", width)
+    check_widget(cls, "height", height)
+    check_pixels(width, height)
 
 
 def split_rows(rows: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -22,7 +22,7 @@ from .play_routes import NODE, Live, Shown, register_routes, sessions
 from .play_worlds import MatrixGame, PackWorld, legend
 from .progress import CacheEvents, prompt_server
 from .schema import CacheType, StartType, check_widget, node_id, schema
-from .world_nodes import CHUNK, ActionsType, Actions, WorldType
+from .world_nodes import CHUNK, ActionsType, Actions, WorldType, check_observe
 from .words import in_words
 
 PLAY_EVENT = "fastar.play"
@@ -111,9 +111,7 @@ class WorldPlay(io.ComfyNode):
                 spec = world.variant.actions
             elif hasattr(world, "spec"):
                 spec = world.spec.actions
-                check_widget(cls, "observe", observe)
-                if observe % CHUNK:
-                    raise FastARError(f"observe {observe} must be a multiple of {CHUNK} video frames")
+                check_observe(cls, observe)
             else:
                 raise FastARError(f"the world input is {type(world).__name__}: connect FAST-AR World Model or FAST-AR "
                                   f"Matrix-Game 2.0 Loader")

@@ -46,10 +46,7 @@ class PackWorld(Layout):
         spec = model.spec
         self.spec, self.name, self.size = spec.actions, "the pack's world", (spec.view, spec.view)
         self.words = PACK_WORDS
-        photo = photo_of(image)
-        if min(photo.shape[1:]) < spec.view:
-            raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is {spec.view} "
-                              f"px, the image must be at least that on each side")
+        photo = photo_of(image, spec.view)
         device = next(model.parameters()).device
         n = observe + chunks * CHUNK
         self.table = action_table(spec.actions, n, rows)

@@ -13,7 +13,7 @@ from ..fastar.frames import is_video_length, latent_frames, nearest_video_length
 from .patching import is_patched, patch_model
 from .progress import CacheEvents
 from .samplers import ARVideoSampler, SampleSettings, encode_start_image, sample
-from .schema import (MAX_LENGTH, StartType, check_widget, graph_prompt, node_id, prompts_input, schema,
+from .schema import (MAX_LENGTH, StartType, check_pixels, check_widget, graph_prompt, node_id, prompts_input, schema,
                      stream_input)
 from .stream import ChunkStream
 from .wan import graph_model_file, recorded_sampling, unrecorded_reason
@@ -40,9 +40,7 @@ def _settings(width, height, length, batch_size, seed, timesteps, shift, frames_
     chunk = int(frames_per_chunk)
     frames = _check_length(int(length))
     FlowMatchSchedule.parse(timesteps, shift=float(shift))
-    for name, value in (("width", width), ("height", height)):
-        if value % 16:
-            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+    check_pixels(width, height)
     return SampleSettings(width=int(width), height=int(height), frames=frames, batch_size=int(batch_size),
                           seed=int(seed), timesteps=timesteps, shift=float(shift), chunk_frames=chunk,
                           context_noise=float(context_noise), cfg=float(cfg), prompts=prompts, start=start)

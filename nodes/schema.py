@@ -49,6 +49,13 @@ def check_widget(node, name: str, value) -> None:
         raise FastARError(f"{name} {value} is bigger than its maximum {spec.max}")
 
 
+def check_pixels(width: int, height: int) -> None:
+    """A video's size as the Wan VAE and a 2x2 patch take it: width and height multiples of 16."""
+    for name, value in (("width", width), ("height", height)):
+        if value % 16:
+            raise FastARError(f"{name} {value} is not a multiple of 16 pixels")
+
+
 def node_id(cls):
     """The running node's id in the graph (ComfyUI's hidden unique_id); None outside a graph."""
     return getattr(getattr(cls, "hidden", None), "unique_id", None)

@@ -159,11 +159,23 @@ class ActionSchedule(io.ComfyNode):
         return io.NodeOutput(Actions(actions, float(fps)), ui=ui.PreviewText(text))
 
 
-def photo_of(image) -> torch.Tensor:
-    """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one."""
+def photo_of(image, view: int) -> torch.Tensor:
+    """The photograph [3, H, W] in [0, 1]: the IMAGE's first, or the pack's held-out one; at least the
+    camera's ``view`` on each side."""
     if image is None:
         return photo_world.load_photo(photo_world.DEMO_PHOTO)
-    return image[0, ..., :3].permute(2, 0, 1).float().clamp(0, 1).cpu()
+    photo = image[0, ..., :3].permute(2, 0, 1).float().clamp(0, 1).cpu()
+    if min(photo.shape[1:]) < view:
+        raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is {view} px, the "
+                          f"image must be at least that on each side")
+    return photo
+
+
+def check_observe(cls, observe: int) -> None:
+    """The frames of ground truth shown first: whole chunks, within the widget's range."""
+    check_widget(cls, "observe", observe)
+    if observe % CHUNK:
+        raise FastARError(f"observe {observe} must be a multiple of {CHUNK} video frames")
 
 
 class WorldSampler(io.ComfyNode):
@@ -204,9 +216,7 @@ class WorldSampler(io.ComfyNode):
         """ComfyUI skips its own min / max for an input read here: checked here too."""
         try:
             with in_words("FAST-AR World Sampler"):
-                check_widget(cls, "observe", observe)
-                if observe % CHUNK:
-                    raise FastARError(f"observe {observe} must be a multiple of {CHUNK} video frames")
+                check_observe(cls, observe)
         except FastARError as exc:
             return str(exc)
         return True
@@ -224,11 +234,7 @@ class WorldSampler(io.ComfyNode):
             if observe >= len(route):
                 raise FastARError(f"observe {observe} leaves nothing to make: the actions hold {len(route)} video "
                                   f"frames")
-            photo = photo_of(image)
-            if min(photo.shape[1:]) < spec.view:
-                raise FastARError(f"the image is {photo.shape[2]}x{photo.shape[1]} px; the camera's view is "
-                                  f"{spec.view} px, the image must be at least that on each side")
-            photo = photo.to(next(world.parameters()).device)
+            photo = photo_of(image, spec.view).to(next(world.parameters()).device)
             flight = photo_world.flight(photo, route, spec.view, observe, np.random.default_rng(route_seed), None,
                                    spec.actions)
             chunks = (len(route) - observe) // CHUNK
