@@ -17,7 +17,7 @@ from comfy_api.latest import io, ui
 from ..fastar import FastARError
 from ..fastar.actions import FPS, MAX_TEXT, actions_text, parse_actions
 from ..fastar.play import Session
-from .matrix_game_nodes import FIRST_CHUNK, HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
+from .matrix_game_nodes import HEIGHT, WIDTH, check_size, is_matrix_game, size_inputs
 from .play_routes import NODE, Live, Shown, register_routes, sessions
 from .play_worlds import MatrixGame, PackWorld, legend
 from .progress import CacheEvents, prompt_server
@@ -106,8 +106,8 @@ class WorldPlay(io.ComfyNode):
             check_widget(cls, "max_seconds", max_seconds)
             check_widget(cls, "page_wait", page_wait)
             check_size(cls, width, height)
-            rows = None
-            if is_matrix_game(world):
+            rows, matrix_game = None, is_matrix_game(world)  # the world's kind, asked once
+            if matrix_game:
                 spec = world.variant.actions
             elif hasattr(world, "spec"):
                 spec = world.spec.actions
@@ -115,12 +115,12 @@ class WorldPlay(io.ComfyNode):
             else:
                 raise FastARError(f"the world input is {type(world).__name__}: connect FAST-AR World Model or FAST-AR "
                                   f"Matrix-Game 2.0 Loader")
-            if vae is not None and not is_matrix_game(world):
+            if vae is not None and not matrix_game:
                 raise FastARError("vae decodes Matrix-Game 2.0's frames; the pack's world decodes with its own "
                                   "decoder: disconnect vae")
             client = _client() if actions is None else None  # refused before any work
             # where chunks lie in the video (play_worlds.Layout): after the frames shown first, Matrix-Game's first short
-            first, lead = (0, CHUNK - FIRST_CHUNK) if is_matrix_game(world) else (observe, 0)
+            first, lead = (0, MatrixGame.lead) if matrix_game else (observe, 0)
             # the rollout as long as max_seconds (a replay's as its session's, so its numbers are the same)
             chunks = played = max(1, round(max_seconds * FPS) // CHUNK)
             if actions is not None:
@@ -129,8 +129,7 @@ class WorldPlay(io.ComfyNode):
                 chunks = max(chunks, played)
             with torch.inference_mode():
                 player = (MatrixGame(world, clip_vision_output, start, chunks, rows, (height, width), vae)
-                          if is_matrix_game(world)
-                          else PackWorld(world, image, observe, chunks, rows))
+                          if matrix_game else PackWorld(world, image, observe, chunks, rows))
             session = Session(spec)
             return _play(cls, player, session, cache, int(seed), played, client, page_wait=float(page_wait))
 

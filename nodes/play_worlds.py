@@ -82,6 +82,7 @@ class PackWorld(Layout):
 class MatrixGame(Layout):
     """Matrix-Game 2.0 from a start image: chunks of 12 video frames (the first 9, ``lead`` 3),
     decoded by ``vae`` (a fast decoder, or Wan's VAE; None: the start image's)."""
+    lead = CHUNK - FIRST_CHUNK
 
     def __init__(self, model, clip_vision_output, start, chunks: int, rows: np.ndarray | None,
                  size: tuple[int, int], vae=None):
@@ -93,7 +94,7 @@ class MatrixGame(Layout):
             raise FastARError(f"the {variant.name} model records no sampling: play a distilled variant")
         self.spec, self.name, self.size = variant.actions, f"Matrix-Game 2.0 {variant.name}", size
         self.words = MATRIX_GAME_WORDS.get(variant.name, {})
-        self.model, self.sampling, self.first, self.lead = model, variant.sampling, 0, CHUNK - FIRST_CHUNK
+        self.model, self.sampling = model, variant.sampling
         self.table = action_table(self.spec, chunks * CHUNK - self.lead, rows)
         self.keyboard, self.mouse = split_rows(torch.from_numpy(self.table).clone(), model)
         frames = 3 * chunks
