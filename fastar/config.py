@@ -69,8 +69,11 @@ class TempCacheConfig:
     merge_threshold: float = 0.8
     max_cache_frames: int = 12
     sink_frames: int = 3
+    recall_frames: int = 0  # the memory tier (``fastar.recall``): frames read back from host memory; 0: none
 
     def __post_init__(self):
+        if not _is_int(self.recall_frames) or self.recall_frames < 0:
+            raise SettingError(f"{{TempCacheConfig.recall_frames}} must be an integer >= 0, got {self.recall_frames!r}")
         if not _is_fraction(self.merge_threshold, lo_open=True):
             raise SettingError(f"{{TempCacheConfig.merge_threshold}} must lie in (0, 1] (a cosine similarity), "
                               f"got {self.merge_threshold!r}")
@@ -172,6 +175,9 @@ def check_settings(cache: CacheConfig | TempCacheConfig, ann: AnnConfig | None, 
         raise UnsortableCache("{AnnConfig.annsa} reads a bucket-sorted history, which a window cache does not keep "
                               "(its frames are a ring of slots); use TempCache or the unbounded cache, or turn "
                               "{AnnConfig.annsa} off")
+    if ann is not None and ann.annsa and getattr(cache, "recall_frames", 0):
+        raise SettingError("{TempCacheConfig.recall_frames} adds recalled frames that AnnSA's plans do not read; "
+                           "turn {AnnConfig.annsa} off or set {TempCacheConfig.recall_frames} to 0")
     if isinstance(cache, TempCacheConfig) and cache.history_frames < chunk_frames:
         lower = (f" or {{TempCacheConfig.sink_frames}} to at most {cache.max_cache_frames - chunk_frames}"
                  if cache.max_cache_frames >= chunk_frames else "")

@@ -60,6 +60,8 @@ class CacheStats:
     bytes_per_token: int      # K+V bytes of one token over all layers
     merged: int = 0           # TempCache: tokens of the last chunk merged into groups (per layer and head)
     evicted: int = 0          # TempCache: history tokens the last chunk evicted (per layer and head)
+    recalled: int = 0         # the memory tier: tokens of archived frames read back (in tokens_held)
+    host_bytes: int = 0       # the memory tier: host bytes of the archive (every frame past the sink)
 
     @property
     def gb(self) -> float:

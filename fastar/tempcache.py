@@ -28,6 +28,7 @@ from ..kernels.rows import gather_rows_auto, scatter_rows_auto
 from ..kernels.unit_fp8 import unit_fp8_auto
 from .config import CacheConfig, TempCacheConfig, check_settings
 from .kvcache import CacheStats, FrameCache, KVCache, Layout
+from .recall import Recall
 
 
 def _fp8_gemm(device: torch.device) -> bool:
@@ -58,9 +59,9 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
 
 
 class TempCache(KVCache):
-    """Rows ``[sink | open chunk | history slots | dump]``: the open chunk sits right after the
+    """Rows ``[sink | open chunk | history slots | recall | dump]``: the open chunk sits right after the
     sink, so the keys every query reads dense and unbiased are one span (``Layout.fixed``: one
-    cuDNN call). The history's key bias is log m (-inf on empty slots); per layer, batch and
+    cuDNN call); ``recall_frames`` frame rows of the memory tier (``fastar.recall``) follow the history. The history's key bias is log m (-inf on empty slots); per layer, batch and
     head, every history slot has its group size ``_count`` (0 = empty), the frame of its newest
     member ``_newest`` and that member's position in its write ``_token``; ``_canon[l, b, h, i]``
     is head h's slot of token i (every head holds the same tokens, each in its own slot order
@@ -74,8 +75,14 @@ class TempCache(KVCache):
     def __init__(self, config: TempCacheConfig, **geometry):
         chunk_frames, tpf = geometry["chunk_frames"], geometry["tokens_per_frame"]
         check_settings(config, None, chunk_frames)
-        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames, spare_tokens=1, **geometry)
+        super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames + config.recall_frames,
+                         spare_tokens=1, **geometry)
         self.history = self._rows(config.sink_frames + chunk_frames, config.history_frames)
+        self.recall_rows = self._rows(config.max_cache_frames + chunk_frames, config.recall_frames)
+        self.recall = (Recall(config.recall_frames, num_layers=self.num_layers, batch=self.batch,
+                              num_heads=self.num_heads, head_dim=self.head_dim, tokens_per_frame=tpf,
+                              chunk_frames=chunk_frames, device=self.device, dtype=self.dtype)
+                       if config.recall_frames else None)
         self.dump = self.k.shape[2] - 1
         shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
         device = self.device
@@ -93,8 +100,8 @@ class TempCache(KVCache):
         # forwards may be replayed from a CUDA graph, which reads it)
         self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
         self.log_count_bias[..., self._rows(0, config.sink_frames)] = float("-inf")  # empty
-        self.log_count_bias[..., self.history] = float("-inf")
-        self._fold_bias(slice(None), slice(0, self.history.stop))
+        self.log_count_bias[..., self.history.start:self.recall_rows.stop] = float("-inf")
+        self._fold_bias(slice(None), slice(0, self.recall_rows.stop))
 
     def _fold_bias(self, layers, rows: slice) -> None:
         """Tell the backend that log m of ``rows`` in ``layers`` changed. Every row outside the layout's
@@ -118,8 +125,9 @@ class TempCache(KVCache):
         self._new_frames.copy_(torch.arange(first_new, self.frames_cached + frames, device=self.device)
                                .repeat_interleave(tpf, output_size=n))
         fixed = slice(0, chunk.stop) if self.frames_held >= sink else None
-        return Layout(chunk=chunk, attended=self.history.stop, sink=sink * tpf, history=self.history, fixed=fixed,
-                      bias=(fixed.stop if fixed is not None else 0, self.history.stop), resort=self.history)
+        end = self.recall_rows.stop  # the history's, without a memory tier
+        return Layout(chunk=chunk, attended=end, sink=sink * tpf, history=self.history, fixed=fixed,
+                      bias=(fixed.stop if fixed is not None else 0, end), resort=self.history)
 
     def frame_slot(self, frame: int) -> int | None:
         return frame if frame < self.config.sink_frames else None  # later frames merged at write_history
@@ -128,9 +136,25 @@ class TempCache(KVCache):
         return min(frames_cached, self.config.sink_frames)
 
     def write_history(self, layer: int, q: torch.Tensor) -> None:
-        """Merge the layer's new tokens (the chunk's frames past the sink) into the history."""
+        """Merge the layer's new tokens (the chunk's frames past the sink) into the history; the memory tier
+        notes the queries that choose what it recalls next."""
         if self._new.stop > self._new.start:
             self._merge(layer, self._new)
+        if self.recall is not None:
+            self.recall.note_queries(layer, q)
+
+    def commit(self) -> None:
+        """The chunk becomes history; with a memory tier its frames are archived and each layer's recall rows
+        refilled with the archived frames older than the budget that its clean pass's queries favour."""
+        new = self._new
+        super().commit()
+        if self.recall is None:
+            return
+        self.recall.archive(self.k[:, :, new], self.v[:, :, new])  # the chunk's rows, as its clean pass wrote them
+        # the archive is every frame past the sink, in order; the budget's worth of the newest stay out
+        chosen = self.recall.choose(self.recall.archived - self.config.history_frames)
+        self.recall.fill(self.k, self.v, self.log_count_bias, self.recall_rows, chosen)
+        self._fold_bias(slice(None), self.recall_rows)
 
     def _match(self, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor, canon: torch.Tensor):
         """Top-1 counterpart of each new token among the filled history slots, and the keys'
@@ -247,15 +271,19 @@ class TempCache(KVCache):
         per_head = self.num_layers * self.batch * self.num_heads
         held = (self._count > 0).float().sum(-1).mean((1, 2))  # filled slots per layer
         state = sum(t.nbytes for t in (self._count, self._newest, self._token, self._canon))
+        recall = self.recall
+        recalled = recall.recalled() * self.tokens_per_frame if recall is not None else 0
         return CacheStats(
             frames_cached=base.frames_cached,
-            tokens_held=base.tokens_held + round(held.mean().item()),
+            tokens_held=base.tokens_held + round(held.mean().item()) + recalled,
             dense_tokens=base.dense_tokens,
             capacity_tokens=base.capacity_tokens,
-            bytes=base.bytes + state,
+            bytes=base.bytes + state + (recall.device_bytes if recall is not None else 0),
             bytes_per_token=base.bytes_per_token,
             merged=round(self._merged.sum().item() / per_head),
             evicted=round(self._evicted.sum().item() / per_head),
+            recalled=recalled,
+            host_bytes=recall.archived * recall.bytes_per_frame if recall is not None else 0,
         )
 
 
