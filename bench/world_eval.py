@@ -12,7 +12,9 @@ its video is compared with the ground truth and with the dense cache's video, fo
   the sizes that cost what TempCache does;
 * ``tempcache B @ t``: TempCache at a budget of B frames (sink 3 included), merge threshold t;
 * ``tempcache B @ t + AnnSA``: with AnnSA's sparse self-attention at its defaults (B = 15, 21: below
-  15 frames it stands aside).
+  15 frames it stands aside);
+* ``tempcache 12 @ 0.8 + recall R``: with the memory tier (``fastar.recall``): R archived frames older
+  than the budget read back from host memory each chunk, as its queries choose.
 
 Also measured: the dense run's PSNR / SSIM along a whole flight, the share of the attention mass the
 dense cache's queries put on the history (the cache, not their own chunk) on the revisited chunks, AnnSA's
@@ -87,6 +89,8 @@ def settings(smoke: bool, thresholds: list[float], sweep: list[float]) -> dict:
                                                    None)
     for t in sweep:
         out[f"tempcache 12 @ {t}"] = (T(merge_threshold=t), None, None)
+    for r in (6,) if smoke else (3, 6, 9):  # the memory tier beside the default budget
+        out[f"tempcache 12 @ 0.8 + recall {r}"] = (T(recall_frames=r), None, None)
     return out
 
 

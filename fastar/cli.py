@@ -59,6 +59,10 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-threshold", type=float, default=TempCacheConfig.merge_threshold,
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
+    p.add_argument("--recall-frames", type=int, default=TempCacheConfig.recall_frames,
+                   help="tempcache: the memory tier: every frame also kept in host memory, and each chunk attends "
+                        "this many older frames its queries favour beside the budget (not with --annsa; default 0: "
+                        "off)")
     p.add_argument("--annsa", action="store_true",
                    help="AnnSA sparse self-attention at the default AnnConfig (needs --cache tempcache or unbounded); "
                         "pays only with long budgets (--max-cache-frames 21 and more), on content whose attention "
@@ -172,7 +176,8 @@ def _run(args, device, group) -> list[dict]:
     context = pad_context(context, model.context_len)
     sink = {} if args.sink_frames is None else {"sink_frames": args.sink_frames}  # else the config's default
     if args.cache == "tempcache":
-        cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames, **sink)
+        cache = TempCacheConfig(merge_threshold=args.merge_threshold, max_cache_frames=args.max_cache_frames,
+                                recall_frames=args.recall_frames, **sink)
     else:
         cache = CacheConfig(args.cache, window_frames=args.window_frames, **sink)
     args.chunk_frames = args.chunk_frames or sampling.frames_per_block
@@ -193,7 +198,8 @@ def _run(args, device, group) -> list[dict]:
           f"({frames} latent) at "
           f"{width}x{height}, chunks of {args.chunk_frames}, {len(schedule.timesteps)} steps, cache {args.cache}"
           + (f" (sink {cache.sink_frames}, window {args.window_frames})" if args.cache == "window" else "")
-          + (f" (budget {args.max_cache_frames} frames, sink {cache.sink_frames}, threshold {args.merge_threshold})"
+          + (f" (budget {args.max_cache_frames} frames, sink {cache.sink_frames}, threshold {args.merge_threshold}"
+             + (f", recall {args.recall_frames} frames from host memory" if args.recall_frames else "") + ")"
              if args.cache == "tempcache" else "")
           + (", AnnSA sparse attention" if ann is not None else "")
           + (", repeating chunks replayed from a CUDA graph" if engine.cuda_graphs and engine.attention.graph_safe else "")

@@ -128,7 +128,7 @@ class CacheEvents:
             "status": "running", "chunk": r.chunk + 1, "chunks": r.num_chunks,
             **self._frames(r.frames_done, r.total_frames),
             "tokens": s.tokens_held, "dense_tokens": s.dense_tokens, "capacity_tokens": s.capacity_tokens,
-            "gb": s.gb, "held_gb": s.held_gb, "dense_gb": s.dense_gb,
+            "gb": s.gb, "held_gb": s.held_gb, "dense_gb": s.dense_gb, "host_gb": s.host_bytes / 1e9,
             "relative": (s.tokens_held / s.dense_tokens) if s.dense_tokens else 1.0,
             "latency_s": r.latency_s, "chunks_per_s": (r.chunk + 1) / elapsed,
             "annsa_density": r.annsa_density,  # None without AnnSA

@@ -75,18 +75,24 @@ class TempCacheSettings(io.ComfyNode):
                 io.Int.Input("sink_frames", default=d.sink_frames, min=0, max=64, step=1,
                              tooltip="First latent frames kept as they are, never merged or evicted "
                                      "(the attention sink)."),
+                io.Int.Input("recall_frames", default=d.recall_frames, min=0, max=64, step=1, optional=True,
+                             tooltip="The memory tier: every frame is also kept in host memory, and each chunk "
+                                     "attends this many older frames beside the cache, those the last chunk's "
+                                     "queries favour (a place seen long ago, recalled on return). 0: off. GPU "
+                                     "memory stays flat; host memory grows with the video. Not with AnnSA."),
             ],
             outputs=[CacheType.Output()],
         )
 
     @classmethod
-    def validate_inputs(cls, max_cache_frames, sink_frames):
+    def validate_inputs(cls, max_cache_frames, sink_frames, recall_frames=0):
         """A budget that leaves no room for a chunk beside the sink, refused at /prompt on the two inputs
         it reads. The sampler's chunk size is not known here: the largest (3 latent frames, the chunkwise
         checkpoints') is asked for, which a framewise rollout needs no less to keep any history."""
         try:
             check_widget(cls, "max_cache_frames", max_cache_frames)
             check_widget(cls, "sink_frames", sink_frames)
+            check_widget(cls, "recall_frames", recall_frames)
             config = TempCacheConfig(max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames))
             check_settings(config, None, CHUNK_FRAMES)
         except FastARError as exc:
@@ -94,10 +100,11 @@ class TempCacheSettings(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames) -> io.NodeOutput:
+    def execute(cls, enabled, merge_threshold, max_cache_frames, sink_frames, recall_frames=0) -> io.NodeOutput:
         with in_words("TempCache Settings"):
             return io.NodeOutput(TempCacheConfig(enabled=enabled, merge_threshold=float(merge_threshold),
-                                                 max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames)))
+                                                 max_cache_frames=int(max_cache_frames), sink_frames=int(sink_frames),
+                                                 recall_frames=int(recall_frames)))
 
 
 class WindowCache(io.ComfyNode):

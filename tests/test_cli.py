@@ -63,6 +63,8 @@ def test_cli_runs_and_writes_plot_and_table(tmp_path, capsys, monkeypatch):
     (["--frames", "3", "--cache", "window", "--window-frames", "0"], "window_frames must be"),
     (["--frames", "3", "--merge-threshold", "1.5"], "TempCacheConfig.merge_threshold must lie in (0, 1]"),
     (["--frames", "3", "--max-cache-frames", "4"], "TempCacheConfig.max_cache_frames 4 leaves 1 frame of history beside 3 frames of sink"),
+    (["--frames", "3", "--recall-frames", "-1"], "TempCacheConfig.recall_frames must be an integer >= 0"),
+    (["--frames", "3", "--recall-frames", "2", "--annsa"], "recalled frames that AnnSA's plans do not read"),
 ])
 def test_cli_bad_arguments_one_line(argv, message, capsys, tmp_path):
     assert main(["rollout", *argv, "--plot", str(tmp_path / "p.png")]) == 2
@@ -79,6 +81,16 @@ def test_cli_default_tempcache_stays_within_budget(tmp_path, capsys):
     assert json.loads(table.read_text())["cache"] == "tempcache"
     assert max(r["cache_tokens"] for r in rows) <= 7 * 16 < rows[-1]["frames"] * 16
     assert "budget 7 frames" in capsys.readouterr().out
+
+
+def test_cli_recall_frames_reach_the_cache(tmp_path, capsys):
+    """The memory tier holds the budget and its recalled frames on the device, the rest on the host."""
+    table = tmp_path / "t.json"
+    assert main(["rollout", "--frames", "18", "--height", "64", "--width", "64", "--max-cache-frames", "7",
+                 "--recall-frames", "2", "--plot", str(tmp_path / "t.png"), "--json", str(table)]) == 0
+    rows = json.loads(table.read_text())["chunks"]
+    assert max(r["cache_tokens"] for r in rows) <= 9 * 16 and rows[-1]["cache_tokens"] > 7 * 16
+    assert "recall 2 frames" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

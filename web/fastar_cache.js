@@ -147,7 +147,9 @@ class CacheView {
     const waiting = status === "running" && !(num(d.chunk) >= 1);  // started, no chunk reported yet
     this.status.textContent = "FAST-AR cache: " + (waiting ? "waiting for the first chunk" : status);
     this.fields.tokens.textContent = formatTokens(d.tokens);
-    this.fields.gb.textContent = waiting ? "–" : formatGB(d.held_gb) + " (alloc " + formatGB(d.gb) + ")";
+    // the memory tier's archive (TempCache's recall_frames) lives in host memory, beside the device's
+    this.fields.gb.textContent = waiting ? "–" : formatGB(d.held_gb) + " (alloc " + formatGB(d.gb) + ")" +
+      (num(d.host_gb) > 0 ? " + host " + formatGB(d.host_gb) : "");
     this.fields.relative.textContent = formatPercent(d.relative) + " of " + formatGB(d.dense_gb);
     // video frames (what the sampler's length counts), the latent frames the model generates below them
     this.fields.frames.textContent = formatFrames(d.video_frames_done, d.video_total_frames) + " video";
