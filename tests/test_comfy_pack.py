@@ -99,7 +99,7 @@ def test_the_world_template_flies_the_demos_route_with_tempcache_and_the_window(
     assert (poses[24:120, 0] - poses[23, 0]).abs().max() > 64  # the loop takes the place out of view
     t, w = TempCacheConfig(), CacheConfig()
     assert by_type["FastARTempCacheSettings"][0]["widgets_values"] == [t.enabled, t.merge_threshold, t.max_cache_frames,
-                                                                       t.sink_frames]
+                                                                       t.sink_frames, t.recall_frames]
     assert by_type["FastARWindowCache"][0]["widgets_values"] == [w.sink_frames, w.window_frames, False]
     assert [n["widgets_values"][0] for n in by_type["FastARWorldSampler"]] == [36, 36]  # shown up to the loop
     # a fair comparison on every Run: one noise seed, saved fixed (the frontend would add "randomize"), one route_seed
@@ -120,7 +120,8 @@ def _check_fastar_at_the_defaults(wf):
     t = TempCacheConfig()
     by_type = {n["type"]: n["widgets_values"] for n in nodes.values()}
     assert "FastARAnnSparsity" not in by_type
-    assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames]
+    assert by_type["FastARTempCacheSettings"] == [t.enabled, t.merge_threshold, t.max_cache_frames, t.sink_frames,
+                                                  t.recall_frames]
 
 
 def test_dense_baseline_workflow_keeps_every_frame_without_sparsity():

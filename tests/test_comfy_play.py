@@ -148,7 +148,8 @@ def test_the_play_template_is_the_live_graph_at_its_defaults(server):
     assert set(k for k, v in play.items() if isinstance(v, list)) == {"world", "cache"}
     t = TempCacheConfig()
     assert by_type["FastARTempCacheSettings"] == {"enabled": t.enabled, "merge_threshold": t.merge_threshold,
-                                                  "max_cache_frames": t.max_cache_frames, "sink_frames": t.sink_frames}
+                                                  "max_cache_frames": t.max_cache_frames, "sink_frames": t.sink_frames,
+                                                  "recall_frames": t.recall_frames}
     assert "SaveAnimatedWEBP" in by_type
 
 
