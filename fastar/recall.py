@@ -4,7 +4,8 @@ back where a chunk's queries look.
 TempCache holds a budget of tokens; a place seen hundreds of frames ago has long been merged into its
 successors or evicted, and a returning camera finds nothing of it. Recall keeps every committed frame's
 clean K/V on the host (pinned on CUDA; ``bytes_per_frame``) and, on the device, a summary of each: the
-mean key of each block of a frame's tokens, per head. After a chunk, the block means of its clean pass's
+mean key of each quarter of a frame's tokens, per head (``BLOCKS`` keys a frame and layer: what the device
+holds grows by 1/390 of a frame's K/V at Wan 1.3B's 832x480). After a chunk, the block means of its clean pass's
 queries (kept per layer in a fixed buffer, so a replayed CUDA graph writes them too) score every archived
 frame older than the cache's budget by the attention mass its blocks would draw (a log-sum-exp over
 queries, heads and blocks), and each layer's best ``recall_frames`` are copied into the cache's recall
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 64  # tokens a frame's summary averages per block
+BLOCKS = 4  # key blocks of a frame's summary (and of a frame's queries)
 
 
 class Recall:
@@ -25,7 +26,7 @@ class Recall:
     def __init__(self, frames: int, *, num_layers: int, batch: int, num_heads: int, head_dim: int,
                  tokens_per_frame: int, chunk_frames: int, device, dtype):
         self.frames, self.tokens_per_frame = frames, tokens_per_frame
-        self.blocks = max(1, tokens_per_frame // BLOCK)
+        self.blocks = min(BLOCKS, tokens_per_frame)
         # token t of a frame is in block group[t]: blocks of tokens_per_frame / blocks tokens, the last ones
         # one token longer where it does not divide
         self.group = torch.arange(tokens_per_frame, device=device) * self.blocks // tokens_per_frame
@@ -34,10 +35,10 @@ class Recall:
         self.device, self.dtype = torch.device(device), dtype
         # the clean pass's query block means, per layer: [L, B, chunk_frames * blocks, H, D], and how many hold one
         self._queries = torch.zeros(num_layers, batch, chunk_frames * self.blocks, num_heads, head_dim,
-                                    device=device, dtype=torch.float32)
+                                    device=device, dtype=dtype)
         self._noted = 0
         self._summary = torch.zeros(0, num_layers, batch, self.blocks, num_heads, head_dim, device=device,
-                                    dtype=torch.float32)
+                                    dtype=dtype)
         self._k: list[torch.Tensor] = []  # per archived frame: [L, B, T, H, D] on the host
         self._v: list[torch.Tensor] = []
         self.held = torch.zeros(num_layers, batch, frames, dtype=torch.long)  # frame in each recall slot (-1: none)
@@ -50,7 +51,7 @@ class Recall:
     @property
     def device_bytes(self) -> int:
         """What the tier holds on the device: the frames' summaries (they grow by ``blocks`` keys a frame
-        and layer, 1/64 of the frame's keys) and the noted queries."""
+        and layer) and the noted queries."""
         return self._summary.nbytes + self._queries.nbytes
 
     @property
@@ -65,7 +66,7 @@ class Recall:
         frames = n // self.tokens_per_frame
         x = x.float().reshape(*lead, frames, self.tokens_per_frame, h, d)
         sums = torch.zeros(*lead, frames, self.blocks, h, d, device=x.device).index_add_(len(lead) + 1, self.group, x)
-        return (sums / self.sizes[:, None, None]).flatten(len(lead), len(lead) + 1)
+        return (sums / self.sizes[:, None, None]).flatten(len(lead), len(lead) + 1).to(self.dtype)
 
     def note_queries(self, layer: int, q: torch.Tensor) -> None:
         """A layer's clean-pass queries [B, n, H, D] (whole frames), summarized for the next choice."""
@@ -93,7 +94,7 @@ class Recall:
             return torch.zeros(*self.shape[:2], 0, dtype=torch.long)
         q = self._queries[:, :, :self._noted]                          # [L, B, Nq, H, D]
         s = self._summary[:n]                                          # [F, L, B, K, H, D]
-        logits = torch.einsum("lbqhd,flbkhd->lbfhqk", q, s) / self.shape[3] ** 0.5
+        logits = torch.einsum("lbqhd,flbkhd->lbfhqk", q, s).float() / self.shape[3] ** 0.5
         logits = logits + self.sizes.log()
         score = logits.flatten(3).logsumexp(-1)                        # [L, B, F]
         return score.topk(min(self.frames, n), dim=-1).indices.cpu()
