@@ -5,7 +5,7 @@ TempCache holds a budget of tokens; a place seen hundreds of frames ago has long
 successors or evicted, and a returning camera finds nothing of it. Recall keeps every committed frame's
 clean K/V on the host (pinned on CUDA; ``bytes_per_frame``) and, on the device, a summary of each: the
 mean key of each quarter of a frame's tokens, per head (``BLOCKS`` keys a frame and layer: what the device
-holds grows by 1/390 of a frame's K/V at Wan 1.3B's 832x480). After a chunk, the block means of its clean pass's
+holds grows by 1/390 of a frame's keys at Wan 1.3B's 832x480). After a chunk, the block means of its clean pass's
 queries (kept per layer in a fixed buffer, so a replayed CUDA graph writes them too) score every archived
 frame older than the cache's budget by the attention mass its blocks would draw (a log-sum-exp over
 queries, heads and blocks), and each layer's best ``recall_frames`` are copied into the cache's recall
