@@ -190,6 +190,8 @@ class HeadParallelTempCache(TempCache):
     decision is per head and runs as ``TempCache``'s."""
 
     def __init__(self, config, *, parallel: HeadParallel, **geometry):
+        if config.recall_frames:  # each rank would choose its frames by its own heads' scores
+            raise FastARError("TempCache's recall_frames runs in one process: leave it 0 under head parallelism")
         self.parallel = parallel
         super().__init__(config, **geometry)
 

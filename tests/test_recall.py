@@ -62,3 +62,13 @@ def test_a_memory_tier_is_a_setting_checked_with_the_rest():
         TempCacheConfig(recall_frames=-1)
     with pytest.raises(SettingError, match="AnnSA's plans do not read"):
         check_settings(TempCacheConfig(max_cache_frames=21, recall_frames=6), AnnConfig(), 3)
+
+
+def test_head_parallelism_refuses_a_memory_tier():
+    """Each rank holds some heads; its choice of frames would be its heads' alone."""
+    from comfyui_fastar.fastar.errors import FastARError
+    from comfyui_fastar.fastar.parallel import HeadParallelTempCache
+
+    with pytest.raises(FastARError, match="recall_frames runs in one process"):
+        HeadParallelTempCache(TempCacheConfig(recall_frames=2), parallel=None, num_layers=1, batch=1, num_heads=2,
+                              head_dim=8, tokens_per_frame=4, chunk_frames=1)
