@@ -258,9 +258,13 @@ def main(argv=None):
     p.add_argument("--sweep", default="0.9,0.85,0.7", help="more thresholds, at budget 12")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds")
     p.add_argument("--timing-n", type=int, default=384, help="the flight timed")
+    p.add_argument("--settings", help="only these of the table's settings (comma-separated names; dense first), "
+                                      "their revisit PSNR alone (no timing, no history mass): world_eval_settings.json")
+    p.add_argument("--cpu", action="store_true", help="on the CPU in fp32 (what --smoke runs on)")
     args = p.parse_args(argv)
-    device = torch.device("cpu" if args.smoke else "cuda")
-    model = fastar.models.load_wan(args.model, device=device, dtype=torch.float32 if args.smoke else torch.bfloat16)
+    cpu = args.smoke or args.cpu
+    device = torch.device("cpu" if cpu else "cuda")
+    model = fastar.models.load_wan(args.model, device=device, dtype=torch.float32 if cpu else torch.bfloat16)
     spec = model.spec
     photos = sorted(os.path.join(fastar.photo_world.PHOTOS, "heldout", f)
                     for f in os.listdir(os.path.join(fastar.photo_world.PHOTOS, "heldout")))
@@ -270,9 +274,24 @@ def main(argv=None):
                      [] if args.smoke else [float(x) for x in args.sweep.split(",") if x])
     if args.smoke:
         photos = photos[:1]
+    if args.settings:
+        chosen = args.settings.split(",")
+        unknown = [s for s in chosen if s not in table]
+        if unknown or chosen[0] != "dense":
+            p.error(f"--settings: dense first, then any of {', '.join(table)}; unknown: {', '.join(unknown)}")
+        table = {s: table[s] for s in chosen}
     tic = time.time()
     result = {**header(device, argv), "model": os.path.basename(args.model), "dtype": str(model.dtype),
               "thresholds": thresholds, "settings": list(table)}
+    if args.settings:
+        name = "world_eval_settings"
+
+        def done(rows, curve):
+            write_json(args.out, name + ".json", {**result, "quality": rows, "minutes": round((time.time() - tic) / 60, 2)})
+
+        result["quality"], _ = quality(model, spec, ns, photos, table, device, done)
+        done(result["quality"], None)
+        return
     result["timing"] = timing(model, spec, table, photos[0], 48 if args.smoke else args.timing_n,
                               1 if args.smoke else args.rounds, device)
     for name, t in result["timing"].items():
