@@ -219,6 +219,9 @@ def plot(result, path):
                 if k.endswith(f"@ {t} + AnnSA"):
                     ax.scatter([ms[k]], [mean[k]], marker="*", s=110, color=colour, edgecolor="k", zorder=3,
                                label=f"+ AnnSA (15, 21 frames), {t}" if "15" in k else None)
+        pts = sorted((ms[k], mean[k]) for k in mean if "+ recall" in k)
+        if pts:
+            ax.plot(*zip(*pts), marker="D", color="tab:brown", label="TempCache 12 + recall (its memory tier)")
         ax.axhline(mean["dense"], color="k", ls="--", lw=1, label=f"dense cache ({ms['dense']:.0f} ms a chunk)")
         ax.axhline(mean["own chunk"], color="grey", ls=":", lw=1, label="no history (own chunk)")
         ax.set_xscale("log")
