@@ -41,8 +41,7 @@ class Recall:
                                     dtype=dtype)
         self._k: list[torch.Tensor] = []  # per archived frame: [L, B, T, H, D] on the host
         self._v: list[torch.Tensor] = []
-        self.held = torch.zeros(num_layers, batch, frames, dtype=torch.long)  # frame in each recall slot (-1: none)
-        self.held.fill_(-1)
+        self.held = torch.full((num_layers, batch, frames), -1)  # the archived frame in each recall slot (-1: none)
 
     @property
     def archived(self) -> int:
@@ -87,8 +86,8 @@ class Recall:
         self._summary = torch.cat([self._summary, summary])
 
     def choose(self, before: int) -> torch.Tensor:
-        """Each layer's and batch row's best archived frames among those before frame ``before`` [L, B, <=
-        frames], by the mass the noted queries would put on their blocks, best first."""
+        """Each layer's and batch row's best among the ``before`` oldest archived frames [L, B, <= frames]
+        (archive indices), by the mass the noted queries would put on their blocks, best first."""
         n = min(before, self.archived)
         if n <= 0 or not self._noted:
             return torch.zeros(*self.shape[:2], 0, dtype=torch.long)
