@@ -286,30 +286,23 @@ def main(argv=None):
     tic = time.time()
     result = {**header(device, argv), "model": os.path.basename(args.model), "dtype": str(model.dtype),
               "thresholds": thresholds, "settings": list(table)}
-    if args.settings:
-        name = "world_eval_settings"
-
-        def done(rows, curve):
-            write_json(args.out, name + ".json", {**result, "quality": rows, "minutes": round((time.time() - tic) / 60, 2)})
-
-        result["quality"], _ = quality(model, spec, ns, photos, table, device, done)
-        done(result["quality"], None)
-        return
-    result["timing"] = timing(model, spec, table, photos[0], 48 if args.smoke else args.timing_n,
-                              1 if args.smoke else args.rounds, device)
-    for name, t in result["timing"].items():
-        print(f"{name:28s} {t['ms']:7.2f} ms a chunk (rounds {', '.join(f'{x:.2f}' for x in t['rounds'])})")
-    name = "world_eval_smoke" if args.smoke else "world_eval"
+    if not args.settings:  # a few settings: their quality alone
+        result["timing"] = timing(model, spec, table, photos[0], 48 if args.smoke else args.timing_n,
+                                  1 if args.smoke else args.rounds, device)
+        for name, t in result["timing"].items():
+            print(f"{name:28s} {t['ms']:7.2f} ms a chunk (rounds {', '.join(f'{x:.2f}' for x in t['rounds'])})")
+        result["history_mass"] = history_mass(model, spec, ns, photos, device)
+    name = "world_eval_settings" if args.settings else "world_eval_smoke" if args.smoke else "world_eval"
 
     def done(rows, curve):  # what is measured so far, should a later N not finish
         write_json(args.out, name + ".json", {**result, "quality": rows, "curve": curve,
                                                "minutes": round((time.time() - tic) / 60, 2)})
 
-    result["history_mass"] = history_mass(model, spec, ns, photos, device)
     result["quality"], result["curve"] = quality(model, spec, ns, photos, table, device, done)
     result["minutes"] = round((time.time() - tic) / 60, 2)
     print(f"wrote {write_json(args.out, name + '.json', result)}")
-    plot(result, os.path.join(args.out, name + ".png"))
+    if not args.settings:  # the plot places each setting by its time
+        plot(result, os.path.join(args.out, name + ".png"))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class Recall:
     def bytes_per_frame(self) -> int:
         """Host bytes one archived frame takes (its K and V)."""
         n = self.shape[0] * self.shape[1] * self.tokens_per_frame * self.shape[2] * self.shape[3]
-        return 2 * n * torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * n * self.dtype.itemsize
 
     def _means(self, x: torch.Tensor) -> torch.Tensor:
         """Block means [..., frames * blocks, H, D] of tokens x [..., frames * T, H, D]."""
@@ -80,8 +80,8 @@ class Recall:
         for i in range(frames):
             rows = slice(i * self.tokens_per_frame, (i + 1) * self.tokens_per_frame)
             for store, x in ((self._k, k), (self._v, v)):
-                host = torch.empty(x[:, :, rows].shape, dtype=x.dtype, pin_memory=pin)
-                store.append(host.copy_(x[:, :, rows], non_blocking=pin))
+                part = x[:, :, rows]
+                store.append(torch.empty(part.shape, dtype=part.dtype, pin_memory=pin).copy_(part, non_blocking=pin))
         summary = self._means(k).unflatten(2, (frames, self.blocks)).movedim(2, 0)  # [frames, L, B, blocks, H, D]
         self._summary = torch.cat([self._summary, summary])
 

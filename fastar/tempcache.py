@@ -61,9 +61,10 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
 class TempCache(KVCache):
     """Rows ``[sink | open chunk | history slots | recall | dump]``: the open chunk sits right after the
     sink, so the keys every query reads dense and unbiased are one span (``Layout.fixed``: one
-    cuDNN call); ``recall_frames`` frame rows of the memory tier (``fastar.recall``) follow the history. The history's key bias is log m (-inf on empty slots); per layer, batch and
-    head, every history slot has its group size ``_count`` (0 = empty), the frame of its newest
-    member ``_newest`` and that member's position in its write ``_token``; ``_canon[l, b, h, i]``
+    cuDNN call); ``recall_frames`` frame rows of the memory tier (``fastar.recall``) follow the history.
+    The history's key bias is log m (-inf on empty slots); per layer, batch and head, every history slot
+    has its group size ``_count`` (0 = empty), the frame of its newest member ``_newest`` and that
+    member's position in its write ``_token``; ``_canon[l, b, h, i]``
     is head h's slot of token i (every head holds the same tokens, each in its own slot order
     once AnnSA sorts them). That merge state is the cache's own: callers see log m (``attend``,
     ``held_keys``), ``stats`` and ``observer``. Wherever log m changes the cache tells its attention

@@ -86,9 +86,10 @@ class TempCacheSettings(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, max_cache_frames, sink_frames, recall_frames=0):
-        """A budget that leaves no room for a chunk beside the sink, refused at /prompt on the two inputs
-        it reads. The sampler's chunk size is not known here: the largest (3 latent frames, the chunkwise
-        checkpoints') is asked for, which a framewise rollout needs no less to keep any history."""
+        """A budget that leaves no room for a chunk beside the sink, refused at /prompt; each input read here
+        checked against its widget's range. The sampler's chunk size is not known here: the largest (3 latent
+        frames, the chunkwise checkpoints') is asked for, which a framewise rollout needs no less to keep any
+        history."""
         try:
             check_widget(cls, "max_cache_frames", max_cache_frames)
             check_widget(cls, "sink_frames", sink_frames)

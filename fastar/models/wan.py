@@ -319,7 +319,8 @@ class WanModel(nn.Module):
             raise FastARError(f"latent height/width {tuple(x.shape[3:])} must be multiples of the patch size "
                               f"{cfg.patch_size[1:]} (pixel height/width multiples of 16)")
         if context.ndim != 3 or context.shape[0] != x.shape[0] or context.shape[2] != self.context_dim:
-            raise FastARError(f"context must be [B={x.shape[0]}, tokens, {self.context_dim}], got {tuple(context.shape)}")
+            raise FastARError(f"context must be [B={x.shape[0]}, tokens, {self.context_dim}], "
+                              f"got {tuple(context.shape)}")
         if t.ndim not in (1, 2) or t.shape[0] != x.shape[0] or (t.ndim == 2 and t.shape[1] not in (1, x.shape[2])):
             raise FastARError(f"timestep must be [B] or [B, F] with B={x.shape[0]}, F={x.shape[2]}, got {tuple(t.shape)}")
 
