@@ -85,6 +85,26 @@ class Live:
         """From any thread: to every page of the session (str: JSON text, bytes: a frame)."""
         self.loop.call_soon_threadsafe(lambda: [page.put(message) for page in self.pages])
 
+    def open_page(self) -> Outbox:
+        """On the server's loop: a page's outbox, its hello and the frames shown first already in it."""
+        outbox = Outbox()
+        self.pages.append(outbox)
+        outbox.put(json.dumps({**self.hello, "paused": self.session.paused.is_set()}))
+        for frame in self.start_frames:
+            outbox.put(frame)
+        self.connected.set()
+        return outbox
+
+    def show_first(self, frames: list[bytes]) -> None:
+        """From any thread: the frames shown first, to the pages open now and to every page that opens later.
+        Kept and sent in one step on the server's loop, so a page opening meanwhile gets them once."""
+        def show():
+            self.start_frames = frames
+            for page in self.pages:
+                for frame in frames:
+                    page.put(frame)
+        self.loop.call_soon_threadsafe(show)
+
     def close(self) -> None:
         """From any thread, after the last message: every page's socket closes once it has been sent."""
         def close():
@@ -120,9 +140,7 @@ class Shown:
         """The frames shown first (the pack's world's observed frames), to every page now and later."""
         self.frames = [self.player.observed_frames()]
         if self.link is not None:
-            self.link.start_frames = [struct.pack(">I", i) + _jpeg(f) for i, f in enumerate(_uint8(self.frames[0]))]
-            for frame in self.link.start_frames:
-                self.link.send(frame)
+            self.link.show_first([struct.pack(">I", i) + _jpeg(f) for i, f in enumerate(_uint8(self.frames[0]))])
 
     def put(self, latent: torch.Tensor, message: dict | None) -> None:
         self.handoff.put(latent.clone(), message)  # the rollout reuses its buffers for the next chunk
@@ -197,12 +215,7 @@ def register_routes(server) -> None:
             return web.Response(status=403, text=refused)
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE)
         await ws.prepare(request)
-        outbox = Outbox()
-        live.pages.append(outbox)
-        outbox.put(json.dumps({**live.hello, "paused": live.session.paused.is_set()}))
-        for frame in live.start_frames:
-            outbox.put(frame)
-        live.connected.set()
+        outbox = live.open_page()
 
         async def pump():
             while (message := await outbox.get()) is not _CLOSE:

@@ -67,3 +67,25 @@ def test_a_slow_pages_outbox_keeps_its_newest_frames_and_messages_within_its_bou
     assert [m for m in kept if isinstance(m, str)] == ["chunk 47", "chunk 48", "chunk 49", "end"]
     assert kept.index("chunk 49") < kept.index(bytes([149]) * 2) < kept.index("end")
     assert box.dropped == 150 + 1 - 7 and box.frames == 0 and not box.items
+
+
+def test_a_page_opening_while_the_first_frames_are_shown_gets_them_once():
+    """The session shows its first frames (from the sampling thread) while a page opens (on the server's
+    loop) before the loop has run the showing: the page gets its hello, then each first frame once; a page
+    opening later gets them too."""
+    import asyncio
+
+    from comfyui_fastar.nodes.play_routes import Live
+
+    async def run():
+        live = Live(Session(SPEC), {"type": "hello"}, asyncio.get_running_loop())
+        shown = threading.Thread(target=live.show_first, args=([b"frame 0", b"frame 1"],))
+        shown.start()
+        shown.join()  # queued on the loop, not yet run
+        early = live.open_page()
+        await asyncio.sleep(0)  # the loop runs the showing
+        late = live.open_page()
+        return [[await box.get() for _ in range(len(box.items))] for box in (early, late)]
+
+    early, late = asyncio.run(run())
+    assert early == late == ['{"type": "hello", "paused": false}', b"frame 0", b"frame 1"]
