@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, write_json  # noqa: E402
-from common.comfyui import SETTINGS, fastar_nodes, harness, load_unet  # noqa: E402
+from common.comfyui import SETTINGS, ChunkEvents, fastar_nodes, harness, load_unet  # noqa: E402
 from common.testbed import prompt_context, testbed  # noqa: E402
 
 PATHS = ("library", "comfy-default", "comfy-bf16", "comfy-fp8", "core-ar", "comfy-fallback")
@@ -164,18 +164,6 @@ def run_library(path, context, setting, chunks, device, dims, profile_at):
     return {**out, "finite": finite, **rec.summary(full_after(setting))}
 
 
-class Events:
-    """The pack's ``fastar.cache`` events, caught where the node sends them (no server here)."""
-
-    def __init__(self, rec):
-        self.rec, self.engine = rec, None
-
-    def __call__(self, event, data):
-        if data.get("status") == "running" and data.get("chunk"):
-            self.engine = data.get("engine")
-            self.rec(data["chunk"] - 1, data["latency_s"])
-
-
 def other_packs_override(func, *args, **kwargs):
     """An attention override another pack might set (as SageAttention patches do), calling through:
     the fused engine cannot honour it, so the rollout runs on ComfyUI's forward."""
@@ -185,15 +173,12 @@ def other_packs_override(func, *args, **kwargs):
 def run_comfy(comfy, name, positive, setting, chunks, device, dims, profile_at, dtype_flag, graph,
               fallback=False):
     import comfy.model_management
-    from comfyui_fastar.nodes import progress
     from comfyui_fastar.nodes.sampler_nodes import ARVideo, AutoregressiveLongSampler
     from comfyui_fastar.nodes.settings_nodes import PatchModel
 
     rec, out = Chunks(device, profile_at, also_at=full_after(setting) + 2 if fallback else None), {}
-    events = Events(rec)
-    send, progress.send_event = progress.send_event, events
     try:
-        with torch.inference_mode():
+        with ChunkEvents(rec) as events, torch.inference_mode():
             model = load_unet(comfy, name, dtype_flag)
             out["weights"] = str(model.model.get_dtype()).replace("torch.", "")
             out["compute"] = str(model.model.manual_cast_dtype or model.model.get_dtype()).replace("torch.", "")
@@ -217,7 +202,6 @@ def run_comfy(comfy, name, positive, setting, chunks, device, dims, profile_at, 
             out["engine"] = events.engine
             del model, patched
     finally:
-        progress.send_event = send
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
     return {**out, **rec.summary(full_after(setting))}

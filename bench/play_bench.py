@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fastar, header, parser, window_cache, write_json  # noqa: E402,F401  (fastar: the checkout, imported)
-from common.comfyui import harness  # noqa: E402
+from common.comfyui import ChunkEvents, harness  # noqa: E402
 
 ACTIONS = ("W", "W+look(0,0.05)", "A", "S+look(0.03,0)", "D", "idle")
 SKIP = 2  # chunks left out of the statistics: the first captures CUDA graphs
@@ -130,19 +130,7 @@ class DecodeTimes:
         self.players.MatrixGame.decode = self.real
 
 
-class Events:
-    """The node's ``fastar.cache`` events, timed as they come: the rollout's ms a chunk and when each chunk
-    was done (its frames decoded and sent)."""
-
-    def __init__(self):
-        self.chunks = []
-
-    def __call__(self, event, data):
-        if event == "fastar.cache" and data.get("latency_s") is not None and data.get("status") == "running":
-            self.chunks.append((time.perf_counter(), data["latency_s"]))
-
-
-def run_node(play, kwargs, events: Events):
+def run_node(play, kwargs, events: ChunkEvents):
     """WorldPlay.execute in a worker thread under inference mode; returns its result (or raises its error)."""
     out = {}
 
@@ -231,7 +219,7 @@ def main(argv=None):
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web
 
-    from comfyui_fastar.nodes import handoff, play_nodes, play_routes, progress
+    from comfyui_fastar.nodes import handoff, play_nodes, play_routes
 
     loop = asyncio.new_event_loop()
     announced = []
@@ -239,16 +227,15 @@ def main(argv=None):
     # the session and the events it sends that client
     server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
                                    send_sync=lambda event, data, sid: announced.append(data))
-    events = Events()
-    saved = play_nodes.prompt_server, progress.send_event, handoff.PIPELINED
+    saved = play_nodes.prompt_server, handoff.PIPELINED
     play_nodes.prompt_server = lambda: server
-    progress.send_event = events
     play_routes.register_routes(server)
     decode_ms = DecodeTimes(cuda)
     try:
-        return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
+        with ChunkEvents() as events:
+            return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
     finally:
-        play_nodes.prompt_server, progress.send_event, handoff.PIPELINED = saved
+        play_nodes.prompt_server, handoff.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
@@ -294,7 +281,7 @@ def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, t
         thread.join()
         if "error" in out:
             raise out["error"]
-        return steady([t for t, _ in events.chunks], 12), [s for _, s in events.chunks], out["result"][0]
+        return steady([t for _, _, t in events.chunks], 12), events.seconds, out["result"][0]
 
     warm = ", ".join(f"{a}*{args.hold}" for a in ACTIONS)
     offline(warm)  # compiles and captures, untimed
@@ -310,7 +297,7 @@ def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, t
         thread.join()
         if "error" in out:
             raise out["error"]
-        live_rollout = [s for _, s in events.chunks]
+        live_rollout = events.seconds
         period = steady(live["chunk_done"], 12)
         live_decode = decode_ms.take()
         rounds.append({"live": {**period, "rollout_ms": 1e3 * statistics.median(live_rollout[SKIP:]),

@@ -53,7 +53,6 @@ def through_the_nodes(args, model, context, other) -> dict:
     comfy = comfyui.harness.import_comfy(args.comfyui, cpu=False)
     import comfy.cmd.folder_paths as folder_paths
 
-    from comfyui_fastar.nodes import progress
     from comfyui_fastar.nodes.prompt_nodes import PromptSchedule
     from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
     from comfyui_fastar.nodes.settings_nodes import PatchModel
@@ -66,15 +65,8 @@ def through_the_nodes(args, model, context, other) -> dict:
     prompts = {f"prompt_{i}": [[(other if i % 2 == 0 else context).float().cpu(), {}]] for i in range(2, 2 + len(switches))}
     out = {}
     for setting in comfyui.SETTINGS:
-        ms = {}
-
-        def record(event, data):
-            if data.get("status") == "running" and data.get("chunk"):
-                ms[data["chunk"] - 1] = 1e3 * data["latency_s"]
-
-        send, progress.send_event = progress.send_event, record
         try:
-            with torch.inference_mode():
+            with comfyui.ChunkEvents() as events, torch.inference_mode():
                 unet = comfyui.load_unet(comfy, "testbed.safetensors", None)
                 patched = PatchModel.execute(unet, *comfyui.fastar_nodes(setting)).result[0]
                 schedule = PromptSchedule.execute([[context.float().cpu(), {}]], **prompts, **starts).result[0]
@@ -83,9 +75,9 @@ def through_the_nodes(args, model, context, other) -> dict:
                                                   "3", 0.0, 1.0, prompts=schedule)
                 del unet, patched
         finally:
-            progress.send_event = send
             comfy.model_management.unload_all_models()
             comfy.model_management.soft_empty_cache()
+        ms = {chunk: 1e3 * seconds for chunk, seconds, _ in events.chunks}
         near = set(switches) | {c + 1 for c in switches} | {c + 2 for c in switches}
         steady = statistics.median(m for c, m in ms.items() if c >= 8 and c not in near)
         out[setting] = {"steady_ms_per_chunk": round(steady, 1),

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import header, parser, write_json  # noqa: E402
-from common.comfyui import harness, load_unet  # noqa: E402
+from common.comfyui import ChunkEvents, harness, load_unet  # noqa: E402
 
 LOOPS = ("serial", "pipelined")
 SKIP = 2  # chunks left out of the sampler's ms: the first capture CUDA graphs
@@ -51,17 +51,6 @@ def parse_args(argv=None):
     return args
 
 
-class Chunks:
-    """The sampler's ``fastar.cache`` events, caught where the node sends them (no server here)."""
-
-    def __init__(self):
-        self.seconds = []
-
-    def __call__(self, event, data):
-        if data.get("status") == "running" and data.get("chunk"):
-            self.seconds.append(data["latency_s"])
-
-
 def decoders(args, work: str) -> dict:
     import comfy.sd
     import comfy.utils
@@ -80,13 +69,10 @@ def decoders(args, work: str) -> dict:
 
 def run(unet, positive, dims, length, vae, prefix, work, device) -> dict:
     """One Long Sampler run into a Video Stream: wall seconds, frames written, the sampler's ms a chunk."""
-    from comfyui_fastar.nodes import progress
     from comfyui_fastar.nodes.sampler_nodes import AutoregressiveLongSampler
     from comfyui_fastar.nodes.stream import StreamSettings
 
-    chunks, send = Chunks(), progress.send_event
-    progress.send_event = chunks
-    try:
+    with ChunkEvents() as chunks:
         stream = StreamSettings(vae=vae, filename_prefix=prefix, keep_latent=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -96,8 +82,6 @@ def run(unet, positive, dims, length, vae, prefix, work, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - tic
-    finally:
-        progress.send_event = send
     (path,) = glob.glob(os.path.join(work, f"{prefix}_*.mp4"))
     frames = len(harness.read_video(path)[0])
     os.remove(path)

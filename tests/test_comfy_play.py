@@ -399,7 +399,9 @@ def test_the_play_benchmark_times_a_live_session_and_its_replay(comfy, tmp_path,
     assert json.loads((tmp_path / name).read_text())["summary"] == result["summary"]
     assert result["settings"]["decoder"].startswith("the Wan 2.1 VAE" if decoder == "wan" else "a TAEHV")
     live, offline = result["summary"]["live"], result["summary"]["offline"]
-    assert live["frames"] == 9 + 12 * 4 and live["posts_timed"] >= 2
+    # how many posts a chunk takes depends on the CPU's timing (a pipelined chunk takes the action held when it
+    # starts, one chunk ahead of the frames shown): at least the first
+    assert live["frames"] == 9 + 12 * 4 and live["posts_timed"] >= 1
     assert 0 < live["key_to_frame_ms"] <= live["key_to_frame_max_ms"]
     assert live["fps"] > 0 and offline["fps"] > 0 and live["rollout_ms"] > 0 and offline["rollout_ms"] > 0
     # pipelined, a chunk's decode overlaps the next chunk's sampling: it is timed, not bounded by the period

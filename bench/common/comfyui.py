@@ -1,4 +1,5 @@
-"""The ComfyUI benchmarks' shared parts (bench/comfy_bench.py, bench/prompt_switch.py, bench/stream_memory.py).
+"""The ComfyUI benchmarks' shared parts (bench/comfy_bench.py, bench/play_bench.py, bench/prompt_switch.py,
+bench/stream_bench.py, bench/stream_memory.py).
 
 This checkout's pack is imported first (``common.fastar``); ComfyUI is then imported through the pack's own
 harness (``harness``: ``comfyui_fastar.testing.comfy_harness``, which the ComfyUI tests run on too), which also
@@ -7,11 +8,45 @@ sparsity nodes at the nodes' defaults, and ComfyUI's diffusion-model loader as a
 """
 from __future__ import annotations
 
+import time
+
 from . import fastar  # noqa: F401  (this checkout as comfyui_fastar: the harness below is its own)
 
 from comfyui_fastar.testing import comfy_harness as harness  # noqa: F401
 
 SETTINGS = ("fastar", "window")  # FAST-AR's defaults (TempCache alone); dense sink 3 + window 12
+
+
+class ChunkEvents:
+    """The nodes' ``fastar.cache`` event of each finished chunk, caught where the pack sends it (no server
+    here), while the ``with`` block runs: ``chunks`` holds (chunk, the rollout's seconds for it, when the event
+    came by ``time.perf_counter``); ``engine`` the engine that ran; ``on_chunk(chunk, seconds)``, where given,
+    is called as each comes."""
+
+    def __init__(self, on_chunk=None):
+        self.on_chunk, self.chunks, self.engine = on_chunk, [], None
+
+    def __call__(self, event: str, data: dict) -> None:
+        if event == "fastar.cache" and data.get("status") == "running" and data.get("chunk"):
+            self.engine = data.get("engine")
+            self.chunks.append((data["chunk"] - 1, data["latency_s"], time.perf_counter()))
+            if self.on_chunk is not None:
+                self.on_chunk(data["chunk"] - 1, data["latency_s"])
+
+    @property
+    def seconds(self) -> list:
+        return [seconds for _, seconds, _ in self.chunks]
+
+    def __enter__(self):
+        from comfyui_fastar.nodes import progress
+
+        self._send, progress.send_event = progress.send_event, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from comfyui_fastar.nodes import progress
+
+        progress.send_event = self._send
 
 
 def fastar_nodes(setting: str):
