@@ -165,9 +165,9 @@ def main():
     models["b"] = packages["b"].models.build_model(size, device=device, dtype=models["a"].dtype)
     models["b"].load_state_dict(models["a"].state_dict())
     if args.prompt == "wan":
-        context = prompt_context(models["a"].context_dim, device=device, dtype=models["a"].dtype)
+        context = prompt_context(models["b"].context_dim, device=device, dtype=models["a"].dtype)
     else:
-        context = random_prompt(models["a"].context_dim, device, models["a"].dtype)
+        context = random_prompt(models["b"].context_dim, device, models["a"].dtype)
 
     result = {**header(device), **{key: {"tree": what, "code_sha256": digest(folder)} for key, (folder, what) in trees.items()},
               "shapes": {"model": size, "height": hw[0], "width": hw[1], "chunk_frames": CHUNK,

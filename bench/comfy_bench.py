@@ -295,7 +295,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
-            return report(json.load(f), args.out)
+            return report(json.load(f), args.out, args.tag)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     comfy = harness.import_comfy(args.comfyui, cpu=device.type == "cpu")
     import comfy.cmd.folder_paths as folder_paths

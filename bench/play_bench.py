@@ -203,9 +203,11 @@ async def player(url: str, args) -> dict:
             for task in later:
                 task.cancel()
     # key to frame: a post's sending to the arrival of the first frame of the first chunk that took it
+    # (the posts the first SKIP chunks took are left out, as those chunks are from the period: they compile
+    # and capture CUDA graphs, and a session pays that once)
     latency, seen = [], set()
     for c in chunks:
-        if c["seq"] and c["seq"] not in seen and c["seq"] in acks and c["frames"][0] in frames:
+        if c["chunk"] >= SKIP and c["seq"] and c["seq"] not in seen and c["seq"] in acks and c["frames"][0] in frames:
             seen.add(c["seq"])
             latency.append(1e3 * (frames[c["frames"][0]] - acks[c["seq"]]))
     last_frame = [max(frames[n] for n in range(c["frames"][0], sum(c["frames"])) if n in frames) for c in chunks]
@@ -215,6 +217,8 @@ async def player(url: str, args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if argv is None:  # ComfyUI reads the command line as its own (``--cache`` is a prefix of its options)
+        del sys.argv[1:]
     cuda = torch.cuda.is_available() and not args.smoke
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web
