@@ -217,9 +217,6 @@ async def player(url: str, args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    if argv is None:  # ComfyUI reads the command line as its own (``--cache`` is a prefix of its options)
-        argv = list(sys.argv)  # the command the result records
-        del sys.argv[1:]
     cuda = torch.cuda.is_available() and not args.smoke
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web

@@ -123,13 +123,19 @@ def import_comfy(path: str | None = None, cpu: bool = True):
     path = os.path.abspath(path)
     if path not in sys.path:
         sys.path.insert(0, path)
-    import comfy.cli_args
+    # the pip-installable ComfyUI parses the command line as its own when imported, abbreviations taken: the
+    # caller's would become ComfyUI's (a benchmark's --out its output directory, pytest's -c its config file,
+    # --cache an error)
+    caller, sys.argv[1:] = sys.argv[1:], []
+    try:
+        import comfy.cli_args
 
-    if cpu:
-        comfy.cli_args.args.cpu = True
-    import comfy.model_management  # noqa: F401
-    import comfy.sd  # noqa: F401
-
+        if cpu:
+            comfy.cli_args.args.cpu = True
+        import comfy.model_management  # noqa: F401
+        import comfy.sd  # noqa: F401
+    finally:
+        sys.argv[1:] = caller
     return comfy
 
 
