@@ -122,16 +122,26 @@ def test_without_the_latent_kept_the_output_is_the_last_chunk_and_the_file_whole
 
 
 def test_a_cancel_keeps_a_playable_file_of_the_chunks_made(model, vae, output, monkeypatch):
+    import time
+
     import comfy.model_management
     import comfy.utils
 
+    from comfyui_fastar.nodes import video
     from comfyui_fastar.nodes.video_nodes import VideoStream
 
     real = comfy.utils.ProgressBar.update_absolute
+    written = []
+    real_write = video.VideoWriter.write
+    monkeypatch.setattr(video.VideoWriter, "write", lambda self, frame: (written.append(1), real_write(self, frame)))
 
     def update_absolute(self, value, *args, **kwargs):
         real(self, value, *args, **kwargs)
-        if value == 3:  # the third chunk's progress: cancel
+        if value == 3:  # the third chunk's progress: cancel, once the writer beside the sampling has written the
+            # three chunks (a cancel its decode takes drops what it has not finished, which a slow machine races)
+            deadline = time.monotonic() + 120  # a hang guard
+            while len(written) < 1 + 4 + 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
             comfy.model_management.interrupt_current_processing(True)
 
     monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", update_absolute)
