@@ -24,6 +24,7 @@ import torch
 import comfy.model_management
 
 from ..fastar import FastARError
+from .handoff import finish
 from .progress import comfy_module
 
 NODE = "FAST-AR Save Video"
@@ -81,12 +82,20 @@ class ChunkDecoder:
         with torch.inference_mode():
             z = z.to(vae.vae_dtype).to(vae.device)
             for i in range(z.shape[2]):
-                out = vae.process_output(self._frames(z[:, :, i:i + 1]).to(vae.output_device).float())
+                out = finish(lambda: vae.process_output(self._frames(z[:, :, i:i + 1]).to(vae.output_device).float()),
+                             self)
                 for t in range(out.shape[2]):
                     yield out[:, :, t].movedim(1, -1)
 
     def _frames(self, z: torch.Tensor) -> torch.Tensor:
         """One latent frame [B, 16, 1, h, w] -> its video frames [B, 3, n, H, W] before ``process_output``."""
+        raise NotImplementedError
+
+    def state(self):
+        """The memory a latent frame's decode changes (it replaces entries, never writes into them)."""
+        raise NotImplementedError
+
+    def restore(self, state) -> None:
         raise NotImplementedError
 
 
@@ -101,6 +110,12 @@ class WanChunks(ChunkDecoder):
     def _frames(self, z):
         # conv2 is pointwise in time: a frame at a time is exact
         return self.model.decoder(self.model.conv2(z), feat_cache=self.cache, feat_idx=[0])
+
+    def state(self):
+        return list(self.cache)
+
+    def restore(self, state) -> None:
+        self.cache[:] = state
 
 
 class TAEHVChunks(ChunkDecoder):
@@ -132,6 +147,12 @@ class TAEHVChunks(ChunkDecoder):
         x = x.view(batch, frames, *x.shape[1:])
         drop, self.trim = min(self.trim, frames), self.trim - min(self.trim, frames)
         return x[:, drop:].movedim(1, 2)
+
+    def state(self):
+        return dict(self.memory), self.trim
+
+    def restore(self, state) -> None:
+        self.memory, self.trim = dict(state[0]), state[1]
 
 
 def chunk_decoder(vae, node: str = NODE) -> ChunkDecoder:

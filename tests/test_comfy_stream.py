@@ -122,29 +122,43 @@ def test_without_the_latent_kept_the_output_is_the_last_chunk_and_the_file_whole
 
 
 def test_a_cancel_keeps_a_playable_file_of_the_chunks_made(model, vae, output, monkeypatch):
-    import time
+    """A Cancel taken by the writer's decode beside the sampling (ComfyUI's ops take it in any thread) in
+    the third chunk: the run stops as cancelled, and the file plays every chunk the sampling made, each
+    frame VAE Decode's of the uncancelled run (the decode redone from the decoder's memory before it)."""
+    import threading
 
     import comfy.model_management
-    import comfy.utils
 
+    from comfyui_fastar.nodes import stream as stream_mod
     from comfyui_fastar.nodes import video
     from comfyui_fastar.nodes.video_nodes import VideoStream
 
-    real = comfy.utils.ProgressBar.update_absolute
-    written = []
+    plain = _sample(model).result[0]["samples"]
+    with torch.inference_mode():
+        stock = vae.decode(plain)[0]
+    written, handed, taken = [], [0], []
     real_write = video.VideoWriter.write
-    monkeypatch.setattr(video.VideoWriter, "write", lambda self, frame: (written.append(1), real_write(self, frame)))
+    monkeypatch.setattr(video.VideoWriter, "write", lambda self, frame: (written.append(frame), real_write(self, frame)))
+    real_call = stream_mod.ChunkStream.__call__
+    monkeypatch.setattr(stream_mod.ChunkStream, "__call__",
+                        lambda self, latents: (handed.__setitem__(0, handed[0] + 1), real_call(self, latents)))
+    try:
+        from comfy.interruption import _interrupt_processing_mutex as mutex
+    except ImportError:  # ComfyUI before 2026
+        mutex = comfy.model_management.interrupt_processing_mutex
+    real_frames = video.WanChunks._frames
+    calls = [0]
 
-    def update_absolute(self, value, *args, **kwargs):
-        real(self, value, *args, **kwargs)
-        if value == 3:  # the third chunk's progress: cancel, once the writer beside the sampling has written the
-            # three chunks (a cancel its decode takes drops what it has not finished, which a slow machine races)
-            deadline = time.monotonic() + 120  # a hang guard
-            while len(written) < 1 + 4 + 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            comfy.model_management.interrupt_current_processing(True)
+    def frames(self, z):
+        calls[0] += 1
+        if calls[0] == 3:  # the third latent frame's decode, on the writer's thread: an op takes the Cancel
+            with mutex:  # pressed and taken here, before the sampling thread's ops can take it
+                comfy.model_management.interrupt_current_processing(True)
+                taken.append(threading.current_thread().name)
+                comfy.model_management.throw_exception_if_processing_interrupted()
+        return real_frames(self, z)
 
-    monkeypatch.setattr(comfy.utils.ProgressBar, "update_absolute", update_absolute)
+    monkeypatch.setattr(video.WanChunks, "_frames", frames)
     stream = VideoStream.execute(vae, 16.0, "video/cancel", True).result[0]
     try:
         with pytest.raises(Exception) as info:
@@ -152,8 +166,13 @@ def test_a_cancel_keeps_a_playable_file_of_the_chunks_made(model, vae, output, m
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert type(info.value).__name__ == "InterruptProcessingException"
+    assert taken == ["fastar-video-stream"]
+    chunks = handed[0]  # one latent frame each: video frames 1, then 4 each
+    assert 3 <= chunks < 8
     (path,) = (output / "video").glob("cancel_*.mp4")
-    assert len(read_video(path)[0]) == 1 + 4 + 4  # three chunks of one latent frame, closed whole
+    assert len(read_video(path)[0]) == len(written) == 1 + 4 * (chunks - 1)
+    written = torch.stack(written)
+    assert ((written - stock[:len(written)]).norm() / stock[:len(written)].norm()).item() <= 1e-5
 
 
 def test_the_stream_refuses_a_vae_it_cannot_decode_with(comfy):

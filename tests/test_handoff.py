@@ -52,18 +52,11 @@ def test_the_workers_error_reaches_the_caller_and_later_items_are_dropped():
     assert done == [0]
 
 
-def test_a_cancel_the_workers_ops_take_goes_back_to_comfyui(monkeypatch):
-    """ComfyUI's ops raise (and clear) its Cancel in whichever thread runs them: the worker sets the flag
-    again for the sampling thread and drops what is left, raising nothing itself."""
-    import sys
-    import types
+class InterruptProcessingException(Exception):
+    """ComfyUI's Cancel, as its ops raise it (by name: its module differs by version)."""
 
-    class InterruptProcessingException(Exception):
-        pass
 
-    flag = types.SimpleNamespace(set=[], interrupt_current_processing=lambda v=True: flag.set.append(v))
-    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
-    monkeypatch.setitem(sys.modules, "comfy.interruption", flag)
+def test_a_cancel_the_workers_ops_take_outside_finish_stops_it_as_an_error_does():
     done = []
 
     def work(i):
@@ -72,10 +65,61 @@ def test_a_cancel_the_workers_ops_take_goes_back_to_comfyui(monkeypatch):
         done.append(i)
 
     h = Handoff(work)
-    for i in range(3):
-        h.put(i)
-    h.close()  # no error of its own
-    assert done == [0] and flag.set == [True]
+    h.put(0)
+    h.put(1)
+    with pytest.raises(InterruptProcessingException):
+        h.drain()
+    h.put(2)  # after it nothing more is done
+    h.close()
+    assert done == [0]
+
+
+def test_a_cancel_taken_inside_finish_finishes_every_item_and_reaches_the_caller_once():
+    """A cancel that a step run through ``finish`` takes on the worker: the step's memory is put back and
+    the step run again, every item handed over is done as without the cancel, and the cancel is raised to
+    the caller once (at a ``put``, after its item is handed over, or at ``close``). Off the worker the same
+    cancel stops the step."""
+    from comfyui_fastar.nodes.handoff import finish
+
+    class Decoder:  # a running sum: its memory is what a redone step must not count twice
+        def __init__(self, cancel_at):
+            self.total, self.cancels = 0, [cancel_at]
+
+        def state(self):
+            return self.total
+
+        def restore(self, total):
+            self.total = total
+
+        def step(self, i, j):
+            self.total += 10 * i + j
+            if (i, j) in self.cancels:
+                self.cancels.remove((i, j))
+                raise InterruptProcessingException()
+            return self.total
+
+    decoder, done, raised = Decoder((1, 1)), [], []
+
+    def work(i):
+        done.append([finish(lambda: decoder.step(i, j), decoder) for j in range(3)])
+
+    h = Handoff(work)
+    for i in range(4):
+        try:
+            h.put(i)
+        except InterruptProcessingException:
+            raised.append(i)
+    try:
+        h.close()
+    except InterruptProcessingException:
+        raised.append("close")
+    expected, total = [], 0
+    for i in range(4):
+        expected.append([total := total + 10 * i + j for j in range(3)])
+    assert done == expected and len(raised) == 1 and raised != [0]
+    inline = Decoder((0, 0))
+    with pytest.raises(InterruptProcessingException):
+        finish(lambda: inline.step(0, 0), inline)
 
 
 def test_inline_is_the_same_work_on_the_callers_thread():
