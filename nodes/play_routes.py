@@ -129,8 +129,9 @@ def _uint8(frames: torch.Tensor) -> np.ndarray:
 
 class Shown:
     """What a session shows: the frames shown first, then each chunk's decoded frames, kept for the node's
-    output and sent to the pages as JPEGs (a 4-byte frame number first) after the chunk's message; off the
-    sampling thread (``Handoff``), so chunk k is decoded and sent while chunk k + 1 samples."""
+    output and sent to the pages as JPEGs (a 4-byte frame number first) after the chunk's message, each as
+    soon as it is decoded; off the sampling thread (``Handoff``), so chunk k is decoded and sent while chunk
+    k + 1 samples."""
 
     def __init__(self, player, link: Live | None, device):
         self.player, self.link, self.frames = player, link, []
@@ -146,14 +147,17 @@ class Shown:
         self.handoff.put(latent.clone(), message)  # the rollout reuses its buffers for the next chunk
 
     def _show(self, latent: torch.Tensor, message: dict | None) -> None:
-        frames = self.player.decode(latent)
-        self.frames.append(frames)
         if self.link is None:
+            self.frames.append(torch.cat(list(self.player.decode(latent))))
             return
-        first = self.player.chunk_rows(message["chunk"])[0]
-        self.link.send(json.dumps({**message, "frames": [first, len(frames)]}))
-        for i, f in enumerate(_uint8(frames)):
-            self.link.send(struct.pack(">I", first + i) + _jpeg(f))
+        first, end = self.player.chunk_rows(message["chunk"])
+        self.link.send(json.dumps({**message, "frames": [first, end - first]}))
+        made = []
+        for frames in self.player.decode(latent):  # each frame sent as it is decoded
+            for i, f in enumerate(_uint8(frames), first + sum(len(m) for m in made)):
+                self.link.send(struct.pack(">I", i) + _jpeg(f))
+            made.append(frames)
+        self.frames.append(torch.cat(made))
 
 
 def authorised(request) -> Live | None:

@@ -75,8 +75,9 @@ class PackWorld(Layout):
     def observed_frames(self) -> torch.Tensor:
         return ((self.observed[0].permute(1, 2, 3, 0) + 1) / 2).float().cpu()
 
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        return ((self.world.decode(x0.float())[0].permute(1, 2, 3, 0) + 1) / 2).cpu()
+    def decode(self, x0: torch.Tensor):
+        """A chunk's frames [n, H, W, 3] in [0, 1], on the CPU, in one piece."""
+        yield ((self.world.decode(x0.float())[0].permute(1, 2, 3, 0) + 1) / 2).cpu()
 
 
 class MatrixGame(Layout):
@@ -125,8 +126,9 @@ class MatrixGame(Layout):
     def observed_frames(self) -> torch.Tensor:
         return torch.zeros(0, *self.size, 3)
 
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        return torch.cat(list(self.decoder(self.format.process_out(x0.float()))))
+    def decode(self, x0: torch.Tensor):
+        """A chunk's frames [1, H, W, 3] in [0, 1], on the CPU, each as the decoder makes it."""
+        yield from self.decoder(self.format.process_out(x0.float()))
 
 
 # what each action does, in words, per world (the page's legend): the pack's world pans a camera over a photograph

@@ -168,8 +168,11 @@ def test_graphs_capture_while_a_worker_decodes_beside_them():
             torch.cuda.empty_cache()
         torch.cuda.synchronize()
 
-    h, graph = Handoff(work, "cuda"), ReplayGraph()
     a = torch.randn(64, 64, device="cuda")
+    a @ a  # cuBLAS set up on this thread first, as the sampling's first chunk does before any hand-off (two
+    #        threads' first cuBLAS calls at once can fail: CUBLAS_STATUS_NOT_INITIALIZED)
+    torch.cuda.synchronize()
+    h, graph = Handoff(work, "cuda"), ReplayGraph()
     for key in range(24):
         h.put(torch.randn(1024, 1024, device="cuda"))
         out = graph.run(key, lambda: (torch.empty_like(a),), lambda b: b @ b + key, lambda b: b.copy_(a))
