@@ -60,9 +60,9 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help=f"tempcache: key cosine similarity two tokens need to merge "
                         f"(default {TempCacheConfig.merge_threshold})")
     p.add_argument("--recall-frames", type=int, default=TempCacheConfig.recall_frames,
-                   help="tempcache: the memory tier: every frame also kept in host memory, and each chunk attends "
-                        "this many older frames its queries favour beside the budget (not with --annsa; default 0: "
-                        "off)")
+                   help="tempcache: the memory tier: frames also kept in host memory (up to 16 GiB, then the oldest "
+                        "thinned), and each chunk attends this many older frames recent queries favour beside the "
+                        "budget (not with --annsa; default 0: off)")
     p.add_argument("--annsa", action="store_true",
                    help="AnnSA sparse self-attention at the default AnnConfig (needs --cache tempcache or unbounded); "
                         "pays only with long budgets (--max-cache-frames 21 and more), on content whose attention "

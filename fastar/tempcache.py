@@ -82,7 +82,8 @@ class TempCache(KVCache):
         self.recall_rows = self._rows(config.max_cache_frames + chunk_frames, config.recall_frames)
         self.recall = (Recall(config.recall_frames, num_layers=self.num_layers, batch=self.batch,
                               num_heads=self.num_heads, head_dim=self.head_dim, tokens_per_frame=tpf,
-                              chunk_frames=chunk_frames, device=self.device, dtype=self.dtype)
+                              chunk_frames=chunk_frames, history_frames=config.history_frames, device=self.device,
+                              dtype=self.dtype)
                        if config.recall_frames else None)
         self.dump = self.k.shape[2] - 1
         shape = (self.num_layers, self.batch, self.num_heads, self.history.stop - self.history.start)
@@ -145,16 +146,13 @@ class TempCache(KVCache):
             self.recall.note_queries(layer, q)
 
     def commit(self) -> None:
-        """The chunk becomes history; with a memory tier its frames are archived and each layer's recall rows
-        refilled with the archived frames older than the budget that its clean pass's queries favour."""
+        """The chunk becomes history; with a memory tier its frames are archived, and the recall rows take the
+        frames the tier chose (``Recall.commit``)."""
         new = self._new
         super().commit()
         if self.recall is None:
             return
-        self.recall.archive(self.k[:, :, new], self.v[:, :, new])  # the chunk's rows, as its clean pass wrote them
-        # the archive is every frame past the sink, in order; the budget's worth of the newest stay out
-        chosen = self.recall.choose(self.recall.archived - self.config.history_frames)
-        self.recall.fill(self.k, self.v, self.log_count_bias, self.recall_rows, chosen)
+        self.recall.commit(self.k, self.v, self.recall_rows, self.log_count_bias, new)
         self._fold_bias(slice(None), self.recall_rows)
 
     def _match(self, new_k: torch.Tensor, hist_k: torch.Tensor, filled: torch.Tensor, canon: torch.Tensor):

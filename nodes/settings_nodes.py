@@ -76,10 +76,11 @@ class TempCacheSettings(io.ComfyNode):
                              tooltip="First latent frames kept as they are, never merged or evicted "
                                      "(the attention sink)."),
                 io.Int.Input("recall_frames", default=d.recall_frames, min=0, max=64, step=1, optional=True,
-                             tooltip="The memory tier: every frame is also kept in host memory, and each chunk "
-                                     "attends this many older frames beside the cache, those the last chunk's "
-                                     "queries favour (a place seen long ago, recalled on return). 0: off. GPU "
-                                     "memory stays flat; host memory grows with the video. Not with AnnSA."),
+                             tooltip="The memory tier: frames are also kept in host memory, and each chunk "
+                                     "attends this many older frames beside the cache, those recent queries "
+                                     "favour (a place seen long ago, recalled on return). 0: off. GPU memory "
+                                     "stays flat; host memory grows with the video up to 16 GiB, then the oldest "
+                                     "frames are thinned. Not with AnnSA."),
             ],
             outputs=[CacheType.Output()],
         )

@@ -32,29 +32,63 @@ def test_the_budget_and_every_recalled_frame_attend_as_the_dense_cache():
     assert stats.recalled == 8 * recall.cache.tokens_per_frame  # frames 1..8: older than the budget's 6
 
 
+def _committed(tier, keys, q, layers=2, t=4):
+    """Commit ``keys`` [L, 1, frames * t, H, D] a frame at a time (the queries ``q`` noted each time) through
+    a cache of the tier's recall rows [0, rt) and an open chunk's rows [rt, (r + 1)t); yields (k, v, bias)
+    after each."""
+    r = tier.frames
+    k = torch.zeros(layers, 1, (r + 1) * t, *keys.shape[-2:])
+    v, bias = torch.zeros_like(k), torch.full((layers, 1, keys.shape[-2], (r + 1) * t), float("-inf"))
+    for f in range(keys.shape[2] // t):
+        k[:, :, r * t:] = keys[:, :, f * t:(f + 1) * t]
+        v[:, :, r * t:] = -keys[:, :, f * t:(f + 1) * t]
+        for layer in range(layers):
+            tier.note_queries(layer, q[layer])
+        tier.commit(k, v, slice(0, r * t), bias, slice(r * t, (r + 1) * t))
+        yield k, v, bias
+
+
 def test_each_layer_recalls_the_frames_its_queries_favour():
-    """Among archived frames, the one whose keys lie along a layer's queries is that layer's first choice;
-    frames inside the budget (the newest ``before``) are never chosen; chosen again, a frame keeps its slot."""
+    """Among archived frames, the one whose keys lie along a layer's queries is that layer's; the recall rows
+    take it two commits after the queries that chose it, and never a frame the budget still holds then; chosen
+    again, a frame keeps its slot."""
     g = torch.Generator().manual_seed(0)
     tier = Recall(2, num_layers=2, batch=1, num_heads=2, head_dim=8, tokens_per_frame=4, chunk_frames=1,
-                  device="cpu", dtype=torch.float32)
-    keys = torch.randn(2, 1, 6 * 4, 2, 8, generator=g) * 0.1
+                  history_frames=2, device="cpu", dtype=torch.float32)
+    keys = torch.randn(2, 1, 9 * 4, 2, 8, generator=g) * 0.1
     q = torch.randn(2, 1, 4, 2, 8, generator=g)
     keys[0, :, 4 * 4:5 * 4] = 3 * q[0]  # layer 0 looks at frame 4, layer 1 at frame 1
     keys[1, :, 1 * 4:2 * 4] = 3 * q[1]
-    tier.archive(keys, torch.randn(keys.shape, generator=g))
-    for layer in range(2):
-        tier.note_queries(layer, q[layer])
-    chosen = tier.choose(6)
-    assert chosen[0, 0, 0] == 4 and chosen[1, 0, 0] == 1
-    assert 4 not in tier.choose(4)[0, 0].tolist()
-    k = torch.zeros(2, 1, 2 * 4, 2, 8)
-    v, bias = torch.zeros_like(k), torch.full((2, 1, 2, 8), float("-inf"))
-    tier.fill(k, v, bias, slice(0, 8), chosen)
-    slot = tier.held[0, 0].tolist().index(4)
-    assert torch.equal(k[0, 0, slot * 4:(slot + 1) * 4], keys[0, 0, 16:20]) and (bias == 0).all()
-    tier.fill(k, v, bias, slice(0, 8), chosen.flip(-1))
-    assert tier.held[0, 0].tolist().index(4) == slot
+    slots = []
+    for n, (k, v, bias) in enumerate(_committed(tier, keys, q), 1):
+        # after n commits the next chunk holds the newest 2 frames of n in its budget: recall only older ones
+        assert all(f < n - 2 for f in tier.held.flatten().tolist() if f >= 0)
+        if n >= 4 + 3:  # frame 4 is older than the budget from commit 7 on, and chosen then
+            slot = tier.held[0, 0].tolist().index(4)
+            assert torch.equal(k[0, 0, slot * 4:(slot + 1) * 4], keys[0, 0, 16:20])
+            assert torch.equal(v[0, 0, slot * 4:(slot + 1) * 4], -keys[0, 0, 16:20])
+            slots.append(slot)
+        if n >= 1 + 3:
+            assert 1 in tier.held[1, 0].tolist()
+    assert len(slots) == 3 and len(set(slots)) == 1 and (bias[..., :8] == 0).all()
+    assert tier.archived == 9
+
+
+def test_a_full_archive_thins_its_oldest_frames():
+    """Past its capacity the archive drops frames, the far past ever more sparsely: what it holds stays
+    within the capacity, the first and the newest frames kept, the gaps growing with age."""
+    tier = Recall(1, num_layers=1, batch=1, num_heads=1, head_dim=4, tokens_per_frame=4, chunk_frames=1,
+                  history_frames=1, device="cpu", dtype=torch.float32, archive_bytes=1)
+    assert tier.capacity == 3  # the least: twice the recall rows and a chunk
+    tier = Recall(1, num_layers=1, batch=1, num_heads=1, head_dim=4, tokens_per_frame=4, chunk_frames=1,
+                  history_frames=1, device="cpu", dtype=torch.float32, archive_bytes=8 * 2 * 4 * 4 * 4)
+    assert tier.capacity == 8 and tier.bytes_per_frame == 2 * 4 * 4 * 4
+    keys = torch.randn(1, 1, 40 * 4, 1, 4)
+    for _ in _committed(tier, keys, torch.randn(1, 1, 4, 1, 4), layers=1):
+        assert tier.archived <= 8
+        tier._worker.join()  # the host's copies, made beside the next chunk
+        assert len(tier._host) <= 8
+    assert sorted(tier._host) == [0, 16, 24, 32, 36, 37, 38, 39]
 
 
 def test_a_memory_tier_is_a_setting_checked_with_the_rest():
