@@ -59,16 +59,11 @@ def parse_args(argv=None):
                    help="decode, encode and send each chunk before the next samples (the loop before pipelining)")
     p.add_argument("--matrix", action="store_true",
                    help="in one process (one world built): both decoders x serial and pipelined, a file each")
-    p.add_argument("--priority", default="high", help="the pipelined hand-off stream's priority: high (the "
-                   "node's), normal, or both (each measured, a file each)")
     p.add_argument("--offline-rounds", type=int, default=None,
                    help="rounds that also replay the log offline (default: every round)")
     args = p.parse_args(argv)
     args.decoders = ("wan", "taehv") if args.matrix else (args.decoder,)
     args.loops = (True, False) if args.matrix else (args.serial,)
-    args.priorities = ("high", "normal") if args.priority == "both" else (args.priority,)
-    if set(args.priorities) - {"high", "normal"}:
-        p.error(f"--priority is high, normal or both, not {args.priority!r}")
     return args
 
 
@@ -240,7 +235,7 @@ def main(argv=None):
     # the session and the events it sends that client
     server = types.SimpleNamespace(routes=web.RouteTableDef(), loop=loop, client_id="bench",
                                    send_sync=lambda event, data, sid: announced.append(data))
-    saved = play_nodes.prompt_server, handoff.PIPELINED, handoff.PRIORITY
+    saved = play_nodes.prompt_server, handoff.PIPELINED
     play_nodes.prompt_server = lambda: server
     play_routes.register_routes(server)
     decode_ms = DecodeTimes(cuda)
@@ -248,7 +243,7 @@ def main(argv=None):
         with ChunkEvents() as events:
             return _measure(args, argv, loop, server, announced, events, decode_ms, cuda)
     finally:
-        play_nodes.prompt_server, handoff.PIPELINED, handoff.PRIORITY = saved
+        play_nodes.prompt_server, handoff.PIPELINED = saved
         decode_ms.close()
         loop.close()
 
@@ -271,11 +266,9 @@ def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
         world, tokens, start, decoders = build(args, folder)
         for args.decoder in args.decoders:
             for args.serial in args.loops:
-                for args.priority in args.priorities if not args.serial else ("high",):
-                    handoff.PIPELINED = not args.serial
-                    handoff.PRIORITY = -1 if args.priority == "high" else 0
-                    results.append(_rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, tokens,
-                                           start, decoders[args.decoder]))
+                handoff.PIPELINED = not args.serial
+                results.append(_rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, tokens,
+                                       start, decoders[args.decoder]))
     loop.run_until_complete(runner.cleanup())
     return results[0] if len(results) == 1 else results
 
@@ -347,8 +340,7 @@ def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, t
                            "decoder": "the Wan 2.1 VAE" if args.decoder == "wan" else
                            "a TAEHV-family fast decoder (taew2_1's layout, float16 file)",
                            "cache": "TempCache at its defaults" if args.cache == "tempcache" else
-                           "the model's own window of 6 latent frames",
-                           "handoff_stream": None if args.serial else f"{args.priority} priority"},
+                           "the model's own window of 6 latent frames"},
               "summary": summary, "rounds": rounds}
     print(f"{'':10} {'frames/s':>9} {'chunk period ms':>16} {'rollout ms':>11} {'decode ms':>10} "
           f"{'key to frame ms':>16}")
@@ -357,8 +349,7 @@ def _rounds(args, argv, loop, port, announced, events, decode_ms, cuda, world, t
         print(f"{side:10} {s['fps']:9.2f} {s['period_ms']:16.1f} {s['rollout_ms']:11.1f} {s['decode_ms']:10.1f} "
               f"{s.get('key_to_frame_ms', float('nan')):16.1f}")
     name = "play_bench" + ("_window" if args.cache == "window" else "") + ("_taehv" if args.decoder == "taehv" else "") \
-        + ("_serial" if args.serial else "") + ("_normal" if args.priority == "normal" and not args.serial else "") \
-        + ("_smoke" if args.smoke else "")
+        + ("_serial" if args.serial else "") + ("_smoke" if args.smoke else "")
     print("wrote", write_json(args.out, name + ".json", result))
     return result
 

@@ -13,9 +13,6 @@ from ..fastar.replay import CAPTURE_LOCK
 PIPELINED = True
 """Chunk k decoded, encoded, sent or written while chunk k + 1 samples; False: one after the other, the
 loop the benchmarks compare against."""
-PRIORITY = -1
-"""The worker's CUDA stream's priority (below 0: its kernels go first where both streams wait for the GPU),
-so a chunk's frames come out while the next chunk samples rather than after it."""
 
 
 class Handoff:
@@ -34,7 +31,7 @@ class Handoff:
         self.work, self.error, self.cancel, self.failed = work, None, None, False
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         cuda = threaded and device is not None and torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(torch.device(device), priority=PRIORITY) if cuda else None
+        self.stream = torch.cuda.Stream(torch.device(device)) if cuda else None
         self.inference = torch.is_inference_mode_enabled()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True) if threaded else None
         if self.thread is not None:
