@@ -26,6 +26,8 @@ from contextlib import nullcontext
 
 import torch
 
+from .replay import CAPTURE_LOCK
+
 BLOCKS = 4  # key blocks of a frame's summary (and of a frame's queries)
 ARCHIVE_BYTES = 16 << 30  # host bytes the archive may hold, and at most ARCHIVE_FRAMES frames (their summaries
 ARCHIVE_FRAMES = 1024     # are on the device); past either the oldest frames are thinned
@@ -208,7 +210,8 @@ class Recall:
 
 
 class _Worker:
-    """One job at a time in a thread (on CUDA, on its own stream), ``join`` waiting for the last."""
+    """One job at a time in a thread (on CUDA, on its own stream, never while the sampling captures a CUDA
+    graph: its copies allocate), ``join`` waiting for the last."""
 
     def __init__(self, device: torch.device):
         self.error, self.queue = None, queue.Queue()
@@ -226,9 +229,10 @@ class _Worker:
                 try:
                     if job is None:
                         return
-                    job()
-                    if self.stream is not None:  # what it copied is on the device before the next commit reads it
-                        self.stream.synchronize()
+                    with CAPTURE_LOCK:
+                        job()
+                        if self.stream is not None:  # on the device before the next commit reads it
+                            self.stream.synchronize()
                 except BaseException as exc:  # the caller re-raises it at its next join
                     self.error = exc
                 finally:
