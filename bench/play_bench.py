@@ -227,7 +227,8 @@ def main(argv=None):
     harness.import_comfy(args.comfyui, cpu=not cuda)
     from aiohttp import web
 
-    from comfyui_fastar.nodes import handoff, play_nodes, play_routes
+    from comfyui_fastar.fastar import handoff
+    from comfyui_fastar.nodes import play_nodes, play_routes
 
     loop = asyncio.new_event_loop()
     announced = []
@@ -251,7 +252,7 @@ def main(argv=None):
 def _measure(args, argv, loop, server, announced, events, decode_ms, cuda):
     from aiohttp import web
 
-    from comfyui_fastar.nodes import handoff
+    from comfyui_fastar.fastar import handoff
 
     asyncio.set_event_loop(loop)
     app = web.Application()

@@ -7,7 +7,7 @@ frames, 4 steps) with a FAST-AR Video Stream on its ``stream`` input, ``keep_lat
 ComfyUI's executor calls nodes (inside ``torch.inference_mode``). The stream decodes with a Wan 2.1 VAE at
 its real widths (random weights, Load VAE's class) or a TAEHV-family decoder at taew2_1's layout (random
 weights, float16 as released, loaded by FAST-AR Load Fast Decoder: a ComfyUI with TAEHV). ``serial``: each
-chunk decoded and written before the next samples; ``pipelined``: while it samples (``nodes.handoff``).
+chunk decoded and written before the next samples; ``pipelined``: while it samples (``fastar.handoff``).
 
 Per run: the node's wall time from its call to its return (the file closed), the frames in the file and so
 frames a second, and the sampler's own ms a chunk (its ``fastar.cache`` events; the first two chunks, which
@@ -97,7 +97,7 @@ def main(argv=None):
     import comfy.cmd.folder_paths as folder_paths
     import comfy.model_management
 
-    from comfyui_fastar.nodes import handoff
+    from comfyui_fastar.fastar import handoff
 
     work = tempfile.mkdtemp(prefix="fastar_stream_bench_")
     if args.smoke:

@@ -19,14 +19,11 @@ at a moment ago), among the frames older than the budget then, and the host's co
 """
 from __future__ import annotations
 
-import queue
-import threading
 import weakref
-from contextlib import nullcontext
 
 import torch
 
-from .replay import CAPTURE_LOCK
+from .handoff import Handoff
 
 BLOCKS = 4  # key blocks of a frame's summary (and of a frame's queries)
 ARCHIVE_BYTES = 16 << 30  # host bytes the archive may hold, and at most ARCHIVE_FRAMES frames (their summaries
@@ -72,8 +69,10 @@ class Recall:
                                      device=device)
         self.held = torch.full((num_layers, batch, frames), -1)  # the archived frame in each recall slot (-1: none)
         self._planned = self.held.clone()                        # what the worker's copy holds
-        self._worker = _Worker(self.device)
-        weakref.finalize(self, self._worker.close)
+        # one job a commit, in a thread on its own stream after the commit's work (never while a CUDA graph
+        # captures: its copies allocate), done before the next commit
+        self._worker = Handoff(lambda job: job(), self.device, threaded=True, name="fastar-recall")
+        weakref.finalize(self, self._worker.close, False)
         self.archived_total = 0
 
     @property
@@ -113,7 +112,7 @@ class Recall:
         """After a chunk's clean pass: the recall rows ``rows`` of k, v [L, B, rows, H, D] (``bias`` [L, B, H,
         rows]: 0 filled, -inf empty) take what the worker built since the last commit; the chunk's rows ``new``
         go to the archive, and the frames the recall rows hold two commits on are chosen."""
-        self._worker.join()
+        self._worker.drain()
         self.held.copy_(self._planned)
         k[:, :, rows].copy_(self._next[0])
         v[:, :, rows].copy_(self._next[1])
@@ -134,10 +133,7 @@ class Recall:
         # the next commit's rows attend from the commit after it on: the frames older than the budget then
         limit = self.archived_total + self.chunk_frames - self.history_frames
         chosen = self._choose(limit)
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        if ready is not None:
-            ready.record()
-        self._worker.submit(lambda: self._archive_and_plan(first, n, dropped, chosen, ready))
+        self._worker.put(lambda: self._archive_and_plan(first, n, dropped, chosen))
 
     def _thin(self) -> list[int]:
         """Past the archive's capacity, the frame whose neighbours lie closest for its age goes (the oldest
@@ -171,10 +167,10 @@ class Recall:
         host = torch.empty(chosen.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return host.copy_(chosen, non_blocking=True)
 
-    def _archive_and_plan(self, first: int, n: int, dropped: list[int], chosen: torch.Tensor, ready) -> None:
+    def _archive_and_plan(self, first: int, n: int, dropped: list[int], chosen: torch.Tensor) -> None:
         """The worker's part of a commit: the chunk's rows into host memory, then the next recall rows."""
-        if ready is not None:
-            ready.synchronize()
+        if self.device.type == "cuda":  # the worker's stream waits for the commit: so does the host (``chosen``)
+            torch.cuda.current_stream(self.device).synchronize()
         t = self.tokens_per_frame
         for f in dropped:
             self._host.pop(f, None)
@@ -208,45 +204,3 @@ class Recall:
         """Frames held in recall rows, averaged over layers and batch rows."""
         return round((self.held >= 0).float().sum(-1).mean().item())
 
-
-class _Worker:
-    """One job at a time in a thread (on CUDA, on its own stream, never while the sampling captures a CUDA
-    graph: its copies allocate), ``join`` waiting for the last."""
-
-    def __init__(self, device: torch.device):
-        self.error, self.queue = None, queue.Queue()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.thread = threading.Thread(target=self._loop, name="fastar-recall", daemon=True)
-        self.thread.start()
-
-    def submit(self, job) -> None:
-        self.queue.put(job)
-
-    def _loop(self) -> None:
-        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            while True:
-                job = self.queue.get()
-                try:
-                    if job is None:
-                        return
-                    with CAPTURE_LOCK:
-                        job()
-                        if self.stream is not None:  # on the device before the next commit reads it
-                            self.stream.synchronize()
-                except BaseException as exc:  # the caller re-raises it at its next join
-                    self.error = exc
-                finally:
-                    self.queue.task_done()
-
-    def join(self) -> None:
-        self.queue.join()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-    def close(self) -> None:
-        """The last job done, then the thread ends (waited for, unless this is it: a job may hold the last
-        reference to its archive), so none is at work while Python shuts down."""
-        self.queue.put(None)
-        if threading.current_thread() is not self.thread:
-            self.thread.join()

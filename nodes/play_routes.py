@@ -25,7 +25,7 @@ import torch
 
 from ..fastar import FastARError
 from ..fastar.play import Session
-from .handoff import Handoff
+from ..fastar.handoff import Handoff
 
 NODE = "FAST-AR World Play"
 PAGE = Path(__file__).resolve().parent.parent / "web" / "fastar_play.html"
@@ -152,10 +152,11 @@ class Shown:
             return
         first, end = self.player.chunk_rows(message["chunk"])
         self.link.send(json.dumps({**message, "frames": [first, end - first]}))
-        made = []
+        made, i = [], first
         for frames in self.player.decode(latent):  # each frame sent as it is decoded
-            for i, f in enumerate(_uint8(frames), first + sum(len(m) for m in made)):
+            for f in _uint8(frames):
                 self.link.send(struct.pack(">I", i) + _jpeg(f))
+                i += 1
             made.append(frames)
         self.frames.append(torch.cat(made))
 

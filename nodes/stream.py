@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import video
-from .handoff import Handoff
+from ..fastar.handoff import Handoff
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 import comfy.model_management
 
 from ..fastar import FastARError
-from .handoff import finish
+from ..fastar.handoff import finish
 from .progress import comfy_module
 
 NODE = "FAST-AR Save Video"

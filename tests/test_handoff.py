@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from comfyui_fastar.nodes.handoff import Handoff
+from comfyui_fastar.fastar.handoff import Handoff
 
 
 def test_items_are_done_in_order_on_a_worker_while_the_caller_goes_on():
@@ -79,7 +79,7 @@ def test_a_cancel_taken_inside_finish_finishes_every_item_and_reaches_the_caller
     the step run again, every item handed over is done as without the cancel, and the cancel is raised to
     the caller once (at a ``put``, after its item is handed over, or at ``close``). Off the worker the same
     cancel stops the step."""
-    from comfyui_fastar.nodes.handoff import finish
+    from comfyui_fastar.fastar.handoff import finish
 
     class Decoder:  # a running sum: its memory is what a redone step must not count twice
         def __init__(self, cancel_at):

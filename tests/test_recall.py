@@ -86,9 +86,33 @@ def test_a_full_archive_thins_its_oldest_frames():
     keys = torch.randn(1, 1, 40 * 4, 1, 4)
     for _ in _committed(tier, keys, torch.randn(1, 1, 4, 1, 4), layers=1):
         assert tier.archived <= 8
-        tier._worker.join()  # the host's copies, made beside the next chunk
+        tier._worker.drain()  # the host's copies, made beside the next chunk
         assert len(tier._host) <= 8
     assert sorted(tier._host) == [0, 16, 24, 32, 36, 37, 38, 39]
+
+
+def test_a_dropped_tier_ends_its_worker_and_frees_its_archive():
+    """The worker holds no job once done, so a tier nobody holds is freed and its thread ends (a rollout's
+    cache rebuilt for each run would otherwise keep every old archive)."""
+    import gc
+    import threading
+    import weakref
+
+    before = sum(t.name == "fastar-recall" for t in threading.enumerate())
+    tier = Recall(1, num_layers=1, batch=1, num_heads=1, head_dim=4, tokens_per_frame=4, chunk_frames=1,
+                  history_frames=1, device="cpu", dtype=torch.float32)
+    for _ in _committed(tier, torch.randn(1, 1, 5 * 4, 1, 4), torch.randn(1, 1, 4, 1, 4), layers=1):
+        pass
+    tier._worker.drain()
+    gone = weakref.ref(tier)
+    del tier, _
+    gc.collect()
+    for _ in range(100):
+        if gone() is None and sum(t.name == "fastar-recall" for t in threading.enumerate()) == before:
+            break
+        threading.Event().wait(0.02)
+    assert gone() is None
+    assert sum(t.name == "fastar-recall" for t in threading.enumerate()) == before
 
 
 def test_a_memory_tier_is_a_setting_checked_with_the_rest():

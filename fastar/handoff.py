@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from ..fastar.replay import CAPTURE_LOCK
+from .replay import CAPTURE_LOCK
 
 PIPELINED = True
 """Chunk k decoded, encoded, sent or written while chunk k + 1 samples; False: one after the other, the
@@ -65,6 +65,7 @@ class Handoff:
                 except BaseException as exc:  # the caller re-raises it
                     self.failed, self.error = True, exc
                 finally:
+                    got = None  # nothing handed over outlives its work here
                     self.queue.task_done()
 
     def _run(self, item, event) -> None:
@@ -96,7 +97,8 @@ class Handoff:
         dropped, as when the caller already has one of its own)."""
         if self.thread is not None and self.thread.is_alive():
             self.queue.put(None)
-            self.thread.join()
+            if threading.current_thread() is not self.thread:  # a finalizer its work set off ends it there
+                self.thread.join()
         if raising:
             self._raise(cancel=True)
 
