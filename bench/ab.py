@@ -11,7 +11,8 @@ chunks timed by its chunk reports; a rollout's time is the median of its last ``
 cache is full and repeating chunks replay from their CUDA graph. Settings: ``fastar``, the FAST-AR defaults
 (``TempCacheConfig()`` with ``AnnConfig()``), ``window``, the dense sink 3 + window 12 cache, and
 ``tempcache`` / ``tempcache12`` / ``tempcache15``, TempCache alone at its default budget and at 12 / 15 frames,
-``fastar12``, TempCache 12 with AnnSA, and ``tempcache21`` / ``fastar21``, the same at 21 frames. Printed per
+``fastar12``, TempCache 12 with AnnSA, ``tempcache21`` / ``fastar21``, the same at 21 frames, and
+``tempcache12recall6``, TempCache 12 with 6 frames of its memory tier (``fastar.recall``). Printed per
 setting: A ms and B ms (medians over rounds), B/A (the median of each round's ratio: a drift of the clock
 cancels within a round) and how far B's latents lie from A's (relative, last round). Writes ab.json.
 
@@ -48,6 +49,7 @@ SETTINGS = {
     "fastar12": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12), "ann": f.AnnConfig()},
     "tempcache21": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=21), "ann": None},
     "fastar21": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=21), "ann": f.AnnConfig()},
+    "tempcache12recall6": lambda f: {"cache": f.TempCacheConfig(max_cache_frames=12, recall_frames=6), "ann": None},
 }
 
 
@@ -110,8 +112,10 @@ def resolve(spec: str | None) -> tuple[str, str]:
 
 
 def held_frames(cache) -> int:
-    """Frames the cache holds once full: TempCache's budget, or the window's sink + window."""
-    return cache.max_cache_frames if hasattr(cache, "max_cache_frames") else cache.sink_frames + cache.window_frames
+    """Frames the cache holds once full: TempCache's budget and recall rows, or the window's sink + window."""
+    if hasattr(cache, "max_cache_frames"):
+        return cache.max_cache_frames + getattr(cache, "recall_frames", 0)
+    return cache.sink_frames + cache.window_frames
 
 
 def rollout(package, model, context, setting, chunks, hw):

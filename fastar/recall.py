@@ -168,20 +168,29 @@ class Recall:
         return host.copy_(chosen, non_blocking=True)
 
     def _archive_and_plan(self, first: int, n: int, dropped: list[int], chosen: torch.Tensor) -> None:
-        """The worker's part of a commit: the chunk's rows into host memory, then the next recall rows."""
-        if self.device.type == "cuda":  # the worker's stream waits for the commit: so does the host (``chosen``)
+        """The worker's part of a commit: the chunk's rows into host memory, then the next recall rows. Both
+        ways the copies go through pinned memory from torch's host cache (pinned once, then reused): a copy
+        from pageable memory runs at a fraction of the copy engine's rate."""
+        cuda = self.device.type == "cuda"
+        if cuda:  # the worker's stream waits for the commit: so does the host (``chosen``)
             torch.cuda.current_stream(self.device).synchronize()
         t = self.tokens_per_frame
         for f in dropped:
             self._host.pop(f, None)
-        for i in range(n):
-            self._host[first + i] = self._staged[:, :, :, i * t:(i + 1) * t].to("cpu", copy=True)
+        if n:
+            rows = self._staged[:, :, :, :n * t]
+            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=cuda).copy_(rows, non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            for i in range(n):  # the archive itself pageable: the host's pinned memory stays one chunk's
+                frame = pinned[:, :, :, i * t:(i + 1) * t]
+                self._host[first + i] = torch.empty(frame.shape, dtype=frame.dtype).copy_(frame)
         self._plan(chosen)
 
     def _plan(self, chosen: torch.Tensor) -> None:
         """Each layer's chosen frames into its slots of the next recall rows; a frame chosen again stays in its
         slot, a frame no longer archived is not recalled."""
-        t = self.tokens_per_frame
+        t, uploads = self.tokens_per_frame, []
         for layer in range(self.shape[0]):
             for b in range(self.shape[1]):
                 want = [f for f in chosen[layer, b].tolist() if f >= 0 and f in self._host]
@@ -196,9 +205,17 @@ class Recall:
                         continue
                     span = slice(j * t, (j + 1) * t)
                     if f >= 0:
-                        self._next[:, layer, b, span].copy_(self._host[f][:, layer, b])
+                        uploads.append((layer, b, span, f))
                     self._next_bias[layer, b, :, span] = 0.0 if f >= 0 else float("-inf")
                     self._planned[layer, b, j] = f
+        if uploads:  # gathered into one pinned buffer, uploaded at once, placed on the device
+            cuda = self.device.type == "cuda"
+            pinned = torch.empty(len(uploads), 2, t, *self.shape[2:], dtype=self.dtype, pin_memory=cuda)
+            for i, (layer, b, _, f) in enumerate(uploads):
+                pinned[i].copy_(self._host[f][:, layer, b])
+            frames = pinned.to(self.device, non_blocking=cuda)
+            for i, (layer, b, span, _) in enumerate(uploads):
+                self._next[:, layer, b, span].copy_(frames[i])
 
     def recalled(self) -> int:
         """Frames held in recall rows, averaged over layers and batch rows."""
