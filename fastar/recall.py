@@ -59,6 +59,7 @@ class Recall:
         self._slots: dict[int, int] = {}  # archived frame -> its summary slot (the host's view, in order)
         self._free = list(range(slots))
         self._host: dict[int, torch.Tensor] = {}  # archived frame -> its K/V [2, L, B, T, H, D] (the worker's)
+        self._spare: list[torch.Tensor] = []      # the host memory of frames thinned out, for the next ones
         # the chunk's rows copied aside for the worker ([2, L, B, chunk * T, H, D]) and the recall rows the
         # worker builds for the next commit, with their bias
         self._staged = torch.empty(2, num_layers, batch, chunk_frames * tokens_per_frame, num_heads, head_dim,
@@ -175,8 +176,9 @@ class Recall:
         if cuda:  # the worker's stream waits for the commit: so does the host (``chosen``)
             torch.cuda.current_stream(self.device).synchronize()
         t = self.tokens_per_frame
-        for f in dropped:
-            self._host.pop(f, None)
+        for f in dropped:  # its memory kept for a later frame: a fresh allocation faults in every page
+            if f in self._host:
+                self._spare.append(self._host.pop(f))
         if n:
             rows = self._staged[:, :, :, :n * t]
             pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=cuda).copy_(rows, non_blocking=cuda)
@@ -184,7 +186,8 @@ class Recall:
                 torch.cuda.current_stream(self.device).synchronize()
             for i in range(n):  # the archive itself pageable: the host's pinned memory stays one chunk's
                 frame = pinned[:, :, :, i * t:(i + 1) * t]
-                self._host[first + i] = torch.empty(frame.shape, dtype=frame.dtype).copy_(frame)
+                host = self._spare.pop() if self._spare else torch.empty(frame.shape, dtype=frame.dtype)
+                self._host[first + i] = host.copy_(frame)
         self._plan(chosen)
 
     def _plan(self, chosen: torch.Tensor) -> None:

@@ -83,12 +83,16 @@ def test_a_full_archive_thins_its_oldest_frames():
     tier = Recall(1, num_layers=1, batch=1, num_heads=1, head_dim=4, tokens_per_frame=4, chunk_frames=1,
                   history_frames=1, device="cpu", dtype=torch.float32, archive_bytes=8 * 2 * 4 * 4 * 4)
     assert tier.capacity == 8 and tier.bytes_per_frame == 2 * 4 * 4 * 4
-    keys = torch.randn(1, 1, 40 * 4, 1, 4)
+    keys, held = torch.randn(1, 1, 40 * 4, 1, 4), {}
     for _ in _committed(tier, keys, torch.randn(1, 1, 4, 1, 4), layers=1):
         assert tier.archived <= 8
         tier._worker.drain()  # the host's copies, made beside the next chunk
         assert len(tier._host) <= 8
+        held.update({id(t): t for t in tier._host.values()})
     assert sorted(tier._host) == [0, 16, 24, 32, 36, 37, 38, 39]
+    assert len(held) <= 9  # a thinned frame's host memory holds a later one: none allocated once full
+    for f, t in tier._host.items():
+        assert torch.equal(t[0, 0, 0], keys[0, 0, f * 4:(f + 1) * 4])
 
 
 def test_a_dropped_tier_ends_its_worker_and_frees_its_archive():
