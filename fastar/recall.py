@@ -192,7 +192,8 @@ class Recall:
 
     def _plan(self, chosen: torch.Tensor) -> None:
         """Each layer's chosen frames into its slots of the next recall rows; a frame chosen again stays in its
-        slot, a frame no longer archived is not recalled."""
+        slot, and a slot keeps its frame until another takes it (so rows once filled stay filled: the cache
+        reads them as one dense span)."""
         t, uploads = self.tokens_per_frame, []
         for layer in range(self.shape[0]):
             for b in range(self.shape[1]):
@@ -203,7 +204,7 @@ class Recall:
                 for j in range(self.frames):
                     if have[j] in kept:
                         continue
-                    f = new.pop(0) if new else -1
+                    f = new.pop(0) if new else have[j]
                     if f == have[j]:
                         continue
                     span = slice(j * t, (j + 1) * t)
@@ -219,6 +220,11 @@ class Recall:
             frames = pinned.to(self.device, non_blocking=cuda)
             for i, (layer, b, span, _) in enumerate(uploads):
                 self._next[:, layer, b, span].copy_(frames[i])
+
+    @property
+    def full(self) -> bool:
+        """Whether every recall row holds a frame (for the next chunk: read on the host, no sync)."""
+        return bool((self.held >= 0).all())
 
     def recalled(self) -> int:
         """Frames held in recall rows, averaged over layers and batch rows."""

@@ -59,9 +59,10 @@ def _top1_fp8(x: torch.Tensor, keys: torch.Tensor, canon: torch.Tensor | None, h
 
 
 class TempCache(KVCache):
-    """Rows ``[sink | open chunk | history slots | recall | dump]``: the open chunk sits right after the
+    """Rows ``[sink | open chunk | recall | history slots | dump]``: the open chunk sits right after the
     sink, so the keys every query reads dense and unbiased are one span (``Layout.fixed``: one
-    cuDNN call); ``recall_frames`` frame rows of the memory tier (``fastar.recall``) follow the history.
+    cuDNN call); ``recall_frames`` frame rows of the memory tier (``fastar.recall``) follow it, in that
+    span once all are filled.
     The history's key bias is log m (-inf on empty slots); per layer, batch and head, every history slot
     has its group size ``_count`` (0 = empty), the frame of its newest member ``_newest`` and that
     member's position in its write ``_token``; ``_canon[l, b, h, i]``
@@ -78,8 +79,10 @@ class TempCache(KVCache):
         check_settings(config, None, chunk_frames)
         super().__init__(config, capacity_frames=config.max_cache_frames + chunk_frames + config.recall_frames,
                          spare_tokens=1, **geometry)
-        self.history = self._rows(config.sink_frames + chunk_frames, config.history_frames)
-        self.recall_rows = self._rows(config.max_cache_frames + chunk_frames, config.recall_frames)
+        # the recall rows before the history: once every one is filled they are read dense and unbiased
+        # beside the sink and the open chunk (``Layout.fixed``: cuDNN's rate, not the biased kernel's)
+        self.recall_rows = self._rows(config.sink_frames + chunk_frames, config.recall_frames)
+        self.history = self._rows(config.sink_frames + chunk_frames + config.recall_frames, config.history_frames)
         self.recall = (Recall(config.recall_frames, num_layers=self.num_layers, batch=self.batch,
                               num_heads=self.num_heads, head_dim=self.head_dim, tokens_per_frame=tpf,
                               chunk_frames=chunk_frames, history_frames=config.history_frames, device=self.device,
@@ -102,8 +105,8 @@ class TempCache(KVCache):
         # forwards may be replayed from a CUDA graph, which reads it)
         self._new_frames_buf = torch.empty(chunk_frames * tpf, dtype=torch.long, device=device)
         self.log_count_bias[..., self._rows(0, config.sink_frames)] = float("-inf")  # empty
-        self.log_count_bias[..., self.history.start:self.recall_rows.stop] = float("-inf")
-        self._fold_bias(slice(None), slice(0, self.recall_rows.stop))
+        self.log_count_bias[..., self.recall_rows.start:self.history.stop] = float("-inf")
+        self._fold_bias(slice(None), slice(0, self.history.stop))
 
     def _fold_bias(self, layers, rows: slice) -> None:
         """Tell the backend that log m of ``rows`` in ``layers`` changed. Every row outside the layout's
@@ -126,8 +129,11 @@ class TempCache(KVCache):
         self._new_frames = self._new_frames_buf[:n]
         self._new_frames.copy_(torch.arange(first_new, self.frames_cached + frames, device=self.device)
                                .repeat_interleave(tpf, output_size=n))
-        fixed = slice(0, chunk.stop) if self.frames_held >= sink else None
-        end = self.recall_rows.stop  # the history's, without a memory tier
+        # a whole chunk and recall rows all filled (they stay filled): one unbiased span through them
+        dense = self.recall_rows.stop if frames == self.chunk_frames and self.recall is not None and \
+            self.recall.full else chunk.stop
+        fixed = slice(0, dense) if self.frames_held >= sink else None
+        end = self.history.stop
         return Layout(chunk=chunk, attended=end, sink=sink * tpf, history=self.history, fixed=fixed,
                       bias=(fixed.stop if fixed is not None else 0, end), resort=self.history)
 
