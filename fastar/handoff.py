@@ -1,6 +1,7 @@
-"""A chunk's frames made while the next chunk samples: decoding, encoding, sending or writing a finished
-chunk runs in a worker thread (on CUDA, on its own stream), handed over through a queue of one, so a
-worker slower than sampling slows sampling rather than growing memory."""
+"""Work on a finished chunk done while the next chunk samples: decoding, encoding, sending or writing its
+frames (the nodes), or moving its K/V to the memory tier's host archive (``fastar.recall``), runs in a
+worker thread (on CUDA, on its own stream), handed over through a queue of one, so a worker slower than
+sampling slows sampling rather than growing memory."""
 from __future__ import annotations
 
 import queue
